@@ -1,0 +1,22 @@
+"""mindspeed-laga: Latent All-Gather Attention for MLA under context parallelism."""
+from .api import FORMS, absorbed_attention, explicit_attention, laga_attention
+from .comm import CommCounter, count_bytes
+from .reference import mla_attention_reference
+
+__version__ = "0.1.0"
+
+__all__ = ["laga_attention", "explicit_attention", "absorbed_attention", "FORMS",
+           "count_bytes", "CommCounter", "mla_attention_reference",
+           "patch_megatron_mla", "unpatch_megatron_mla"]
+
+
+def patch_megatron_mla(**kwargs):
+    """Route megatron-core's MLASelfAttention through LAGA (see megatron_patch)."""
+    from .megatron_patch import patch_megatron_mla as _patch
+    return _patch(**kwargs)
+
+
+def unpatch_megatron_mla():
+    """Restore megatron-core's original MLASelfAttention.forward."""
+    from .megatron_patch import unpatch_megatron_mla as _unpatch
+    return _unpatch()

@@ -1,0 +1,211 @@
+"""Collectives over the context-parallel group, with exact autograd and a byte counter.
+
+Only the tensor collectives that HCCL and NCCL implement (and gloo runs on CPU)
+are used: ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and
+``all_to_all_single``, always with equal per-rank sizes.
+
+Every collective is reported to the open :class:`CommCounter` objects with two
+exact sizes, both read off the tensors handed to the collective:
+
+- ``payload``: this rank's sequence-sharded tensor (the all-gather input, the
+  reduce-scatter output, the all-to-all input). ``payload * (P-1)/P`` is the
+  convention of DESIGN.md section 2 and of the paper.
+- ``wire``: the bytes this rank sends to other ranks under the standard
+  algorithms (ring all-gather / reduce-scatter: ``(P-1) * shard``; all-to-all:
+  ``(P-1)/P`` of the input). This is what a link actually carries.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+DATA_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass
+class CommRecord:
+    kind: str
+    direction: str  # "forward" or "backward"
+    payload: int
+    wire: int
+    group_size: int
+    tag: str = ""
+
+
+@dataclass
+class CommCounter:
+    """Exact per-collective byte counts; open it with :func:`count_bytes`."""
+
+    records: List[CommRecord] = field(default_factory=list)
+
+    def bytes(self, kind: Optional[str] = None, direction: Optional[str] = None,
+              measure: str = "payload") -> int:
+        """Total bytes of ``measure`` ("payload" or "wire") over matching records.
+
+        ``kind=None`` sums the data collectives only (not the small rank
+        handshake, kind "handshake").
+        """
+        if measure not in ("payload", "wire"):
+            raise ValueError(f"measure must be 'payload' or 'wire', got {measure!r}")
+        kinds = DATA_KINDS if kind is None else (kind,)
+        return sum(getattr(r, measure) for r in self.records
+                   if r.kind in kinds and (direction is None or r.direction == direction))
+
+    def design_bytes(self, direction: Optional[str] = None) -> float:
+        """DESIGN.md section 2 convention: payload * (P-1)/P, summed."""
+        return sum(r.payload * (r.group_size - 1) / r.group_size for r in self.records
+                   if r.kind in DATA_KINDS and (direction is None or r.direction == direction))
+
+    def summary(self) -> Dict[str, Dict[str, Dict[str, int]]]:
+        """{direction: {kind: {"payload": bytes, "wire": bytes, "calls": n}}}."""
+        out: Dict[str, Dict[str, Dict[str, int]]] = defaultdict(
+            lambda: defaultdict(lambda: {"payload": 0, "wire": 0, "calls": 0}))
+        for r in self.records:
+            slot = out[r.direction][r.kind]
+            slot["payload"] += r.payload
+            slot["wire"] += r.wire
+            slot["calls"] += 1
+        return {d: dict(k) for d, k in out.items()}
+
+
+_OPEN_COUNTERS: List[CommCounter] = []
+
+
+@contextlib.contextmanager
+def count_bytes():
+    """``with count_bytes() as c: ...`` records every collective issued inside."""
+    counter = CommCounter()
+    _OPEN_COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _OPEN_COUNTERS.remove(counter)
+
+
+def _record(kind: str, direction: str, payload: int, wire: int, size: int, tag: str = ""):
+    for counter in _OPEN_COUNTERS:
+        counter.records.append(CommRecord(kind, direction, payload, wire, size, tag))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# torch >= 2.13 renames the tensor collectives; 2.7.1 (the Ascend stack) has only
+# the old names. Prefer the new ones when present so no deprecation warning fires.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---------------------------------------------------------------- raw collectives
+
+def all_gather_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_op: bool = False):
+    """Concatenate every rank's ``x`` along dim 0, in rank order."""
+    size = group_size(group)
+    x = x.contiguous()
+    out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("all_gather", direction, _nbytes(x), (size - 1) * _nbytes(x), size, tag)
+    work = _all_gather_tensor(out, x, group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def reduce_scatter_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_op: bool = False):
+    """Sum ``x`` over ranks and keep this rank's dim-0 shard."""
+    size = group_size(group)
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("reduce_scatter", direction, _nbytes(out), (size - 1) * _nbytes(out), size, tag)
+    work = _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def all_to_all_raw(x: torch.Tensor, group, direction: str, tag: str = "") -> torch.Tensor:
+    """Dim 0 of ``x`` is split in P equal parts; part j goes to rank j."""
+    size = group_size(group)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _record("all_to_all", direction, _nbytes(x), _nbytes(x) * (size - 1) // size, size, tag)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def handshake(values: List[int], group, device) -> List[List[int]]:
+    """All-gather a few integers per rank (argument checks before data moves)."""
+    size = group_size(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = torch.empty(size * len(values), dtype=torch.int64, device=device)
+    _record("handshake", "forward", _nbytes(mine), (size - 1) * _nbytes(mine), size)
+    _all_gather_tensor(out, mine, group=group)
+    return out.view(size, len(values)).tolist()
+
+
+# ---------------------------------------------------------------- autograd wrappers
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 forward; reduce-scatter the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return all_gather_raw(x, group, "forward", tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_raw(grad, ctx.group, "backward", ctx.tag), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single forward; the same exchange of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return all_to_all_raw(x, group, "forward", tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_raw(grad, ctx.group, "backward", ctx.tag), None, None
+
+
+def gather_seq(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+    """[s, ...] on each rank -> [P*s, ...] in rank order; grads reduce-scattered."""
+    if group_size(group) == 1:
+        return x
+    return _GatherSeq.apply(x, group, tag)
+
+
+def seq_to_heads(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+    """Ulysses: [s, b, n, d] sequence-split -> [P*s, b, n/P, d] head-split (rank order)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    s, b, n, d = x.shape
+    # dim 0 of the send buffer must be the destination rank: its head group.
+    send = x.reshape(s, b, size, n // size, d).permute(2, 0, 1, 3, 4)
+    recv = _AllToAll.apply(send, group, tag)  # [P(source rank), s, b, n/P, d]
+    return recv.reshape(size * s, b, n // size, d)
+
+
+def heads_to_seq(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+    """Ulysses: [P*s, b, n/P, d] head-split (rank order) -> [s, b, n, d] sequence-split."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    total, b, h, d = x.shape
+    s = total // size
+    send = x.reshape(size, s, b, h, d)  # dim 0: the rank that owns those tokens
+    recv = _AllToAll.apply(send, group, tag)  # [P(source rank = head group), s, b, h, d]
+    return recv.permute(1, 2, 0, 3, 4).reshape(s, b, size * h, d)

@@ -1,0 +1,41 @@
+"""Absorbed (latent-space) MLA under CP, ported to training as the paper did.
+
+W_UK is folded into the query (``q_abs = [q_nope . W_UK, q_pe]``, n x (d_c+d_r)
+per token), the latent ``[kv_latent, k_pos_emb]`` is all-gathered, attention
+runs in latent space with one key/value head shared by every query head
+(key = the 576-wide latent, value = its 512-wide kv part), and W_UV is applied
+to the latent-space output. Nothing is done to hide its cost: ``q_abs`` and
+the latent-space output (n x d_c per token) are real activations kept for
+backward, which is the memory trap this form exists to measure.
+
+ulysses: q_abs is all-to-all'd to head-split (as in the paper), the latent is
+all-gathered, W_UV is applied on the head-split side and O all-to-all'd back.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..kernels import attend
+from ..validate import AttnSetup
+from .common import all_heads, flatten_heads, from_bnsd, gather_latent, query_segments, split_up_weight, to_bnsd
+
+
+def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup):
+    d = setup.dims
+    full = setup.cp_algo == "allgather" or setup.cp_size == 1
+    w_uk, _ = split_up_weight(kv_up_weight, all_heads(setup))
+    q_nope, q_pe = torch.split(query, [d.qk_head_dim, d.rope_dim], dim=-1)
+    q_abs = torch.cat([torch.einsum("sbnd,ndc->sbnc", q_nope, w_uk), q_pe], dim=-1)
+    if not full:
+        q_abs = comm.seq_to_heads(q_abs, setup.cp_group, "query")
+    kv_all, k_pe_all = gather_latent(kv_latent, k_pos_emb, setup)
+    key = torch.cat([kv_all, k_pe_all], dim=-1).unsqueeze(2)  # [S, b, 1, d_c+d_r]
+    value = kv_all.unsqueeze(2)                                 # [S, b, 1, d_c]
+    o_latent = attend(to_bnsd(q_abs), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
+                      segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel)
+    _, w_uv = split_up_weight(kv_up_weight, setup)  # this rank's heads
+    out = torch.einsum("bnsc,nvc->sbnv", o_latent, w_uv)
+    if not full:
+        out = comm.heads_to_seq(out, setup.cp_group, "output")
+    return flatten_heads(out)

@@ -1,0 +1,108 @@
+"""Pieces the three forms share: up-projection, key assembly, layouts, ordering."""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm, layout as layouts
+from ..layout import Segment
+from ..validate import AttnSetup
+
+
+def all_heads(setup: AttnSetup) -> AttnSetup:
+    """The same setup seen from a rank that keeps every head (before a ulysses all-to-all)."""
+    return replace(setup, cp_algo="allgather")
+
+
+def head_slice(setup: AttnSetup) -> Tuple[int, int]:
+    """Heads this rank attends: all of them (allgather) or its n/P block (ulysses)."""
+    n = setup.dims.heads
+    if setup.cp_algo == "allgather" or setup.cp_size == 1:
+        return 0, n
+    h = n // setup.cp_size
+    return setup.cp_rank * h, h
+
+
+def up_weight_rows(kv_up_weight: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
+    """Rows of linear_kv_up_proj.weight for this rank's heads (a view)."""
+    first, count = head_slice(setup)
+    if count == setup.dims.heads:
+        return kv_up_weight
+    per_head = setup.dims.qk_head_dim + setup.dims.v_head_dim
+    return kv_up_weight[first * per_head:(first + count) * per_head]
+
+
+def split_up_weight(kv_up_weight: torch.Tensor, setup: AttnSetup):
+    """W_UK [n, d_n, d_c] and W_UV [n, d_v, d_c] for this rank's heads (views)."""
+    d = setup.dims
+    rows = up_weight_rows(kv_up_weight, setup)
+    w = rows.view(-1, d.qk_head_dim + d.v_head_dim, d.kv_lora_rank)
+    return w[:, :d.qk_head_dim], w[:, d.qk_head_dim:]
+
+
+def up_project(kv_latent: torch.Tensor, kv_up_weight: torch.Tensor, setup: AttnSetup):
+    """[S, b, d_c] -> k_nope [S, b, h, d_n], value [S, b, h, d_v] (Megatron's math)."""
+    d = setup.dims
+    kv = F.linear(kv_latent, up_weight_rows(kv_up_weight, setup))
+    kv = kv.view(*kv.shape[:2], -1, d.qk_head_dim + d.v_head_dim)
+    k_nope, value = torch.split(kv, [d.qk_head_dim, d.v_head_dim], dim=-1)
+    return k_nope, value
+
+
+def assemble_key(k_nope: torch.Tensor, k_pos_emb: torch.Tensor) -> torch.Tensor:
+    """[S, b, h, d_n] + the shared rope key [S, b, d_r] -> [S, b, h, d_n + d_r]."""
+    k_pe = k_pos_emb.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)
+    return torch.cat([k_nope, k_pe], dim=-1)
+
+
+def to_bnsd(x: torch.Tensor) -> torch.Tensor:
+    """[S, b, h, d] -> [b, h, S, d]."""
+    return x.permute(1, 2, 0, 3)
+
+
+def from_bnsd(x: torch.Tensor) -> torch.Tensor:
+    """[b, h, S, d] -> [S, b, h, d]."""
+    return x.permute(2, 0, 1, 3)
+
+
+def flatten_heads(x: torch.Tensor) -> torch.Tensor:
+    """[s, b, h, d] -> [s, b, h*d], the input of linear_proj."""
+    return x.reshape(*x.shape[:2], -1)
+
+
+@lru_cache(maxsize=64)
+def _order_index(layout: str, cp_size: int, local_len: int, device: str) -> torch.Tensor:
+    return layouts.to_position_order(layout, cp_size, local_len).to(device)
+
+
+def to_position_order(x: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
+    """A rank-order gather ([P*s, ...]) -> global position order."""
+    if layouts.is_identity(setup.layout, setup.cp_size):
+        return x
+    idx = _order_index(setup.layout, setup.cp_size, setup.local_len, str(x.device))
+    return x.index_select(0, idx)
+
+
+def query_segments(setup: AttnSetup) -> List[Segment]:
+    """Segments of the queries the attention sees on this rank.
+
+    allgather: this rank's own tokens. ulysses: every rank's tokens in rank
+    order (as the all-to-all delivers them), so queries are never reordered.
+    """
+    s, P = setup.local_len, setup.cp_size
+    if setup.cp_algo == "allgather" or P == 1:
+        return layouts.segments(setup.layout, P, setup.cp_rank, s)
+    return [(r * s + ls, n, g) for r in range(P) for ls, n, g in layouts.segments(setup.layout, P, r, s)]
+
+
+def gather_latent(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, setup: AttnSetup):
+    """All-gather [kv_latent, k_pos_emb] (d_c + d_r per token) in position order."""
+    if setup.cp_size == 1:
+        return kv_latent, k_pos_emb
+    latent = torch.cat([kv_latent, k_pos_emb], dim=-1)
+    gathered = to_position_order(comm.gather_seq(latent, setup.cp_group, "latent"), setup)
+    return torch.split(gathered, [setup.dims.kv_lora_rank, setup.dims.rope_dim], dim=-1)

@@ -1,0 +1,36 @@
+"""Explicit MLA under CP: per-head K/V cross the wire (today's training path).
+
+allgather: up-project the local latent, all-gather K and V (backward
+reduce-scatters dK, dV), attend the local queries.
+ulysses: all-to-all Q, K, V from sequence-split to head-split, attend the
+whole sequence for n/P heads, all-to-all O back.
+"""
+from __future__ import annotations
+
+from .. import comm
+from ..kernels import attend
+from ..validate import AttnSetup
+from .common import (all_heads, assemble_key, flatten_heads, from_bnsd, query_segments, to_bnsd,
+                     to_position_order, up_project)
+
+
+def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup):
+    full = setup.cp_algo == "allgather" or setup.cp_size == 1
+    # Ulysses up-projects all local heads: the all-to-all then moves them.
+    local = setup if full else all_heads(setup)
+    k_nope, value = up_project(kv_latent, kv_up_weight, local)
+    key = assemble_key(k_nope, k_pos_emb)
+    group = setup.cp_group
+    if full:
+        key = to_position_order(comm.gather_seq(key, group, "key"), setup)
+        value = to_position_order(comm.gather_seq(value, group, "value"), setup)
+    else:
+        query = comm.seq_to_heads(query, group, "query")
+        key = to_position_order(comm.seq_to_heads(key, group, "key"), setup)
+        value = to_position_order(comm.seq_to_heads(value, group, "value"), setup)
+    out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
+                 segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel)
+    out = from_bnsd(out)
+    if not full:
+        out = comm.heads_to_seq(out, group, "output")
+    return flatten_heads(out)
