@@ -23,6 +23,18 @@ def num_chunks(layout: str, cp_size: int) -> int:
     return 2 * cp_size if layout == "zigzag" else cp_size
 
 
+def check_seq_len(seq_len: int, layout: str, cp_size: int) -> None:
+    """The full sequence must cut into equal chunks: 2P (zigzag) or P (contiguous)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
+    chunks = num_chunks(layout, cp_size)
+    if seq_len % chunks:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by {chunks} "
+            f"({'2*CP' if layout == 'zigzag' else 'CP'} for layout={layout!r}, CP={cp_size}); "
+            f"pad it to a multiple of {chunks}")
+
+
 def segments(layout: str, cp_size: int, rank: int, local_len: int) -> List[Segment]:
     """The consecutive-position runs of rank ``rank``'s local tokens."""
     if cp_size == 1:
@@ -58,6 +70,7 @@ def is_identity(layout: str, cp_size: int) -> bool:
 
 def shard(full: torch.Tensor, layout: str, cp_size: int, rank: int, dim: int = 0) -> torch.Tensor:
     """Rank ``rank``'s part of a full-sequence tensor (for tests, data loaders, the CLI)."""
+    check_seq_len(full.shape[dim], layout, cp_size)
     local_len = full.shape[dim] // cp_size
     idx = positions(layout, cp_size, rank, local_len).to(full.device)
     return full.index_select(dim, idx)
