@@ -17,6 +17,7 @@ setup(
         "mindspeed_laga",
         "mindspeed_laga.kernels",
         "mindspeed_laga.forms",
+        "mindspeed_laga.commands",
         "mindspeed_laga.features",
         "mindspeed_laga.patches",
     ],

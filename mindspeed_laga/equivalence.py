@@ -77,26 +77,33 @@ def full_inputs(shape: MLAShape, seed: int) -> Dict[str, torch.Tensor]:
     }
 
 
-def run_case_on_rank(case: Case, rank: int, cp_size: int, group=None) -> dict:
-    """Forward + backward of one case on this rank; shards and partial grads back."""
+def run_case_on_rank(case: Case, rank: int, cp_size: int, group=None, repeat: int = 1) -> dict:
+    """Forward + backward of one case on this rank; shards and partial grads back.
+
+    With ``repeat > 1`` the first run is a warm-up and ``seconds`` is the
+    median fwd+bwd wall time of the others (bytes are those of the last run).
+    """
     full = full_inputs(case.shape, case.seed)
     dtype = DTYPES[case.dtype]
-    local = {name: _shard(full[name], case, rank, cp_size).to(dtype).requires_grad_()
-             for name in INPUTS}
     grad_out = _shard(full["grad_out"], case, rank, cp_size).to(dtype)
     fn = api.FORMS[case.form]
-    with comm.count_bytes() as counter:
-        start = time.perf_counter()
-        out = fn(local["query"], local["kv_latent"], local["k_pos_emb"], local["kv_up_weight"],
-                 softmax_scale=case.shape.softmax_scale, cp_group=group if cp_size > 1 else None,
-                 cp_algo=case.cp_algo, layout=case.layout, causal=case.causal, kernel=case.kernel,
-                 **dict(case.options))
-        out.backward(grad_out)
-        seconds = time.perf_counter() - start
+    times = []
+    for _ in range(repeat):
+        local = {name: _shard(full[name], case, rank, cp_size).to(dtype).requires_grad_()
+                 for name in INPUTS}
+        with comm.count_bytes() as counter:
+            start = time.perf_counter()
+            out = fn(local["query"], local["kv_latent"], local["k_pos_emb"], local["kv_up_weight"],
+                     softmax_scale=case.shape.softmax_scale, cp_group=group if cp_size > 1 else None,
+                     cp_algo=case.cp_algo, layout=case.layout, causal=case.causal,
+                     kernel=case.kernel, **dict(case.options))
+            out.backward(grad_out)
+            times.append(time.perf_counter() - start)
+    timed = sorted(times[1:] if repeat > 1 else times)
     return {"out": out.detach(), "grads": {k: v.grad for k, v in local.items()},
             "comm": counter.summary(), "design_bytes": {
                 d: counter.design_bytes(d) for d in ("forward", "backward")},
-            "seconds": seconds}
+            "seconds": timed[len(timed) // 2]}
 
 
 def _shard(t: torch.Tensor, case: Case, rank: int, cp_size: int) -> torch.Tensor:
@@ -105,10 +112,10 @@ def _shard(t: torch.Tensor, case: Case, rank: int, cp_size: int) -> torch.Tensor
     return layouts.shard(t, case.layout, cp_size, rank)
 
 
-def worker(rank: int, cp_size: int, cases: List[Case]) -> List[dict]:
+def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1) -> List[dict]:
     """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`."""
     group = dist.group.WORLD if dist.is_initialized() else None
-    return [run_case_on_rank(c, rank, cp_size, group) for c in cases]
+    return [run_case_on_rank(c, rank, cp_size, group, repeat) for c in cases]
 
 
 def assemble(per_rank: List[dict], case: Case) -> dict:
