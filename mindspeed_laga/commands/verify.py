@@ -51,7 +51,7 @@ def run(args) -> int:
     per_rank = run_on_ranks(eq.worker, args.cp, cases, args.repeat + 1)
     failed = False
     header = f"{'form':<9} {'cp_algo':<9} {'layout':<10} {'max rel err':>11} {'fwd bytes':>10} " \
-             f"{'bwd bytes':>10} {"explicit/form":>13} {'fwd+bwd ms':>10}"
+             f"{'bwd bytes':>10} {'explicit/form':>13} {'fwd+bwd ms':>10}"
     print(header)
     print("-" * len(header))
     explicit_bytes = {}
