@@ -1,12 +1,13 @@
 """mindspeed-laga: Latent All-Gather Attention for MLA under context parallelism."""
 from .api import FORMS, absorbed_attention, explicit_attention, laga_attention
 from .comm import CommCounter, count_bytes
+from .overlap import LatentGather, start_latent_gather
 from .reference import mla_attention_reference
 
 __version__ = "0.1.0"
 
 __all__ = ["laga_attention", "explicit_attention", "absorbed_attention", "FORMS",
-           "count_bytes", "CommCounter", "mla_attention_reference",
+           "count_bytes", "CommCounter", "start_latent_gather", "LatentGather", "mla_attention_reference",
            "patch_megatron_mla", "unpatch_megatron_mla"]
 
 

@@ -32,23 +32,66 @@ from .forms.laga import laga_forward
 
 
 def _setup(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo, layout,
-           causal, kernel, check_ranks):
+           causal, kernel, check_ranks, blockwise=False, extra_check=None):
     return validate.check(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale=softmax_scale,
                           cp_group=cp_group, cp_algo=cp_algo, layout=layout, causal=causal,
-                          kernel=kernel, check_ranks=check_ranks)
+                          kernel=kernel, check_ranks=check_ranks, blockwise=blockwise,
+                          extra_check=extra_check)
 
 
 def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group=None,
                    cp_algo="allgather", layout="zigzag", causal=True, kernel="auto",
-                   check_ranks: bool = True, trim_causal_prefix: bool = False):
+                   check_ranks: bool = True, trim_causal_prefix: bool = False,
+                   recompute_kv: bool = False, kv_block_size: Optional[int] = None,
+                   latent_gather=None):
     """LAGA: gather the latent (d_c + d_r per token), rebuild K/V locally, attend.
 
-    ``trim_causal_prefix``: rebuild only keys some local query can see.
+    Options beyond the paper (all exact; see docs/BEYOND.md):
+
+    - ``trim_causal_prefix``: rebuild (and attend) only keys some local query
+      can see under the causal mask.
+    - ``recompute_kv``: keep only the gathered latent for backward and rebuild
+      K/V there; attention runs blockwise with an online softmax
+      (kernel 'eager' or 'auto').
+    - ``kv_block_size``: keys per rebuilt block (needs ``recompute_kv``); full
+      sequence K/V then never exist at once. None: one block.
+    - ``latent_gather``: the handle of ``start_latent_gather(kv_latent,
+      k_pos_emb, cp_group=...)`` launched earlier, to overlap the gather with
+      the query projection and its reduce-scatter with the dq work.
     """
+    def check_options(cp_size):
+        _check_laga_options(kv_latent, k_pos_emb, cp_group, cp_size, recompute_kv,
+                            kv_block_size, trim_causal_prefix, latent_gather)
+
     setup = _setup(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
-                   layout, causal, kernel, check_ranks)
+                   layout, causal, kernel, check_ranks, blockwise=bool(recompute_kv),
+                   extra_check=check_options)
     return laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup,
-                        trim_causal_prefix=trim_causal_prefix)
+                        trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
+                        kv_block_size=kv_block_size, latent_gather=latent_gather)
+
+
+def _check_laga_options(kv_latent, k_pos_emb, cp_group, cp_size, recompute_kv, kv_block_size,
+                        trim_causal_prefix, latent_gather):
+    for name, flag in (("recompute_kv", recompute_kv), ("trim_causal_prefix", trim_causal_prefix)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if kv_block_size is not None:
+        if isinstance(kv_block_size, bool) or not isinstance(kv_block_size, int) or kv_block_size <= 0:
+            raise ValueError(f"kv_block_size must be a positive int or None, got {kv_block_size!r}")
+        if not recompute_kv:
+            raise ValueError("kv_block_size needs recompute_kv=True: blockwise rebuild keeps no "
+                             "K/V for backward, so it rebuilds them there")
+    if latent_gather is not None:
+        from .overlap import LatentGather
+        if not isinstance(latent_gather, LatentGather):
+            raise ValueError("latent_gather must come from start_latent_gather(kv_latent, "
+                             f"k_pos_emb, cp_group=...), got {type(latent_gather).__name__}")
+        if latent_gather.kv_latent is not kv_latent or latent_gather.k_pos_emb is not k_pos_emb:
+            raise ValueError("latent_gather was started on other kv_latent/k_pos_emb tensors than "
+                             "the ones passed here; pass the same tensors to both calls")
+        if latent_gather.cp_group is not cp_group or cp_size == 1:
+            raise ValueError("latent_gather was started on another cp_group; pass the same group")
 
 
 def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,

@@ -17,6 +17,7 @@ exact sizes, both read off the tensors handed to the collective:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -35,6 +36,7 @@ class CommRecord:
     wire: int
     group_size: int
     tag: str = ""
+    seconds: float = 0.0  # time the caller was blocked: the call, or the wait of an async op
 
 
 @dataclass
@@ -54,6 +56,12 @@ class CommCounter:
             raise ValueError(f"measure must be 'payload' or 'wire', got {measure!r}")
         kinds = DATA_KINDS if kind is None else (kind,)
         return sum(getattr(r, measure) for r in self.records
+                   if r.kind in kinds and (direction is None or r.direction == direction))
+
+    def seconds(self, kind: Optional[str] = None, direction: Optional[str] = None) -> float:
+        """Time callers were blocked in matching collectives (sync calls and async waits)."""
+        kinds = DATA_KINDS if kind is None else (kind,)
+        return sum(r.seconds for r in self.records
                    if r.kind in kinds and (direction is None or r.direction == direction))
 
     def design_bytes(self, direction: Optional[str] = None) -> float:
@@ -88,8 +96,35 @@ def count_bytes():
 
 
 def _record(kind: str, direction: str, payload: int, wire: int, size: int, tag: str = ""):
-    for counter in _OPEN_COUNTERS:
-        counter.records.append(CommRecord(kind, direction, payload, wire, size, tag))
+    """Log a collective in every open counter; returns the records to time."""
+    records = [CommRecord(kind, direction, payload, wire, size, tag) for _ in _OPEN_COUNTERS]
+    for counter, record in zip(_OPEN_COUNTERS, records):
+        counter.records.append(record)
+    return records
+
+
+class Pending:
+    """An async collective's handle; ``wait()`` adds the blocked time to its records."""
+
+    def __init__(self, work, records):
+        self.work, self.records = work, records
+
+    def wait(self):
+        start = time.perf_counter()
+        self.work.wait()
+        for record in self.records:
+            record.seconds += time.perf_counter() - start
+
+
+def _run(collective, records, async_op: bool):
+    """Issue a collective; sync calls are timed, async ones return a :class:`Pending`."""
+    start = time.perf_counter()
+    work = collective(async_op)
+    if async_op:
+        return Pending(work, records)
+    for record in records:
+        record.seconds += time.perf_counter() - start
+    return None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -117,9 +152,9 @@ def all_gather_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_
     size = group_size(group)
     x = x.contiguous()
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("all_gather", direction, _nbytes(x), (size - 1) * _nbytes(x), size, tag)
-    work = _all_gather_tensor(out, x, group=group, async_op=async_op)
-    return (out, work) if async_op else out
+    records = _record("all_gather", direction, _nbytes(x), (size - 1) * _nbytes(x), size, tag)
+    pending = _run(lambda a: _all_gather_tensor(out, x, group=group, async_op=a), records, async_op)
+    return (out, pending) if async_op else out
 
 
 def reduce_scatter_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_op: bool = False):
@@ -127,9 +162,10 @@ def reduce_scatter_raw(x: torch.Tensor, group, direction: str, tag: str = "", as
     size = group_size(group)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("reduce_scatter", direction, _nbytes(out), (size - 1) * _nbytes(out), size, tag)
-    work = _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return (out, work) if async_op else out
+    records = _record("reduce_scatter", direction, _nbytes(out), (size - 1) * _nbytes(out), size, tag)
+    pending = _run(lambda a: _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group,
+                                                    async_op=a), records, async_op)
+    return (out, pending) if async_op else out
 
 
 def all_to_all_raw(x: torch.Tensor, group, direction: str, tag: str = "") -> torch.Tensor:
@@ -137,8 +173,8 @@ def all_to_all_raw(x: torch.Tensor, group, direction: str, tag: str = "") -> tor
     size = group_size(group)
     x = x.contiguous()
     out = torch.empty_like(x)
-    _record("all_to_all", direction, _nbytes(x), _nbytes(x) * (size - 1) // size, size, tag)
-    dist.all_to_all_single(out, x, group=group)
+    records = _record("all_to_all", direction, _nbytes(x), _nbytes(x) * (size - 1) // size, size, tag)
+    _run(lambda a: dist.all_to_all_single(out, x, group=group, async_op=a), records, False)
     return out
 
 

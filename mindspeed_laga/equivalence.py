@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import api, comm, layout as layouts
+from .overlap import start_latent_gather
 from .reference import mla_attention_reference
 
 INPUTS = ("query", "kv_latent", "k_pos_emb", "kv_up_weight")
@@ -91,19 +92,25 @@ def run_case_on_rank(case: Case, rank: int, cp_size: int, group=None, repeat: in
     for _ in range(repeat):
         local = {name: _shard(full[name], case, rank, cp_size).to(dtype).requires_grad_()
                  for name in INPUTS}
+        options = dict(case.options)
+        cp_group = group if cp_size > 1 else None
         with comm.count_bytes() as counter:
             start = time.perf_counter()
+            if options.pop("overlap", False) and cp_group is not None:
+                options["latent_gather"] = start_latent_gather(
+                    local["kv_latent"], local["k_pos_emb"], cp_group=cp_group)
             out = fn(local["query"], local["kv_latent"], local["k_pos_emb"], local["kv_up_weight"],
-                     softmax_scale=case.shape.softmax_scale, cp_group=group if cp_size > 1 else None,
+                     softmax_scale=case.shape.softmax_scale, cp_group=cp_group,
                      cp_algo=case.cp_algo, layout=case.layout, causal=case.causal,
-                     kernel=case.kernel, **dict(case.options))
+                     kernel=case.kernel, **options)
             out.backward(grad_out)
             times.append(time.perf_counter() - start)
     timed = sorted(times[1:] if repeat > 1 else times)
     return {"out": out.detach(), "grads": {k: v.grad for k, v in local.items()},
             "comm": counter.summary(), "design_bytes": {
                 d: counter.design_bytes(d) for d in ("forward", "backward")},
-            "seconds": timed[len(timed) // 2]}
+            "seconds": timed[len(timed) // 2],
+            "comm_seconds": {d: counter.seconds(direction=d) for d in ("forward", "backward")}}
 
 
 def _shard(t: torch.Tensor, case: Case, rank: int, cp_size: int) -> torch.Tensor:

@@ -114,10 +114,16 @@ def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layo
             f"divisible by CP={cp_size}; use cp_algo='allgather' or a CP size dividing the heads")
 
 
-def resolve_kernel(kernel: str, device: torch.device) -> str:
-    """'auto' -> 'npu' on NPU tensors, 'sdpa' otherwise; 'npu' needs torch_npu."""
+def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False) -> str:
+    """'auto' -> 'npu' on NPU tensors, else 'sdpa' ('eager' for the blockwise
+    recompute path, which runs its own online-softmax math); 'npu' needs torch_npu."""
     if kernel == "auto":
-        kernel = "npu" if device.type == "npu" else "sdpa"
+        kernel = "npu" if device.type == "npu" else ("eager" if blockwise else "sdpa")
+    if blockwise and kernel != "eager":
+        raise ValueError(
+            f"recompute_kv=True attends blockwise with its own online-softmax math and supports "
+            f"kernel='eager' or 'auto' (on CPU/GPU), not kernel={kernel!r}; drop recompute_kv to "
+            "use that kernel")
     if kernel == "npu":
         from .kernels import npu
         npu.require_torch_npu()
@@ -125,8 +131,12 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 
 
 def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group, cp_algo,
-          layout, causal, kernel, check_ranks: bool = True) -> AttnSetup:
-    """Validate the arguments of a form and agree on them across the CP group."""
+          layout, causal, kernel, check_ranks: bool = True, blockwise: bool = False,
+          extra_check=None) -> AttnSetup:
+    """Validate the arguments of a form and agree on them across the CP group.
+
+    ``extra_check(cp_size)`` runs with the other local checks (form options).
+    """
     cp_size = comm.group_size(cp_group)
     error: Optional[str] = None
     dims = None
@@ -135,7 +145,9 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
         dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight)
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
         _check_split(dims, query.shape[0], cp_size, cp_algo, layout)
-        kernel = resolve_kernel(kernel, query.device)
+        kernel = resolve_kernel(kernel, query.device, blockwise)
+        if extra_check is not None:
+            extra_check(cp_size)
     except ValueError as exc:
         if cp_size == 1 or not check_ranks:
             raise

@@ -99,10 +99,21 @@ def query_segments(setup: AttnSetup) -> List[Segment]:
     return [(r * s + ls, n, g) for r in range(P) for ls, n, g in layouts.segments(setup.layout, P, r, s)]
 
 
+def gathered_latent(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
+    """All-gather ``[kv_latent, k_pos_emb]`` (d_c + d_r per token), in position order."""
+    latent = torch.cat([kv_latent, k_pos_emb], dim=-1)
+    if setup.cp_size == 1:
+        return latent
+    return to_position_order(comm.gather_seq(latent, setup.cp_group, "latent"), setup)
+
+
+def split_latent(latent: torch.Tensor, setup: AttnSetup):
+    """[S, b, d_c + d_r] -> kv part [S, b, d_c], rope key [S, b, d_r]."""
+    return torch.split(latent, [setup.dims.kv_lora_rank, setup.dims.rope_dim], dim=-1)
+
+
 def gather_latent(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, setup: AttnSetup):
-    """All-gather [kv_latent, k_pos_emb] (d_c + d_r per token) in position order."""
+    """The gathered latent split in its two parts (no copy at all without CP)."""
     if setup.cp_size == 1:
         return kv_latent, k_pos_emb
-    latent = torch.cat([kv_latent, k_pos_emb], dim=-1)
-    gathered = to_position_order(comm.gather_seq(latent, setup.cp_group, "latent"), setup)
-    return torch.split(gathered, [setup.dims.kv_lora_rank, setup.dims.rope_dim], dim=-1)
+    return split_latent(gathered_latent(kv_latent, k_pos_emb, setup), setup)

@@ -7,17 +7,25 @@ ulysses: all-to-all Q to head-split, all-gather the latent, rebuild K/V for
 this rank's n/P heads only (their rows of ``kv_up_weight``), attend the whole
 sequence, all-to-all O back.
 
-This is the paper's form: K/V are rebuilt in full and kept by autograd for
-backward. ``trim_causal_prefix`` rebuilds only the keys some local query can
-see; the blockwise, recomputing variant lives in ``laga_blockwise``.
+By default this is the paper's form: K/V are rebuilt in full and kept by
+autograd for backward. Options:
+
+- ``trim_causal_prefix``: rebuild only keys some local query can see.
+- ``recompute_kv`` / ``kv_block_size``: keep only the latent; rebuild K/V per
+  block in forward and again in backward (``laga_blockwise``).
+- ``latent_gather``: a gather started earlier by ``overlap.start_latent_gather``
+  (forward overlaps the query projection, backward overlaps the dq work).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from .. import comm
 from ..kernels import attend, key_prefix
 from ..validate import AttnSetup
-from .common import (assemble_key, flatten_heads, from_bnsd, gather_latent, query_segments,
-                     to_bnsd, up_project)
+from .common import (assemble_key, flatten_heads, from_bnsd, gathered_latent, gather_latent,
+                     query_segments, split_latent, to_bnsd, up_project, up_weight_rows)
+from .laga_blockwise import BlockPlan, BlockwiseLAGA
 
 
 def visible_keys(setup: AttnSetup) -> int:
@@ -27,13 +35,27 @@ def visible_keys(setup: AttnSetup) -> int:
 
 
 def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup, *,
-                 trim_causal_prefix: bool = False, gathered=None):
-    """``gathered``: a ``(kv_all, k_pe_all)`` pair already in position order
-    (an overlapped gather); otherwise the latent is gathered here."""
+                 trim_causal_prefix: bool = False, recompute_kv: bool = False,
+                 kv_block_size: Optional[int] = None, latent_gather=None):
     full = setup.cp_algo == "allgather" or setup.cp_size == 1
     if not full:
         query = comm.seq_to_heads(query, setup.cp_group, "query")
-    kv_all, k_pe_all = gathered if gathered is not None else gather_latent(kv_latent, k_pos_emb, setup)
+    if recompute_kv:
+        latent = latent_gather.gathered(setup) if latent_gather else gathered_latent(kv_latent, k_pos_emb, setup)
+        out = _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv_block_size)
+    else:
+        if latent_gather is not None:
+            kv_all, k_pe_all = split_latent(latent_gather.gathered(setup), setup)
+        else:
+            kv_all, k_pe_all = gather_latent(kv_latent, k_pos_emb, setup)
+        out = _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix)
+    if not full:
+        out = comm.heads_to_seq(out, setup.cp_group, "output")
+    return flatten_heads(out)
+
+
+def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix):
+    """The paper's LAGA: rebuild K/V for every (visible) key; autograd keeps them."""
     if trim_causal_prefix:
         end = visible_keys(setup)
         kv_all, k_pe_all = kv_all[:end], k_pe_all[:end]
@@ -41,7 +63,19 @@ def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup, *,
     key = assemble_key(k_nope, k_pe_all)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel)
-    out = from_bnsd(out)
-    if not full:
-        out = comm.heads_to_seq(out, setup.cp_group, "output")
-    return flatten_heads(out)
+    return from_bnsd(out)
+
+
+def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv_block_size):
+    """K/V rebuilt per block in forward and again in backward; only the latent is kept."""
+    d = setup.dims
+    if trim_causal_prefix:
+        latent = latent[:visible_keys(setup)]
+    weight = up_weight_rows(kv_up_weight, setup)
+    plan = BlockPlan(heads=weight.shape[0] // (d.qk_head_dim + d.v_head_dim),
+                     qk_head_dim=d.qk_head_dim, rope_dim=d.rope_dim, v_head_dim=d.v_head_dim,
+                     kv_lora_rank=d.kv_lora_rank, scale=setup.softmax_scale, causal=setup.causal,
+                     segments=tuple(query_segments(setup)),
+                     block_size=kv_block_size or max(latent.shape[0], 1),
+                     skip_invisible_blocks=trim_causal_prefix)
+    return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))

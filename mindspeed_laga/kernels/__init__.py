@@ -5,7 +5,7 @@
 - ``q`` [b, n, s_q, d_qk]: queries, made of consecutive-position *segments*
   ``(local_start, length, global_start)`` (see ``layout.segments``).
 - ``k`` [b, n_k, S, d_qk], ``v`` [b, n_k, S, d_v]: keys in global position
-  order starting at position 0; ``n_k`` divides ``n`` (the absorbed form uses
+  order starting at position 0; ``n_k`` is ``n`` or 1 (the absorbed form uses
   one key/value head shared by all query heads).
 - returns [b, n, s_q, d_v].
 

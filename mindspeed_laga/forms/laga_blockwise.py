@@ -1,0 +1,153 @@
+"""LAGA with K/V rebuilt blockwise and recomputed in backward.
+
+The paper's LAGA keeps per-head K/V of every key for backward: [S, h, d_qk+d_v]
+per rank, the largest activation of the block at long sequence. Every rank
+already holds the gathered latent (d_c + d_r per token), so K/V can be
+rebuilt when needed instead of kept.
+
+Forward walks the (position-ordered) keys in blocks of ``block_size``:
+rebuild the block's K/V from the latent, attend every query segment that can
+see the block, and merge with an online softmax (running max and sum, as
+ring/flash attention do). Only ``q``, the gathered latent, the output and
+the float32 log-sum-exp are saved. Backward walks the blocks again, rebuilds
+each block's K/V, forms the block's probabilities from the saved
+log-sum-exp, and pushes dK/dV straight back through the up-projection to
+the latent and ``kv_up_weight``. Full-sequence K/V never exist, in forward
+or backward.
+
+The per-block math is eager (scores of one block materialized at a time),
+in float32 for half-precision inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..layout import Segment
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    heads: int
+    qk_head_dim: int
+    rope_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+    scale: float
+    causal: bool
+    segments: Tuple[Segment, ...]
+    block_size: int
+    skip_invisible_blocks: bool  # causal prefix trimming: no rebuild of unseen blocks
+
+
+def blocks(plan: BlockPlan, num_keys: int):
+    """Key blocks [k0, k1) to rebuild, in position order."""
+    last = num_keys
+    if plan.skip_invisible_blocks and plan.causal:
+        last = min(num_keys, max(g + n for _, n, g in plan.segments))
+    return [(k0, min(k0 + plan.block_size, last)) for k0 in range(0, last, plan.block_size)]
+
+
+def visible_segments(plan: BlockPlan, k0: int, k1: int):
+    """(segment, keep-mask or None) for each query segment that sees a key of [k0, k1)."""
+    for seg in plan.segments:
+        _, n, g = seg
+        if plan.causal and k0 > g + n - 1:
+            continue
+        keep = None
+        if plan.causal and k1 - 1 > g:
+            q_pos = torch.arange(g, g + n).unsqueeze(1)
+            keep = torch.arange(k0, k1).unsqueeze(0) <= q_pos
+        yield seg, keep
+
+
+def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
+    """[B, b, d_c + d_r] -> K [b, h, B, d_n + d_r], V [b, h, B, d_v] (Megatron's math)."""
+    kv_c, k_pe = torch.split(latent_block, [plan.kv_lora_rank, plan.rope_dim], dim=-1)
+    B, b = kv_c.shape[:2]
+    kv = F.linear(kv_c, kv_up_weight).view(B, b, plan.heads, plan.qk_head_dim + plan.v_head_dim)
+    k_nope, value = torch.split(kv, [plan.qk_head_dim, plan.v_head_dim], dim=-1)
+    key = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, b, plan.heads, plan.rope_dim)], dim=-1)
+    return key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
+
+
+def _scores(q_seg, key, keep, scale):
+    s = torch.matmul(q_seg.float(), key.float().transpose(-1, -2)) * scale
+    return s if keep is None else s.masked_fill(~keep.to(s.device), float("-inf"))
+
+
+def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
+    """Online-softmax attention over rebuilt key blocks -> (out [b,h,s_q,d_v], lse fp32)."""
+    b, h, s_q, _ = q.shape
+    acc = torch.zeros(b, h, s_q, plan.v_head_dim, dtype=torch.float32, device=q.device)
+    row_max = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q.device)
+    row_sum = torch.zeros(b, h, s_q, dtype=torch.float32, device=q.device)
+    for k0, k1 in blocks(plan, latent.shape[0]):
+        key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
+        for (start, n, _), keep in visible_segments(plan, k0, k1):
+            rows = slice(start, start + n)
+            s = _scores(q[:, :, rows], key, keep, plan.scale)
+            new_max = torch.maximum(row_max[:, :, rows], s.amax(dim=-1))
+            safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            p = torch.exp(s - safe.unsqueeze(-1))
+            alpha = torch.exp(row_max[:, :, rows] - safe)
+            row_sum[:, :, rows] = row_sum[:, :, rows] * alpha + p.sum(dim=-1)
+            acc[:, :, rows] = acc[:, :, rows] * alpha.unsqueeze(-1) + torch.matmul(p, value.float())
+            row_max[:, :, rows] = new_max
+    out = acc / row_sum.unsqueeze(-1)
+    return out.to(q.dtype), row_max + torch.log(row_sum)
+
+
+def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan):
+    """Grads of q, the gathered latent and kv_up_weight, one rebuilt key block at a time."""
+    d_c = plan.kv_lora_rank
+    delta = (d_out.float() * out.float()).sum(dim=-1)  # rowsum(dO * O)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    d_latent = torch.zeros(latent.shape, dtype=torch.float32, device=q.device)
+    d_weight = torch.zeros(kv_up_weight.shape, dtype=torch.float32, device=q.device)
+    for k0, k1 in blocks(plan, latent.shape[0]):
+        key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
+        d_key = torch.zeros(key.shape, dtype=torch.float32, device=q.device)
+        d_value = torch.zeros(value.shape, dtype=torch.float32, device=q.device)
+        for (start, n, _), keep in visible_segments(plan, k0, k1):
+            rows = slice(start, start + n)
+            p = torch.exp(_scores(q[:, :, rows], key, keep, plan.scale) - lse[:, :, rows].unsqueeze(-1))
+            do = d_out[:, :, rows].float()
+            d_value += torch.matmul(p.transpose(-1, -2), do)
+            ds = p * (torch.matmul(do, value.float().transpose(-1, -2)) - delta[:, :, rows].unsqueeze(-1))
+            dq[:, :, rows] += torch.matmul(ds, key.float()) * plan.scale
+            d_key += torch.matmul(ds.transpose(-1, -2), q[:, :, rows].float()) * plan.scale
+        _through_rebuild(latent[k0:k1], kv_up_weight, d_key, d_value, d_latent[k0:k1], d_weight, plan)
+    return dq.to(q.dtype), d_latent.to(latent.dtype), d_weight.to(kv_up_weight.dtype)
+
+
+def _through_rebuild(latent_block, kv_up_weight, d_key, d_value, d_latent_block, d_weight, plan):
+    """Backward of :func:`rebuild`: dK, dV [b,h,B,.] -> latent block and weight grads."""
+    d_nope, d_pe = torch.split(d_key, [plan.qk_head_dim, plan.rope_dim], dim=-1)
+    d_kv = torch.cat([d_nope, d_value], dim=-1).permute(2, 0, 1, 3)  # [B, b, h, d_n + d_v]
+    d_kv = d_kv.reshape(*d_kv.shape[:2], -1)
+    kv_c = latent_block[..., :plan.kv_lora_rank].float()
+    d_latent_block[..., :plan.kv_lora_rank] = torch.matmul(d_kv, kv_up_weight.float())
+    d_latent_block[..., plan.kv_lora_rank:] = d_pe.sum(dim=1).permute(1, 0, 2)
+    d_weight += torch.matmul(d_kv.reshape(-1, d_kv.shape[-1]).t(), kv_c.reshape(-1, kv_c.shape[-1]))
+
+
+class BlockwiseLAGA(torch.autograd.Function):
+    """Autograd boundary: saves q, the gathered latent, the output and the lse only."""
+
+    @staticmethod
+    def forward(ctx, q, latent, kv_up_weight, plan: BlockPlan):
+        out, lse = blockwise_forward(q, latent, kv_up_weight, plan)
+        ctx.save_for_backward(q, latent, kv_up_weight, out, lse)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, latent, kv_up_weight, out, lse = ctx.saved_tensors
+        dq, d_latent, d_weight = blockwise_backward(q, latent, kv_up_weight, out, lse,
+                                                    d_out.contiguous(), ctx.plan)
+        return dq, d_latent, d_weight, None

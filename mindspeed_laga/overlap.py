@@ -1,0 +1,111 @@
+"""Hide the latent all-gather behind the query projection, and its reduce-scatter
+behind the dq work.
+
+Forward: :func:`start_latent_gather` is called as soon as ``kv_latent`` and
+``k_pos_emb`` exist; it launches the all-gather asynchronously and returns a
+:class:`LatentGather`. The caller computes the queries, then passes the handle
+to ``laga_attention(..., latent_gather=handle)``, which waits only when
+attention needs the latent.
+
+Backward: the gathered latent's gradient is reduce-scattered asynchronously
+by the node created *last* in forward (inside ``laga_attention``), and waited
+for by a node created *first* (in ``start_latent_gather``). The autograd
+engine runs ready nodes newest-first, so everything created in between (the
+query projection's backward: dq work) runs while the reduce-scatter is in
+flight. The blocked time of both waits is in the byte counter's ``seconds``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+
+
+class _State:
+    """What the two backward nodes share: the pending reduce-scatter."""
+
+    def __init__(self, group):
+        self.group = group
+        self.pending = None
+
+
+class _WaitForGradient(torch.autograd.Function):
+    """Identity forward; backward waits for the reduce-scatter launched later in backward."""
+
+    @staticmethod
+    def forward(ctx, latent, state):
+        ctx.state = state
+        return latent.view_as(latent)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.state.pending.wait()
+        return grad, None
+
+
+class _GatheredLatent(torch.autograd.Function):
+    """Forward hands out the (already awaited) gather; backward launches the
+    reduce-scatter and returns its buffer before it is filled."""
+
+    @staticmethod
+    def forward(ctx, latent, state, gathered):
+        ctx.state = state
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, ctx.state.pending = comm.reduce_scatter_raw(grad, ctx.state.group, "backward",
+                                                           "latent", async_op=True)
+        return local, None, None
+
+
+class LatentGather:
+    """An all-gather of ``[kv_latent, k_pos_emb]`` in flight."""
+
+    def __init__(self, kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, cp_group):
+        self.kv_latent, self.k_pos_emb, self.cp_group = kv_latent, k_pos_emb, cp_group
+        self._state = _State(cp_group)
+        latent = torch.cat([kv_latent, k_pos_emb], dim=-1)
+        self._latent = _WaitForGradient.apply(latent, self._state)
+        self._buffer, self._pending = comm.all_gather_raw(self._latent.detach(), cp_group, "forward",
+                                                          "latent", async_op=True)
+        self._used = False
+
+    def gathered(self, setup) -> torch.Tensor:
+        """Wait, then the gathered latent in position order, autograd-connected."""
+        from .forms.common import to_position_order
+        if self._used:
+            raise ValueError("a LatentGather feeds one laga_attention call; start a new one per call")
+        self._used = True
+        self._pending.wait()
+        gathered = _GatheredLatent.apply(self._latent, self._state, self._buffer)
+        return to_position_order(gathered, setup)
+
+
+def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_group,
+                        check_ranks: bool = True) -> LatentGather:
+    """Launch the latent all-gather now; pass the result as ``latent_gather=`` to laga_attention.
+
+    Needs a CP group of size > 1 (there is nothing to overlap without CP).
+    ``check_ranks``: first agree on the shapes across the group (a small
+    blocking exchange), so a mismatch raises instead of corrupting the gather.
+    """
+    if comm.group_size(cp_group) == 1:
+        raise ValueError("start_latent_gather needs cp_group of size > 1; without context "
+                         "parallelism call laga_attention without latent_gather")
+    for name, t, nd in (("kv_latent", kv_latent, 3), ("k_pos_emb", k_pos_emb, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != nd:
+            raise ValueError(f"{name} must be a 3-dim [s, b, d] tensor")
+    if kv_latent.shape[:2] != k_pos_emb.shape[:2] or kv_latent.dtype != k_pos_emb.dtype:
+        raise ValueError("kv_latent and k_pos_emb must share [s, b] and dtype")
+    if check_ranks:
+        _agree_on_shapes(kv_latent, k_pos_emb, cp_group)
+    return LatentGather(kv_latent, k_pos_emb, cp_group)
+
+
+def _agree_on_shapes(kv_latent, k_pos_emb, cp_group):
+    shape = [kv_latent.shape[0], kv_latent.shape[1], kv_latent.shape[2], k_pos_emb.shape[2]]
+    table = comm.handshake(shape, cp_group, kv_latent.device)
+    if any(row != table[0] for row in table):
+        raise ValueError(f"CP ranks disagree on the latent shape [s, b, d_c, d_r]: {table} "
+                         "(by rank); every rank of cp_group must pass the same shapes")
