@@ -1,0 +1,377 @@
+"""A CPU stand-in for ``torch_npu``: only ``npu_fusion_attention`` and its grad.
+
+Tests install it as ``sys.modules["torch_npu"]`` so the ``kernel="npu"`` path
+of mindspeed_laga runs on CPU. The math uses plain torch ops (autograd works
+through the forward); softmax runs in float32 like the fused kernel.
+
+Semantics, read from the public documentation (our own code, nothing copied):
+
+- API reference of ``torch_npu.npu_fusion_attention`` (Ascend PyTorch 6.0.0,
+  https://hiascend.com/document/detail/zh/Pytorch/600/apiref/apilist/ptaoplist_000850.html):
+  the signature and argument names, 7 outputs ``(Tensor, Tensor, Tensor,
+  Tensor, int, int, int)``, layouts BSH/SBH/BSND/BNSD/TND, dtypes
+  fp16/bf16/fp32, ``atten_mask`` True = masked with shapes BNSS/B1SS/11SS/SS,
+  the sparse_mode table, the compressed 2048x2048 mask of modes 2/3/4, and the
+  bounds on negative pre/next tokens.
+- hicann/ops-transformer ``docs/en/context/sparse_mode_introduction.md``:
+  mode 0 = mask + the pre/next band, and no mask means no masking at all
+  (pre/next ignored); 1 = full mask; 2 = causal from the upper-left vertex;
+  3 = causal from the lower-right vertex; 4 = band counted from the
+  lower-right vertex; the compressed mask is ``triu(ones(2048, 2048), 1)``.
+- hicann/ops-transformer
+  ``attention/flash_attention_score/docs/aclnnFlashAttentionScore_en.md``:
+  ``qD == kD and kD >= vD``, key/value equal except D, Nq a multiple of Nkv,
+  D in [1, 768], softmaxMax/softmaxSum ``[B, N, Sq, 8]`` float32, "band:
+  preTokens and nextTokens must overlap".
+- The host tiling of FlashAttentionScore (flash_attention_score_tiling_general.cpp,
+  e.g. in yueliang13/cann-ops-adv-vllm): mode 0 counts pre/next from the
+  upper-left vertex (query i sees keys ``[i - pre, i + next]``); mode 3 with
+  Sq != Skv becomes that band with pre = Sq, next = Skv - Sq; mode 4 shifts
+  pre/next by Skv - Sq (lower-right vertex). An empty band is rejected.
+- Ascend/op-plugin ``op_plugin/python/meta/_meta_registrations.py``: the
+  keyword-only signature of ``npu_fusion_attention_grad`` and its outputs
+  ``(dq, dk, dv, dpse)`` with ``dpse`` empty when there is no pse.
+- MindSpeed ``docs/zh/ops/npu_ring_attention_update.md``: softmax_sum is
+  ``sum(exp(score - softmax_max))``, so blocks merge with the max/sum pair.
+
+Deliberate limits: TND (varlen), pse, padding_mask, prefix, dropout
+(keep_prob < 1) and sparse modes 5-8 raise NotImplementedError. Modes 1-4
+without a mask raise (the docs say the mask "must be correct"; silently
+computing full attention would hide a missing mask), and modes 2/3/4 accept
+only the exact 2048x2048 ``triu(diagonal=1)`` bool/uint8 mask. Rows whose
+keys are all masked give zero output and zero gradients (the kernel's
+"invalid line" handling). Argument errors raise ``FakeNpuError``, a
+RuntimeError like the real op's.
+
+Arguments after ``input_layout`` are keyword-only here: the API reference
+lists them positionally, op-plugin's meta registration declares them
+keyword-only, so a caller that passes them by name works with either.
+
+Every call is recorded in ``calls`` (layout, head_num, sparse_mode, mask
+shape, q/k/v shapes) so tests can check which recipe a caller used.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Optional
+
+import torch
+
+INT_MAX = 2147483647
+COMPRESSED_MASK_SIZE = 2048
+MAX_HEAD_DIM = 768
+LAYOUTS = ("BSH", "SBH", "BSND", "BNSD")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_PREVIOUS = "_fake_torch_npu_previous"  # key in the module dict: what install() replaced
+
+
+class FakeNpuError(RuntimeError):
+    """An argument the real kernel would reject."""
+
+
+# ---------------------------------------------------------------- layouts
+
+def _check_layout(input_layout: str, actual_seq_qlen, actual_seq_kvlen):
+    if input_layout == "TND" or actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        raise NotImplementedError("fake torch_npu: the TND (varlen) layout and actual_seq_qlen/"
+                                  "actual_seq_kvlen are not implemented; use BNSD/BSND/BSH/SBH")
+    if input_layout not in LAYOUTS:
+        raise FakeNpuError(f"input_layout={input_layout!r} is not one of {LAYOUTS + ('TND',)}")
+
+
+def _head_dim_of(query: torch.Tensor, head_num: int, input_layout: str) -> int:
+    if input_layout in ("BSH", "SBH"):
+        if query.shape[-1] % head_num:
+            raise FakeNpuError(f"query hidden size {query.shape[-1]} is not divisible by "
+                               f"head_num={head_num}")
+        return query.shape[-1] // head_num
+    if query.shape[-2 if input_layout == "BSND" else 1] != head_num:
+        raise FakeNpuError(f"head_num={head_num} must equal query's N axis ({input_layout} "
+                           f"shape {tuple(query.shape)})")
+    return query.shape[-1]
+
+
+def to_bnsd(x: torch.Tensor, input_layout: str, head_dim: Optional[int] = None) -> torch.Tensor:
+    """Any supported layout -> [B, N, S, D] (a view). BSH/SBH need ``head_dim``."""
+    if x.dim() != (3 if input_layout in ("BSH", "SBH") else 4):
+        raise FakeNpuError(f"{input_layout} expects {len(input_layout)} dims, got {tuple(x.shape)}")
+    if input_layout == "BNSD":
+        return x
+    if input_layout == "BSND":
+        return x.transpose(1, 2)
+    if x.shape[-1] % head_dim:
+        raise FakeNpuError(f"hidden size {x.shape[-1]} is not a multiple of head dim {head_dim}")
+    if input_layout == "SBH":
+        x = x.transpose(0, 1)
+    return x.unflatten(-1, (-1, head_dim)).transpose(1, 2)
+
+
+def from_bnsd(x: torch.Tensor, input_layout: str) -> torch.Tensor:
+    """[B, N, S, D] -> the caller's layout (inverse of :func:`to_bnsd`)."""
+    if input_layout == "BNSD":
+        return x
+    x = x.transpose(1, 2)  # [B, S, N, D]
+    if input_layout == "BSND":
+        return x
+    x = x.flatten(-2)
+    return x.transpose(0, 1) if input_layout == "SBH" else x
+
+
+def _bnsd_inputs(query, key, value, head_num: int, input_layout: str):
+    """q [B, N1, Sq, D], k [B, N2, Skv, D], v [B, N2, Skv, Dv], checked as the kernel does."""
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) != 1 or query.dtype not in DTYPES:
+        raise FakeNpuError(f"query/key/value must share one dtype of {DTYPES}; got "
+                           f"{query.dtype}, {key.dtype}, {value.dtype}")
+    d = _head_dim_of(query, head_num, input_layout)
+    q = to_bnsd(query, input_layout, d)
+    k = to_bnsd(key, input_layout, d)
+    v_dim = None
+    if input_layout in ("BSH", "SBH"):
+        v_dim = value.shape[-1] // k.shape[1]
+        if v_dim == 0:
+            raise FakeNpuError(f"value hidden size {value.shape[-1]} is below the "
+                               f"{k.shape[1]} key/value heads")
+    v = to_bnsd(value, input_layout, v_dim)
+    _check_shapes(q, k, v)
+    return q, k, v
+
+
+def _check_shapes(q, k, v):
+    if k.shape[-1] != q.shape[-1] or v.shape[-1] > k.shape[-1]:
+        raise FakeNpuError(f"head dims must satisfy qD == kD >= vD; got qD={q.shape[-1]}, "
+                           f"kD={k.shape[-1]}, vD={v.shape[-1]}")
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise FakeNpuError(f"head dim {q.shape[-1]} is outside [1, {MAX_HEAD_DIM}]")
+    if k.shape[:3] != v.shape[:3]:
+        raise FakeNpuError(f"key and value must match except D; got {tuple(k.shape)} (BNSD) "
+                           f"and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise FakeNpuError(f"batch sizes differ: query {q.shape[0]}, key {k.shape[0]}")
+    if q.shape[1] % k.shape[1]:
+        raise FakeNpuError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads "
+                           f"({k.shape[1]})")
+
+
+def expand_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, N2, S, D] -> [B, heads, S, D]: query head h reads key/value head h // (heads / N2)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def reduce_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Inverse of :func:`expand_groups` for gradients: sum each group of query heads."""
+    return x.unflatten(1, (kv_heads, -1)).sum(dim=2)
+
+
+# ---------------------------------------------------------------- masks
+
+def _compressed_mask_ok(mask: torch.Tensor) -> bool:
+    size = (COMPRESSED_MASK_SIZE,) * 2
+    if tuple(mask.shape) != size or mask.dtype not in (torch.bool, torch.uint8):
+        return False
+    want = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool,
+                      device=mask.device).triu(diagonal=1)
+    return torch.equal(mask.bool(), want)
+
+
+def _full_mask(mask: torch.Tensor, b: int, n: int, sq: int, skv: int) -> torch.Tensor:
+    """A user mask of shape SS / 11SS / B1SS / BNSS -> bool [B|1, N|1, Sq, Skv], True = masked."""
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise FakeNpuError(f"atten_mask must be bool or uint8, got {mask.dtype}")
+    shapes = {(sq, skv), (1, 1, sq, skv), (b, 1, sq, skv), (b, n, sq, skv)}
+    if tuple(mask.shape) not in shapes:
+        raise FakeNpuError(f"atten_mask shape {tuple(mask.shape)} is not one of "
+                           f"SS/11SS/B1SS/BNSS for B={b}, N={n}, Sq={sq}, Skv={skv}")
+    mask = mask.bool()
+    return mask.view(1, 1, sq, skv) if mask.dim() == 2 else mask
+
+
+def _band(sq: int, skv: int, pre: int, nxt: int, device) -> torch.Tensor:
+    """[Sq, Skv] True = visible: key j for query i iff i - pre <= j <= i + nxt.
+
+    The upper-left frame of sparse_mode 0; the other modes are shifted into it.
+    """
+    if pre + nxt < 0:
+        raise FakeNpuError(f"pre_tockens={pre} and next_tockens={nxt} leave no key visible "
+                           "(the band must overlap: pre + next >= 0)")
+    rows, cols = torch.arange(sq, device=device), torch.arange(skv, device=device)
+    offset = cols.view(1, -1) - rows.view(-1, 1)
+    return (offset >= -pre) & (offset <= nxt)
+
+
+def _check_negative_tokens(sq: int, skv: int, pre: int, nxt: int):
+    if nxt < 0 and -nxt >= skv:
+        raise FakeNpuError(f"next_tockens={nxt}: |next_tockens| must be below Skv={skv}")
+    if pre < 0 and -pre >= sq:
+        raise FakeNpuError(f"pre_tockens={pre}: |pre_tockens| must be below Sq={sq}")
+
+
+def visible(atten_mask, sparse_mode: int, pre: int, nxt: int, b: int, n: int, sq: int, skv: int,
+            device) -> Optional[torch.Tensor]:
+    """Bool [B|1, N|1, Sq, Skv], True = the query may see the key; None = everything visible."""
+    if sparse_mode in (5, 6, 7, 8):
+        raise NotImplementedError(f"fake torch_npu: sparse_mode={sparse_mode} (prefix/varlen) is "
+                                  "not implemented; use 0-4")
+    if sparse_mode not in (0, 1, 2, 3, 4):
+        raise FakeNpuError(f"sparse_mode={sparse_mode} is not a valid mode (0-8)")
+    if sparse_mode == 0:
+        if atten_mask is None:
+            return None  # documented: no mask -> no masking, pre/next ignored
+        _check_negative_tokens(sq, skv, pre, nxt)
+        return ~_full_mask(atten_mask, b, n, sq, skv) & _band(sq, skv, pre, nxt, device)
+    if atten_mask is None:
+        raise FakeNpuError(f"sparse_mode={sparse_mode} needs atten_mask (none was given)")
+    if sparse_mode == 1:
+        return ~_full_mask(atten_mask, b, n, sq, skv)
+    if not _compressed_mask_ok(atten_mask):
+        raise FakeNpuError(
+            f"sparse_mode={sparse_mode} takes the compressed mask: a bool/uint8 "
+            f"[{COMPRESSED_MASK_SIZE}, {COMPRESSED_MASK_SIZE}] triu(diagonal=1) tensor; got "
+            f"shape {tuple(atten_mask.shape)}, dtype {atten_mask.dtype}")
+    if sparse_mode == 2:
+        keep = _band(sq, skv, INT_MAX, 0, device)
+    elif sparse_mode == 3:
+        keep = _band(sq, skv, INT_MAX, skv - sq, device)
+    else:  # band counted from the lower-right vertex
+        keep = _band(sq, skv, pre - (skv - sq), nxt + (skv - sq), device)
+    return keep.view(1, 1, sq, skv)
+
+
+# ---------------------------------------------------------------- the op
+
+def _check_unsupported(pse, padding_mask, prefix, keep_prob):
+    if pse is not None or padding_mask is not None or prefix is not None:
+        raise NotImplementedError("fake torch_npu: pse, padding_mask and prefix are not "
+                                  "implemented")
+    if keep_prob != 1.0:
+        raise NotImplementedError("fake torch_npu: dropout (keep_prob < 1) is not implemented")
+
+
+def _scores(q, k, scale: float, keep: Optional[torch.Tensor]):
+    """Scaled scores in float32 with masked entries at -inf: [B, N1, Sq, Skv]."""
+    k = expand_groups(k, q.shape[1])
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    return s if keep is None else s.masked_fill(~keep, float("-inf"))
+
+
+def _probs(s: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+    """exp(s - max) / sum, with all-masked rows (sum 0) giving zeros instead of nan."""
+    e = torch.exp(s - row_max)  # masked entries: exp(-inf) = 0
+    return torch.where(row_sum > 0, e / row_sum.clamp_min(torch.finfo(e.dtype).tiny), 0.0)
+
+
+def _row_stats(s: torch.Tensor):
+    """Row max (detached: it only shifts the exponent) and sum of exp(s - max)."""
+    row_max = s.detach().amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    row_sum = torch.exp(s - row_max).sum(dim=-1, keepdim=True)
+    return row_max, row_sum
+
+
+def _record(name: str, **info):
+    module = sys.modules.get("torch_npu")
+    if getattr(module, "IS_FAKE", False):
+        module.calls.append(dict(name=name, **info))
+
+
+def _call_info(query, key, value, head_num, input_layout, atten_mask, scale, pre, nxt, sparse_mode):
+    return dict(input_layout=input_layout, head_num=head_num, sparse_mode=sparse_mode,
+                pre_tockens=pre, next_tockens=nxt, scale=scale,
+                atten_mask_shape=None if atten_mask is None else tuple(atten_mask.shape),
+                query_shape=tuple(query.shape), key_shape=tuple(key.shape),
+                value_shape=tuple(value.shape))
+
+
+def npu_fusion_attention(query, key, value, head_num, input_layout, *, pse=None, padding_mask=None,
+                         atten_mask=None, scale=1., keep_prob=1., pre_tockens=INT_MAX,
+                         next_tockens=INT_MAX, inner_precise=0, prefix=None, actual_seq_qlen=None,
+                         actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False):
+    """Returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)."""
+    _check_layout(input_layout, actual_seq_qlen, actual_seq_kvlen)
+    _check_unsupported(pse, padding_mask, prefix, keep_prob)
+    q, k, v = _bnsd_inputs(query, key, value, head_num, input_layout)
+    (b, n, sq, _), skv = q.shape, k.shape[2]
+    keep = visible(atten_mask, sparse_mode, pre_tockens, next_tockens, b, n, sq, skv, q.device)
+    _record("npu_fusion_attention", **_call_info(query, key, value, head_num, input_layout,
+                                                 atten_mask, scale, pre_tockens, next_tockens,
+                                                 sparse_mode))
+    s = _scores(q, k, scale, keep)
+    row_max, row_sum = _row_stats(s)
+    p = _probs(s, row_max, row_sum)
+    out = torch.matmul(p, expand_groups(v, n).float()).to(query.dtype)
+    stats = [x.detach().float().expand(b, n, sq, 8).contiguous() for x in (row_max, row_sum)]
+    return (from_bnsd(out, input_layout), stats[0], stats[1], query.new_empty([0]), 0, 0, 0)
+
+
+def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None,
+                              padding_mask=None, atten_mask=None, softmax_max=None,
+                              softmax_sum=None, softmax_in=None, attention_in=None,
+                              scale_value=1., keep_prob=1., pre_tockens=INT_MAX,
+                              next_tockens=INT_MAX, inner_precise=0, seed=0, offset=0, numels=0,
+                              prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                              sparse_mode=0, gen_mask_parallel=True, sync=False):
+    """Flash-attention backward from the saved row max/sum: returns (dq, dk, dv, dpse)."""
+    _check_layout(input_layout, actual_seq_qlen, actual_seq_kvlen)
+    _check_unsupported(pse, padding_mask, prefix, keep_prob)
+    if softmax_max is None or softmax_sum is None or attention_in is None:
+        raise FakeNpuError("npu_fusion_attention_grad needs softmax_max, softmax_sum and "
+                           "attention_in from the forward")
+    q, k, v = _bnsd_inputs(query, key, value, head_num, input_layout)
+    (b, n, sq, _), (kv_heads, skv) = q.shape, k.shape[1:3]
+    keep = visible(atten_mask, sparse_mode, pre_tockens, next_tockens, b, n, sq, skv, q.device)
+    _record("npu_fusion_attention_grad", **_call_info(query, key, value, head_num, input_layout,
+                                                      atten_mask, scale_value, pre_tockens,
+                                                      next_tockens, sparse_mode))
+    d_out = to_bnsd(dy, input_layout, v.shape[-1]).float()
+    out = to_bnsd(attention_in, input_layout, v.shape[-1]).float()
+    p = _probs(_scores(q, k, scale_value, keep), softmax_max[..., :1].float(),
+               softmax_sum[..., :1].float())
+    v_full, k_full = expand_groups(v, n).float(), expand_groups(k, n).float()
+    dv = torch.matmul(p.transpose(-1, -2), d_out)
+    dp = torch.matmul(d_out, v_full.transpose(-1, -2))
+    row_dot = (d_out * out).sum(dim=-1, keepdim=True)  # = rowsum(P * dP)
+    ds = p * (dp - row_dot) * scale_value
+    dq = torch.matmul(ds, k_full)
+    dk = torch.matmul(ds.transpose(-1, -2), q.float())
+    return (from_bnsd(dq.to(query.dtype), input_layout),
+            from_bnsd(reduce_groups(dk, kv_heads).to(key.dtype), input_layout),
+            from_bnsd(reduce_groups(dv, kv_heads).to(value.dtype), input_layout),
+            query.new_empty([0]))
+
+
+# ---------------------------------------------------------------- install
+
+def _build() -> types.ModuleType:
+    module = types.ModuleType("torch_npu", "CPU stand-in for torch_npu (tests/fake_torch_npu.py)")
+    module.__file__ = __file__
+    module.__version__ = "0.0.0+fake"
+    module.IS_FAKE = True
+    module.calls = []
+    module.reset_calls = module.calls.clear
+    module.npu_fusion_attention = npu_fusion_attention
+    module.npu_fusion_attention_grad = npu_fusion_attention_grad
+    return module
+
+
+def install() -> types.ModuleType:
+    """Put the stand-in in ``sys.modules["torch_npu"]`` (idempotent) and return it."""
+    current = sys.modules.get("torch_npu")
+    if getattr(current, "IS_FAKE", False):
+        return current
+    module = _build()
+    module.__dict__[_PREVIOUS] = current
+    sys.modules["torch_npu"] = module
+    return module
+
+
+def uninstall() -> None:
+    """Restore whatever ``torch_npu`` was before :func:`install` (nothing if it was absent)."""
+    current = sys.modules.get("torch_npu")
+    if not getattr(current, "IS_FAKE", False):
+        return
+    previous = current.__dict__.get(_PREVIOUS)
+    if previous is None:
+        del sys.modules["torch_npu"]
+    else:
+        sys.modules["torch_npu"] = previous

@@ -1,0 +1,173 @@
+"""kernel="npu" on CPU, through the torch_npu stand-in, against kernel="eager".
+
+The stand-in (tests/fake_torch_npu.py, checked in test_fake_torch_npu.py)
+implements the documented npu_fusion_attention semantics, so these tests
+prove that mindspeed_laga's NPU recipe (key prefix per segment + sparse_mode 3
++ the compressed 2048x2048 mask, BNSD, grouped heads, unpadded v dim) gives
+the same outputs and gradients as the eager kernel, for the segment shapes the
+CP layouts produce and for the three forms.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from mindspeed_laga import absorbed_attention, explicit_attention, laga_attention, layout
+from mindspeed_laga.kernels import attend
+
+try:
+    from . import fake_torch_npu
+except ImportError:  # tests/ is not a package: pytest put it on sys.path
+    import fake_torch_npu
+
+
+@pytest.fixture
+def fake_npu():
+    module = fake_torch_npu.install()
+    module.reset_calls()
+    yield module
+    fake_torch_npu.uninstall()
+
+
+def ulysses_segments(layout_name: str, cp_size: int, local_len: int):
+    """Every rank's tokens in rank order (what a ulysses all-to-all delivers)."""
+    return [(r * local_len + ls, n, g) for r in range(cp_size)
+            for ls, n, g in layout.segments(layout_name, cp_size, r, local_len)]
+
+
+# (segments, total keys): queries are the concatenated segments, keys are positions [0, total)
+SEGMENTS = {
+    "single": ([(0, 8, 0)], 8),
+    "contiguous_rank2_of4": (layout.segments("contiguous", 4, 2, 4), 16),
+    "zigzag_rank0_of2": (layout.segments("zigzag", 2, 0, 8), 16),
+    "zigzag_rank1_of2": (layout.segments("zigzag", 2, 1, 8), 16),
+    "zigzag_rank2_of4": (layout.segments("zigzag", 4, 2, 6), 24),
+    "ulysses_zigzag_4": (ulysses_segments("zigzag", 4, 4), 16),
+    "ulysses_contiguous_3": (ulysses_segments("contiguous", 3, 4), 12),
+}
+# (heads, kv heads, qk head dim, v head dim): per-head MLA (qk > v, unpadded) and absorbed (n_k = 1)
+HEADS = {"mla": (4, 4, 12, 8), "absorbed": (4, 1, 20, 16)}
+
+
+def make_qkv(segments, total, heads, dtype=torch.float32, seed=0):
+    n, n_k, d_qk, d_v = heads
+    s_q = sum(length for _, length, _ in segments)
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, n, s_q, d_qk, generator=g).to(dtype),
+            torch.randn(2, n_k, total, d_qk, generator=g).to(dtype),
+            torch.randn(2, n_k, total, d_v, generator=g).to(dtype))
+
+
+def run(kernel, q, k, v, dy, **kwargs):
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = attend(*leaves, **kwargs, kernel=kernel)
+    grads = torch.autograd.grad(out, leaves, dy)
+    return out.detach(), grads
+
+
+def assert_close_all(got, want, tol):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("case", sorted(SEGMENTS))
+def test_causal_segments_match_eager(fake_npu, case, heads):
+    segments, total = SEGMENTS[case]
+    q, k, v = make_qkv(segments, total, HEADS[heads])
+    dy = torch.randn(q.shape[:3] + (v.shape[-1],), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(scale=0.3, segments=segments, causal=True)
+    out, grads = run("npu", q, k, v, dy, **kwargs)
+    fake_npu_calls = list(fake_npu.calls)
+    want_out, want_grads = run("eager", q, k, v, dy, **kwargs)
+    assert_close_all((out,) + grads, (want_out,) + want_grads, tol=1e-5)
+    # The recipe: one call per segment, keys cut to the causal prefix, right-down causal mode.
+    assert len(fake_npu_calls) == len(segments)
+    for call, (_, length, start) in zip(fake_npu_calls, segments):
+        assert call["input_layout"] == "BNSD" and call["head_num"] == q.shape[1]
+        assert call["sparse_mode"] == 3 and call["atten_mask_shape"] == (2048, 2048)
+        assert call["query_shape"][2] == length and call["key_shape"][2] == start + length
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+def test_non_causal_matches_eager(fake_npu, heads):
+    segments, total = SEGMENTS["zigzag_rank0_of2"]
+    q, k, v = make_qkv(segments, total, HEADS[heads], seed=3)
+    dy = torch.randn(q.shape[:3] + (v.shape[-1],), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(scale=0.25, segments=segments, causal=False)
+    got = run("npu", q, k, v, dy, **kwargs)
+    want = run("eager", q, k, v, dy, **kwargs)
+    assert_close_all((got[0],) + got[1], (want[0],) + want[1], tol=1e-5)
+    assert all(c["sparse_mode"] == 0 and c["atten_mask_shape"] is None
+               and c["key_shape"][2] == total for c in fake_npu.calls)
+
+
+def test_bfloat16_matches_eager_loosely(fake_npu):
+    """bf16: the fused kernel keeps P in float32, eager rounds it to bf16 first."""
+    segments, total = SEGMENTS["ulysses_zigzag_4"]
+    q, k, v = make_qkv(segments, total, HEADS["mla"], dtype=torch.bfloat16, seed=5)
+    dy = torch.randn(q.shape[:3] + (v.shape[-1],), generator=torch.Generator().manual_seed(6))
+    kwargs = dict(scale=0.3, segments=segments, causal=True)
+    got = run("npu", q, k, v, dy.bfloat16(), **kwargs)
+    want = run("eager", q, k, v, dy.bfloat16(), **kwargs)
+    assert got[0].dtype == torch.bfloat16
+    assert_close_all((got[0],) + got[1], (want[0],) + want[1], tol=5e-2)
+
+
+# ------------------------------------------------------------ the three forms, no CP
+
+FORMS = {"laga": laga_attention, "explicit": explicit_attention, "absorbed": absorbed_attention}
+
+
+def mla_inputs(s=8, b=2, n=4, d_n=8, d_r=4, d_v=6, d_c=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(s, b, n, d_n + d_r, generator=g),
+            torch.randn(s, b, d_c, generator=g),
+            torch.randn(s, b, d_r, generator=g),
+            torch.randn(n * (d_n + d_v), d_c, generator=g) / d_c ** 0.5)
+
+
+def run_form(form, kernel, inputs, dy, **kwargs):
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    out = FORMS[form](*leaves, softmax_scale=0.3, kernel=kernel, **kwargs)
+    return (out.detach(),) + torch.autograd.grad(out, leaves, dy)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_forms_match_eager_without_cp(fake_npu, form, causal):
+    inputs = mla_inputs()
+    dy = torch.randn(8, 2, 4 * 6, generator=torch.Generator().manual_seed(9))
+    got = run_form(form, "npu", inputs, dy, causal=causal)
+    assert fake_npu.calls, "kernel='npu' did not reach torch_npu.npu_fusion_attention"
+    calls = list(fake_npu.calls)
+    want = run_form(form, "eager", inputs, dy, causal=causal)
+    assert_close_all(got, want, tol=1e-5)
+    n_k, d_qk = (1, 16 + 4) if form == "absorbed" else (4, 8 + 4)
+    assert all(c["key_shape"][1] == n_k and c["key_shape"][3] == d_qk for c in calls)
+    assert all(c["sparse_mode"] == (3 if causal else 0) for c in calls)
+
+
+def test_laga_trimmed_prefix_matches_eager(fake_npu):
+    inputs = mla_inputs(seed=2)
+    dy = torch.randn(8, 2, 4 * 6, generator=torch.Generator().manual_seed(3))
+    got = run_form("laga", "npu", inputs, dy, trim_causal_prefix=True)
+    want = run_form("laga", "eager", inputs, dy, trim_causal_prefix=True)
+    assert_close_all(got, want, tol=1e-5)
+
+
+# ------------------------------------------------------------ no torch_npu
+
+def test_npu_kernel_without_torch_npu_names_it(monkeypatch):
+    fake_torch_npu.uninstall()
+    # None in sys.modules makes `import torch_npu` fail even where a real one is installed.
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    segments, total = SEGMENTS["single"]
+    q, k, v = make_qkv(segments, total, HEADS["mla"])
+    with pytest.raises(ValueError, match="torch_npu"):
+        attend(q, k, v, scale=0.3, segments=segments, causal=True, kernel="npu")
+    for form in FORMS.values():
+        with pytest.raises(ValueError, match="torch_npu"):
+            form(*mla_inputs(), softmax_scale=0.3, kernel="npu")
