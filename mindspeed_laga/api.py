@@ -52,7 +52,7 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
       can see under the causal mask.
     - ``recompute_kv``: keep only the gathered latent for backward and rebuild
       K/V there; attention runs blockwise with an online softmax
-      (kernel 'eager' or 'auto').
+      (kernel 'eager', 'npu' or 'auto').
     - ``kv_block_size``: keys per rebuilt block (needs ``recompute_kv``); full
       sequence K/V then never exist at once. None: one block.
     - ``latent_gather``: the handle of ``start_latent_gather(kv_latent,

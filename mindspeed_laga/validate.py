@@ -119,11 +119,11 @@ def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False) -
     recompute path, which runs its own online-softmax math); 'npu' needs torch_npu."""
     if kernel == "auto":
         kernel = "npu" if device.type == "npu" else ("eager" if blockwise else "sdpa")
-    if blockwise and kernel != "eager":
+    if blockwise and kernel not in ("eager", "npu"):
         raise ValueError(
-            f"recompute_kv=True attends blockwise with its own online-softmax math and supports "
-            f"kernel='eager' or 'auto' (on CPU/GPU), not kernel={kernel!r}; drop recompute_kv to "
-            "use that kernel")
+            f"recompute_kv=True attends blockwise and merges blocks by their softmax statistics, "
+            f"which kernel={kernel!r} does not return; use kernel='eager', 'npu' or 'auto', or "
+            "drop recompute_kv to use that kernel")
     if kernel == "npu":
         from .kernels import npu
         npu.require_torch_npu()

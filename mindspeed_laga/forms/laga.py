@@ -77,5 +77,5 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
                      kv_lora_rank=d.kv_lora_rank, scale=setup.softmax_scale, causal=setup.causal,
                      segments=tuple(query_segments(setup)),
                      block_size=kv_block_size or max(latent.shape[0], 1),
-                     skip_invisible_blocks=trim_causal_prefix)
+                     skip_invisible_blocks=trim_causal_prefix, kernel=setup.kernel)
     return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))

@@ -15,8 +15,10 @@ log-sum-exp, and pushes dK/dV straight back through the up-projection to
 the latent and ``kv_up_weight``. Full-sequence K/V never exist, in forward
 or backward.
 
-The per-block math is eager (scores of one block materialized at a time),
-in float32 for half-precision inputs.
+Each (block, query rows) pair goes to a block kernel (``block_kernels``):
+eager math with one block's scores materialized, or ``npu_fusion_attention``
+and ``npu_fusion_attention_grad``, whose softmax statistics merge blocks the
+same way. Accumulation is float32 for half-precision inputs.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import Segment
+from .block_kernels import BLOCK_KERNELS
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class BlockPlan:
     segments: Tuple[Segment, ...]
     block_size: int
     skip_invisible_blocks: bool  # causal prefix trimming: no rebuild of unseen blocks
+    kernel: str = "eager"        # per-block kernel: "eager" or "npu" (block_kernels.py)
 
 
 def blocks(plan: BlockPlan, num_keys: int):
@@ -51,17 +55,21 @@ def blocks(plan: BlockPlan, num_keys: int):
     return [(k0, min(k0 + plan.block_size, last)) for k0 in range(0, last, plan.block_size)]
 
 
-def visible_segments(plan: BlockPlan, k0: int, k1: int):
-    """(segment, keep-mask or None) for each query segment that sees a key of [k0, k1)."""
-    for seg in plan.segments:
-        _, n, g = seg
-        if plan.causal and k0 > g + n - 1:
+def visible_rows(plan: BlockPlan, k0: int, k1: int, device):
+    """(query rows, keep-mask or None) for each segment's rows that see a key of [k0, k1).
+
+    Rows whose position is before ``k0`` see nothing of the block and are cut,
+    so every row handed to a block kernel has at least one visible key.
+    """
+    for start, n, g in plan.segments:
+        first = max(0, k0 - g) if plan.causal else 0
+        if first >= n:
             continue
         keep = None
-        if plan.causal and k1 - 1 > g:
-            q_pos = torch.arange(g, g + n).unsqueeze(1)
-            keep = torch.arange(k0, k1).unsqueeze(0) <= q_pos
-        yield seg, keep
+        if plan.causal and k1 - 1 > g + first:
+            q_pos = torch.arange(g + first, g + n, device=device).unsqueeze(1)
+            keep = torch.arange(k0, k1, device=device).unsqueeze(0) <= q_pos
+        yield slice(start + first, start + n), keep
 
 
 def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
@@ -74,37 +82,26 @@ def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockP
     return key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
 
 
-def _scores(q_seg, key, keep, scale):
-    s = torch.matmul(q_seg.float(), key.float().transpose(-1, -2)) * scale
-    return s if keep is None else s.masked_fill(~keep.to(s.device), float("-inf"))
-
-
 def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
-    """Online-softmax attention over rebuilt key blocks -> (out [b,h,s_q,d_v], lse fp32)."""
+    """Attention over rebuilt key blocks, merged by log-sum-exp -> (out, lse float32)."""
+    kernel = BLOCK_KERNELS[plan.kernel]
     b, h, s_q, _ = q.shape
-    acc = torch.zeros(b, h, s_q, plan.v_head_dim, dtype=torch.float32, device=q.device)
-    row_max = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q.device)
-    row_sum = torch.zeros(b, h, s_q, dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, h, s_q, plan.v_head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q.device)
     for k0, k1 in blocks(plan, latent.shape[0]):
         key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
-        for (start, n, _), keep in visible_segments(plan, k0, k1):
-            rows = slice(start, start + n)
-            s = _scores(q[:, :, rows], key, keep, plan.scale)
-            new_max = torch.maximum(row_max[:, :, rows], s.amax(dim=-1))
-            safe = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-            p = torch.exp(s - safe.unsqueeze(-1))
-            alpha = torch.exp(row_max[:, :, rows] - safe)
-            row_sum[:, :, rows] = row_sum[:, :, rows] * alpha + p.sum(dim=-1)
-            acc[:, :, rows] = acc[:, :, rows] * alpha.unsqueeze(-1) + torch.matmul(p, value.float())
-            row_max[:, :, rows] = new_max
-    out = acc / row_sum.unsqueeze(-1)
-    return out.to(q.dtype), row_max + torch.log(row_sum)
+        for rows, keep in visible_rows(plan, k0, k1, q.device):
+            block_out, block_lse = kernel.forward(q[:, :, rows], key, value, keep, plan.scale)
+            new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
+                               + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+            lse[:, :, rows] = new_lse
+    return out.to(q.dtype), lse
 
 
 def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan):
     """Grads of q, the gathered latent and kv_up_weight, one rebuilt key block at a time."""
-    d_c = plan.kv_lora_rank
-    delta = (d_out.float() * out.float()).sum(dim=-1)  # rowsum(dO * O)
+    kernel = BLOCK_KERNELS[plan.kernel]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     d_latent = torch.zeros(latent.shape, dtype=torch.float32, device=q.device)
     d_weight = torch.zeros(kv_up_weight.shape, dtype=torch.float32, device=q.device)
@@ -112,14 +109,12 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
         key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
         d_key = torch.zeros(key.shape, dtype=torch.float32, device=q.device)
         d_value = torch.zeros(value.shape, dtype=torch.float32, device=q.device)
-        for (start, n, _), keep in visible_segments(plan, k0, k1):
-            rows = slice(start, start + n)
-            p = torch.exp(_scores(q[:, :, rows], key, keep, plan.scale) - lse[:, :, rows].unsqueeze(-1))
-            do = d_out[:, :, rows].float()
-            d_value += torch.matmul(p.transpose(-1, -2), do)
-            ds = p * (torch.matmul(do, value.float().transpose(-1, -2)) - delta[:, :, rows].unsqueeze(-1))
-            dq[:, :, rows] += torch.matmul(ds, key.float()) * plan.scale
-            d_key += torch.matmul(ds.transpose(-1, -2), q[:, :, rows].float()) * plan.scale
+        for rows, keep in visible_rows(plan, k0, k1, q.device):
+            dq_b, dk_b, dv_b = kernel.backward(q[:, :, rows], key, value, keep, plan.scale,
+                                               d_out[:, :, rows], out[:, :, rows], lse[:, :, rows])
+            dq[:, :, rows] += dq_b
+            d_key += dk_b
+            d_value += dv_b
         _through_rebuild(latent[k0:k1], kv_up_weight, d_key, d_value, d_latent[k0:k1], d_weight, plan)
     return dq.to(q.dtype), d_latent.to(latent.dtype), d_weight.to(kv_up_weight.dtype)
 
