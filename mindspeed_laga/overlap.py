@@ -65,7 +65,8 @@ class LatentGather:
     def __init__(self, kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, cp_group):
         self.kv_latent, self.k_pos_emb, self.cp_group = kv_latent, k_pos_emb, cp_group
         self._state = _State(cp_group)
-        latent = torch.cat([kv_latent, k_pos_emb], dim=-1)
+        from .forms.common import concat_latent
+        latent = concat_latent(kv_latent, k_pos_emb)
         self._latent = _WaitForGradient.apply(latent, self._state)
         self._buffer, self._pending = comm.all_gather_raw(self._latent.detach(), cp_group, "forward",
                                                           "latent", async_op=True)

@@ -99,9 +99,32 @@ def query_segments(setup: AttnSetup) -> List[Segment]:
     return [(r * s + ls, n, g) for r in range(P) for ls, n, g in layouts.segments(setup.layout, P, r, s)]
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    The gradients of the two halves of a concatenation are strided slices;
+    Megatron's ``copy_to_tensor_model_parallel_region`` (core 0.12.1 and
+    0.16.1) skips its TP all-reduce on a strided gradient, so the latent's
+    gradient must leave LAGA contiguous.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def concat_latent(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor) -> torch.Tensor:
+    """``[kv_latent, k_pos_emb]`` [s, b, d_c + d_r], handing back contiguous grads."""
+    return torch.cat([_ContiguousGrad.apply(kv_latent), _ContiguousGrad.apply(k_pos_emb)], dim=-1)
+
+
 def gathered_latent(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
     """All-gather ``[kv_latent, k_pos_emb]`` (d_c + d_r per token), in position order."""
-    latent = torch.cat([kv_latent, k_pos_emb], dim=-1)
+    latent = concat_latent(kv_latent, k_pos_emb)
     if setup.cp_size == 1:
         return latent
     return to_position_order(comm.gather_seq(latent, setup.cp_group, "latent"), setup)
