@@ -1,0 +1,75 @@
+"""LAGA's command-line flags and what they mean for the core.
+
+Every LAGA flag is registered here, in one argument group, so later options
+(recompute, block size, causal-prefix trimming, overlap) are added in one
+place and reach the patch through :func:`laga_settings`.
+
+MindSpeed's ``--context-parallel-algo`` decides both the collective pattern
+and the batch layout (``get_batch_on_this_cp_rank``); LAGA must use the same
+layout, so the algorithm maps to a (cp_algo, layout) pair of the core:
+
+- ``ulysses_cp_algo``: heads split over CP, rank r holds the contiguous
+  slice r -> ("ulysses", "contiguous").
+- ``kvallgather_cp_algo`` and ``megatron_cp_algo``: queries stay local, the
+  batch is the load-balanced 2*CP-chunk zigzag -> ("allgather", "zigzag").
+  For the ring algorithm LAGA replaces the ring with one latent all-gather.
+- ``hybrid_cp_algo`` is not mapped: it nests Ulysses groups inside a ring,
+  so there are two CP groups and each rank holds a contiguous piece of a
+  zigzag pair of chunks, a layout the core does not describe. Use
+  ``ulysses_cp_algo`` or ``kvallgather_cp_algo`` (with LAGA the all-gather
+  moves 576 values per token, so the ring/Ulysses mix buys little).
+"""
+from __future__ import annotations
+
+from argparse import ArgumentParser, Namespace
+from dataclasses import dataclass
+
+FEATURE_NAME = "mla-latent-all-gather"
+FLAG = "--" + FEATURE_NAME
+KERNEL_CHOICES = ("auto", "eager", "npu")
+
+CP_ALGO_MAP = {
+    "ulysses_cp_algo": ("ulysses", "contiguous"),
+    "kvallgather_cp_algo": ("allgather", "zigzag"),
+    "megatron_cp_algo": ("allgather", "zigzag"),
+}
+# MindSpeed's default when --context-parallel-algo is not given
+DEFAULT_CP_ALGO = "megatron_cp_algo"
+
+
+def register_laga_args(parser: ArgumentParser) -> None:
+    group = parser.add_argument_group(title="mla latent all-gather (LAGA)")
+    group.add_argument(FLAG, action="store_true", default=False,
+                       help="MLA under context parallelism: all-gather the kv latent and rope key "
+                            "(kv_lora_rank + qk_pos_emb_head_dim values per token) instead of "
+                            "per-head K/V, and rebuild K/V locally with linear_kv_up_proj.")
+    group.add_argument("--mla-laga-kernel", choices=KERNEL_CHOICES, default="auto",
+                       help="LAGA attention kernel: npu = torch_npu.npu_fusion_attention, "
+                            "eager = plain matmul/softmax, auto = npu on NPU tensors, "
+                            "else torch's scaled_dot_product_attention.")
+
+
+def cp_algo_and_layout(context_parallel_algo: str):
+    """(core cp_algo, core layout) for a MindSpeed --context-parallel-algo, or None."""
+    return CP_ALGO_MAP.get(context_parallel_algo)
+
+
+@dataclass(frozen=True)
+class LagaSettings:
+    """What the patched forward needs from the validated arguments."""
+
+    cp_algo: str
+    layout: str
+    kernel: str
+
+
+def laga_settings(args: Namespace) -> LagaSettings:
+    """Settings for the core; ``validate_args`` has already rejected unmapped algorithms."""
+    algo = getattr(args, "context_parallel_algo", None) or DEFAULT_CP_ALGO
+    mapped = cp_algo_and_layout(algo)
+    if mapped is None:
+        raise ValueError(f"{FLAG} does not support --context-parallel-algo {algo}; "
+                         f"use one of {sorted(CP_ALGO_MAP)}")
+    cp_algo, layout = mapped
+    return LagaSettings(cp_algo=cp_algo, layout=layout,
+                        kernel=getattr(args, "mla_laga_kernel", None) or "auto")

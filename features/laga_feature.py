@@ -1,0 +1,51 @@
+"""``LAGAFeature``: LAGA as a MindSpeed feature, enabled by ``--mla-latent-all-gather``.
+
+Built like MindSpeed's ``MLAFeature``: it registers its flags, validates them
+after Megatron's validation and registers one patch, a wrapper around
+MindSpeed-LLM's ``CustomMLASelfAttention.forward``. MindSpeed-LLM has no
+plugin hook, so ``python -m mindspeed_laga.launch`` adds the feature to
+``MindSpeedFeaturesManager.FEATURES_LIST`` (see docs/INTEGRATION.md).
+"""
+from __future__ import annotations
+
+import logging
+from argparse import ArgumentParser, Namespace
+
+from .laga_args import FEATURE_NAME, FLAG, register_laga_args
+from .laga_checks import check_laga_args, context_parallel_size
+
+try:  # the real base when MindSpeed is installed, so MindSpeed treats us as its own
+    from mindspeed.features_manager.feature import MindSpeedFeature as _Base
+except ImportError:
+    from .base import MindSpeedFeatureBase as _Base
+
+logger = logging.getLogger(__name__)
+
+MLA_FORWARD = ("mindspeed_llm.tasks.models.transformer.multi_latent_attention."
+               "CustomMLASelfAttention.forward")
+
+
+class LAGAFeature(_Base):
+    """Latent All-Gather Attention for MLA under context parallelism."""
+
+    def __init__(self):
+        super().__init__(FEATURE_NAME, optimization_level=2)
+
+    def register_args(self, parser: ArgumentParser):
+        register_laga_args(parser)
+
+    def validate_args(self, args: Namespace):
+        # MindSpeed validates every feature, enabled or not
+        if not getattr(args, self.feature_name, False):
+            return
+        if not check_laga_args(args):
+            logger.warning("%s has no effect with --context-parallel-size 1: MLA attends to the "
+                           "whole sequence locally", FLAG)
+
+    def register_patches(self, patch_manager, args: Namespace):
+        # args here come from MindSpeed-LLM's early parse_known_args: unknown
+        # Megatron flags such as --context-parallel-size are still strings
+        if context_parallel_size(args) == 1:
+            return
+        from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+        patch_manager.register_patch(MLA_FORWARD, laga_mla_forward_wrapper)

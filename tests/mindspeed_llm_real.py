@@ -1,0 +1,380 @@
+"""LAGA against MindSpeed-LLM's *real* ``CustomMLASelfAttention`` and argument pipeline, on CPU.
+
+Run by tests/test_mindspeed_llm_patch.py when ``MINDSPEED_LLM_SRC`` is set, or directly:
+
+    MINDSPEED_LLM_SRC=/src/MindSpeed-LLM MINDSPEED_SRC=/src/MindSpeed \\
+    MEGATRON_SRC=/src/Megatron-LM  # checked out at tag core_v0.12.1
+    python tests/mindspeed_llm_real.py
+
+(six, regex, pyyaml, tqdm and einops must be importable, e.g. via PYTHONPATH.)
+The sources go first on sys.path, so Megatron core_v0.12.1 shadows an installed
+megatron-core. Following DESIGN.md section 8: ``TRAINING_BACKEND=none`` (no
+MindSpeed patches, no ``transfer_to_npu``), stub modules for what is missing
+(torch_npu, transformer_engine, scipy, torchair, acl, apex; any attribute is a
+class that also passes decorated functions through), ``torch.cuda.current_device``
+-> CPU, a no-op RNG-tracker fork, a CPU default causal mask, and Megatron's
+device-arch probe answered without CUDA.
+
+What it checks (exit status 0 = all passed):
+
+1. The real argument pipeline: ``mindspeed_laga.launch.install_laga_feature``
+   puts ``LAGAFeature`` last in MindSpeed-LLM's real features list; Megatron's
+   strict ``parse_args`` with MindSpeed-LLM's ``process_args_v2`` accepts
+   ``--mla-latent-all-gather``; MindSpeed-LLM's validation runs LAGA's checks
+   (``--enable-mla-absorb`` -> LAGA's ValueError). ``LAGAFeature`` subclasses
+   MindSpeed's ``MindSpeedFeature`` and is applied by its ``is_need_apply``;
+   MindSpeed's real patch manager installs the wrapper on
+   ``CustomMLASelfAttention.forward``.
+2. Numerics, per case, with the arguments produced by that pipeline and the
+   module built from ``get_mla_self_attn_submodules`` (transformer_impl local),
+   against the real forward (real ``MlaDotProductAttention`` core, hence its
+   softmax scale incl. yarn mscale): output, hidden-states grad and every
+   parameter grad (TP shards concatenated, replicated grads summed over SP
+   ranks, all summed over CP ranks as Megatron's reduction does). Runs: the LAGA
+   path at TP = CP = 1; the patched forward at CP = 2 for all three mapped
+   algorithms (config.context_parallel_size = 1, as MindSpeed sets it); TP = 2
+   with sequence parallelism and CP = 2; TP = 2 without it at CP = 1 and 2
+   (reference: the real forward at TP = 2, see ``check_numerics``).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+SEQ, BATCH, SEED, TOLERANCE = 16, 2, 1234, 1e-5
+MODEL = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", "1",
+         "--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+         "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--disable-bias-linear",
+         "--normalization", "RMSNorm", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+         "--lr", "1e-4", "--train-iters", "1", "--transformer-impl", "local",
+         "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
+         "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--attention-dropout", "0",
+         "--hidden-dropout", "0",
+         "--mla-latent-all-gather"]
+CASES = {
+    "qlora-fused-kvallgather": ["--q-lora-rank", "24", "--qk-layernorm",
+                                "--context-parallel-algo", "kvallgather_cp_algo"],
+    "qlora-mmsplit-scaled-ulysses-yarn": [
+        "--q-lora-rank", "24", "--qk-layernorm", "--mla-mm-split", "--enable-mla-scale-q-lora",
+        "--enable-mla-scale-kv-lora", "--context-parallel-algo", "ulysses_cp_algo",
+        "--rope-scaling-type", "yarn", "--rope-scaling-factor", "40",
+        "--rope-scaling-mscale-all-dim", "1.0"],
+    "noqlora-fused-megatron": ["--context-parallel-algo", "megatron_cp_algo"],
+}
+TP_CASES = ("qlora-fused-kvallgather", "qlora-mmsplit-scaled-ulysses-yarn")
+STUBBED = ("torch_npu", "transformer_engine", "scipy", "torchair", "acl", "apex")
+STUB_ATTRS = {"transformer_engine": {"__version__": "2.2.0"}, "torch_npu": {"__version__": "2.7.1"}}
+
+
+# --- environment ----------------------------------------------------------------------------
+
+class _StubMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        sub = _StubMeta(name, (cls,), {})
+        setattr(cls, name, sub)
+        return sub
+
+
+class Stub(nn.Module, metaclass=_StubMeta):
+    """Any attribute of a stub module: subclassable, callable, a pass-through decorator."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def __call__(self, *args, **kwargs):
+        return args[0] if len(args) == 1 and callable(args[0]) else Stub()
+
+
+class StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _StubMeta(name, (Stub,), {})
+        setattr(self, name, value)
+        return value
+
+
+class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Creates a StubModule for every module under the given (missing) top-level names."""
+
+    def __init__(self, roots):
+        self.roots = roots
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = StubModule(spec.name)
+        module.__path__, module.__file__ = [], f"/stub/{spec.name.replace('.', '/')}.py"
+        module.__dict__.update(STUB_ATTRS.get(spec.name, {}))
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def prepare() -> None:
+    """Sources first on sys.path, stubs for what is missing, the launcher's feature
+    registration, CPU shims (idempotent)."""
+    for key in ("MEGATRON_SRC", "MINDSPEED_SRC", "MINDSPEED_LLM_SRC"):
+        if os.environ[key] not in sys.path:
+            sys.path.insert(0, os.environ[key])
+    os.environ["TRAINING_BACKEND"] = "none"
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asserts it with CP
+    if not any(isinstance(f, StubFinder) for f in sys.meta_path):
+        missing = {r for r in STUBBED if importlib.util.find_spec(r) is None}
+        sys.meta_path.insert(0, StubFinder(missing))
+        from mindspeed_laga.launch import install_laga_feature
+        install_laga_feature()  # what `python -m mindspeed_laga.launch` does first
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    from megatron.core import tensor_parallel
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as transformer_utils
+    import megatron.training.arguments as megatron_arguments
+
+    tracker = SimpleNamespace(fork=lambda *a, **k: contextlib.nullcontext())
+    tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: tracker
+
+    def cpu_causal_mask(sq):
+        return torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
+
+    transformer_utils.get_default_causal_mask = cpu_causal_mask
+    fused_softmax.get_default_causal_mask = cpu_causal_mask
+    megatron_arguments.get_device_arch_version = lambda: 9
+
+
+def megatron_args(argv, world_size):
+    """Megatron core_v0.12.1's parse_args + MindSpeed-LLM's features, then their validation."""
+    from megatron.training.arguments import parse_args, validate_args
+    from mindspeed_llm.training.arguments import process_args_v2, validate_args_v2_decorator
+
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0")
+    saved, sys.argv = sys.argv, ["pretrain_gpt.py", *argv]
+    try:
+        args = parse_args(process_args_v2)
+        with contextlib.redirect_stdout(None):  # it prints every argument
+            return validate_args_v2_decorator(validate_args)(args)
+    finally:
+        sys.argv = saved
+
+
+# --- 1. argument pipeline and patch manager -------------------------------------------------
+
+def check_pipeline() -> None:
+    from mindspeed.features_manager.feature import MindSpeedFeature
+    from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
+    from mindspeed.patch_utils import MindSpeedPatchesManager
+
+    from mindspeed_laga.features import LAGAFeature
+    from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+
+    args = megatron_args(MODEL + CASES["qlora-fused-kvallgather"] +
+                         ["--context-parallel-size", "2"], world_size=2)
+    features = MindSpeedFeaturesManager.FEATURES_LIST
+    assert isinstance(features[-1], LAGAFeature), [type(f).__name__ for f in features[-3:]]
+    assert issubclass(LAGAFeature, MindSpeedFeature)
+    assert args.mla_latent_all_gather and args.context_parallel_size == 2
+    assert features[-1].is_need_apply(args)  # MindSpeed's rule, with the parsed --optimization-level
+    try:
+        megatron_args(MODEL + CASES["qlora-fused-kvallgather"] +
+                      ["--context-parallel-size", "2", "--enable-mla-absorb"], world_size=2)
+    except ValueError as exc:
+        assert "--enable-mla-absorb" in str(exc), exc
+    else:
+        raise AssertionError("--enable-mla-absorb was not rejected")
+
+    from mindspeed_llm.tasks.models.transformer import multi_latent_attention as mla
+    original = mla.CustomMLASelfAttention.forward
+    features[-1].register_patches(MindSpeedPatchesManager, args)
+    MindSpeedPatchesManager.apply_patches()
+    try:
+        patched = mla.CustomMLASelfAttention.forward
+        assert patched.__wrapped__ is original and patched.__code__ is \
+            laga_mla_forward_wrapper(original).__code__
+    finally:  # remove_patches does not always restore class methods (DESIGN.md section 8)
+        MindSpeedPatchesManager.remove_patches()
+        mla.CustomMLASelfAttention.forward = original
+    print("pipeline: ok")
+
+
+# --- 2. numerics ----------------------------------------------------------------------------
+
+def _build(argv, tp_size, cp_size, sequence_parallel):
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.global_vars import set_args
+    from mindspeed_llm.tasks.models.transformer import multi_latent_attention as mla
+
+    parallel = ["--context-parallel-size", str(cp_size), "--tensor-model-parallel-size",
+                str(tp_size)] + (["--sequence-parallel"] if sequence_parallel else [])
+    args = megatron_args(argv + parallel, tp_size * cp_size)
+    set_args(args)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                             context_parallel_size=cp_size)
+    config = core_transformer_config_from_args(args)
+    config.context_parallel_size = 1  # what MindSpeed's CP attention leaves in the shared config
+    submodules = mla.get_mla_self_attn_submodules(
+        qk_layernorm=args.qk_layernorm, mla_mm_split=args.mla_mm_split, enable_dsa_indexer=False)
+    torch.manual_seed(SEED)  # with CPU initialization every TP rank slices the same master weights
+    module = mla.CustomMLASelfAttention(config, submodules, layer_number=1,
+                                        attn_mask_type=AttnMaskType.causal)
+    return args, module
+
+
+def _run(module, forward, hidden, rope, grad_out):
+    module.zero_grad(set_to_none=True)
+    hidden = hidden.detach().clone().requires_grad_()
+    output, bias = forward(hidden, rope)
+    assert bias is None
+    (output * grad_out).sum().backward()
+    return dict(output=output.detach(), hidden_grad=hidden.grad,
+                param_grads={n: p.grad.clone() for n, p in module.named_parameters()
+                             if p.grad is not None},
+                # TP-sharded weights: the dim to concatenate over TP ranks; others are summed
+                partition={n: (p.partition_dim if getattr(p, "tensor_model_parallel", False)
+                               else None) for n, p in module.named_parameters()})
+
+
+def worker(rank, world_size, tp_size, sequence_parallel, cases):
+    """CP = world/TP; this rank's tokens: the CP layout's shard, then, under sequence
+    parallelism, its TP slice. At CP = 1: the real forward and the LAGA path (called
+    directly); at CP > 1: the patched forward, which takes the LAGA path."""
+    prepare()
+    from megatron.core import parallel_state
+
+    from mindspeed_laga import layout as layouts
+    from mindspeed_laga.features.laga_args import laga_settings
+    from mindspeed_laga.patches.mindspeed_llm_mla import (laga_mla_forward_wrapper,
+                                                          laga_self_attention)
+
+    cp_size = world_size // tp_size
+    results = {}
+    for name, extra in cases.items():
+        args, module = _build(MODEL + extra, tp_size, cp_size, sequence_parallel)
+        try:
+            generator = torch.Generator().manual_seed(SEED)
+            hidden = torch.randn(SEQ, BATCH, 64, generator=generator)
+            grad_out = torch.randn(SEQ, BATCH, 64, generator=generator)
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            cp_rank = parallel_state.get_context_parallel_rank()
+            cp_group = parallel_state.get_context_parallel_group()
+            layout = laga_settings(args).layout
+            res = results[name] = dict(softmax_scale=module.core_attention.softmax_scale,
+                                       layout=layout, tp_rank=tp_rank, cp_rank=cp_rank)
+
+            def local(t):
+                t = layouts.shard(t, layout, cp_size, cp_rank, dim=0)
+                return t.chunk(tp_size)[tp_rank] if sequence_parallel else t
+
+            inputs = (local(hidden), layouts.shard(_rope_table(SEQ, 8), layout, cp_size, cp_rank,
+                                                   dim=0), local(grad_out))
+            if cp_size == 1:
+                res["original"] = _run(module, lambda h, r: module(h, None, rotary_pos_emb=r),
+                                       *inputs)
+                res["laga"] = _run(module, lambda h, r: laga_self_attention(
+                    module, h, r, cp_group, args), *inputs)
+            else:
+                patched = laga_mla_forward_wrapper(type(module).forward)
+                res["laga"] = _run(module, lambda h, r: patched(module, h, None, rotary_pos_emb=r),
+                                   *inputs)
+        finally:
+            parallel_state.destroy_model_parallel()
+    return results
+
+
+def _rope_table(seq_len, dim, base=10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+
+
+def _assemble(per_rank, name, which, tp_size, sequence_parallel):
+    """Full-sequence output and grads of run ``which`` from every rank's shard."""
+    from mindspeed_laga import layout as layouts
+
+    cp_size = len(per_rank) // tp_size
+    by_rank = {(r[name]["cp_rank"], r[name]["tp_rank"]): r[name][which] for r in per_rank}
+    layout = per_rank[0][name]["layout"]
+
+    def sequence(key):
+        tp_parts = range(tp_size) if sequence_parallel else [0]  # else TP ranks hold copies
+        return layouts.unshard([torch.cat([by_rank[(c, t)][key] for t in tp_parts])
+                                for c in range(cp_size)], layout)
+
+    grads = {}
+    for key in by_rank[(0, 0)]["param_grads"]:
+        dim = by_rank[(0, 0)]["partition"][key]
+        per_cp = []
+        for c in range(cp_size):
+            parts = [by_rank[(c, t)]["param_grads"][key] for t in range(tp_size)]
+            if dim is not None:
+                per_cp.append(torch.cat(parts, dim=dim))
+            else:  # replicated: partial sums under SP, copies without
+                per_cp.append(sum(parts) if sequence_parallel else parts[0])
+        grads[key] = sum(per_cp)  # Megatron reduces over dp x cp
+    return dict(output=sequence("output"), hidden_grad=sequence("hidden_grad"), param_grads=grads)
+
+
+def _max_relative_error(got, ref):
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    assert got["param_grads"].keys() == ref["param_grads"].keys()
+    errors = [rel(got["output"], ref["output"]), rel(got["hidden_grad"], ref["hidden_grad"])]
+    errors += [rel(got["param_grads"][k], g) for k, g in ref["param_grads"].items()]
+    return max(errors)
+
+
+def check_numerics() -> None:
+    """Every run against the real forward. With sequence parallelism (or TP = 1) the
+    reference is TP = CP = 1 on one rank. Without it, MindSpeed-LLM's forward leaves the
+    rope key's grad partial per TP rank (it never all-reduces it), so the reference is the
+    real forward at the same TP and CP = 1."""
+    from mindspeed_laga.spawn import run_on_ranks
+
+    def check(label, got, ref):
+        error = _max_relative_error(got, ref)
+        print(f"{label}: max relative error {error:.2e}")
+        assert error <= TOLERANCE, label
+
+    single = run_on_ranks(worker, 1, 1, False, CASES)
+    for name in CASES:
+        print(f"{name}: softmax_scale {single[0][name]['softmax_scale']:.6f}")
+        check(f"{name}: LAGA vs real forward, TP=CP=1", _assemble(single, name, "laga", 1, False),
+              single[0][name]["original"])
+    for tp_size, cp_size, sp, names in ((1, 2, False, CASES), (2, 2, True, TP_CASES)):
+        per_rank = run_on_ranks(worker, tp_size * cp_size, tp_size, sp,
+                                {k: CASES[k] for k in names})
+        for name in names:
+            check(f"{name}: LAGA at TP={tp_size} CP={cp_size} SP={sp} vs real forward, TP=CP=1",
+                  _assemble(per_rank, name, "laga", tp_size, sp), single[0][name]["original"])
+    names = {k: CASES[k] for k in TP_CASES[:1]}
+    tp2 = run_on_ranks(worker, 2, 2, False, names)
+    tp2_cp2 = run_on_ranks(worker, 4, 2, False, names)
+    for name in names:
+        ref = _assemble(tp2, name, "original", 2, False)
+        check(f"{name}: LAGA at TP=2 CP=1 vs real forward at TP=2",
+              _assemble(tp2, name, "laga", 2, False), ref)
+        check(f"{name}: LAGA at TP=2 CP=2 vs real forward at TP=2",
+              _assemble(tp2_cp2, name, "laga", 2, False), ref)
+
+
+if __name__ == "__main__":
+    prepare()
+    check_pipeline()
+    check_numerics()
+    print("real CustomMLASelfAttention: ok")

@@ -1,0 +1,53 @@
+"""scripts/pretrain_deepseek3_laga.sh, dry-run: the LAGA=1 toggle changes exactly the
+launcher and LAGA's flags, and the flags it passes satisfy LAGAFeature's checks."""
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from laga_parser import parser_with_laga
+
+from mindspeed_laga.features import LAGAFeature
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_deepseek3_laga.sh"
+
+
+def dry_run(**env):
+    proc = subprocess.run(["bash", str(SCRIPT)], env=dict(os.environ, DRY_RUN="1", **env),
+                          capture_output=True, text=True, timeout=60, check=True)
+    return shlex.split(proc.stdout)
+
+
+def script_args(tokens):
+    return tokens[tokens.index("pretrain_gpt.py") + 1:]
+
+
+def validate(tokens):
+    feature = LAGAFeature()
+    args, _unknown = parser_with_laga(feature).parse_known_args(script_args(tokens))
+    feature.validate_args(args)
+    return args
+
+
+def test_laga_toggle_adds_launcher_and_flags_only():
+    with_laga, without = dry_run(LAGA="1"), dry_run(LAGA="0")
+    i = with_laga.index("pretrain_gpt.py")
+    assert with_laga[i - 2:i] == ["-m", "mindspeed_laga.launch"]
+    assert "mindspeed_laga.launch" not in without
+    extra = script_args(with_laga)
+    for flag in ("--mla-latent-all-gather", "--mla-laga-kernel", "auto"):
+        extra.remove(flag)
+    assert extra == script_args(without)
+
+
+@pytest.mark.parametrize("cp_type", ["kvallgather_cp_algo", "ulysses_cp_algo", "megatron_cp_algo"])
+def test_script_flags_pass_laga_validation(cp_type):
+    args = validate(dry_run(LAGA="1", CP_TYPE=cp_type))
+    assert args.mla_latent_all_gather and args.context_parallel_size == 2
+    assert not args.reset_attention_mask  # LAGA rejects packed sequences
+
+
+def test_an_unsupported_override_is_caught():
+    with pytest.raises(ValueError, match="hybrid_cp_algo"):
+        validate(dry_run(LAGA="1", CP_TYPE="hybrid_cp_algo"))

@@ -1,0 +1,197 @@
+"""LAGAFeature on a real argparse parser: flags, is_need_apply, every validation
+error, the --context-parallel-algo mapping and patch registration.
+
+The parser (tests/laga_parser.py) holds LAGA's own flags plus the upstream
+flags the checks read, with their upstream names, defaults and destinations.
+"""
+import argparse
+import importlib.util
+import logging
+
+import pytest
+from laga_parser import parse
+
+from mindspeed_laga.features import LAGAFeature
+from mindspeed_laga.features.laga_args import laga_settings
+from mindspeed_laga.features.laga_feature import MLA_FORWARD
+from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+
+VALID = ["--multi-latent-attention", "--disable-bias-linear", "--num-attention-heads", "8",
+         "--seq-length", "64", "--context-parallel-size", "2", "--mla-latent-all-gather"]
+
+
+def validate(argv):
+    feature = LAGAFeature()
+    args = parse(argv, feature)
+    feature.validate_args(args)
+    return args
+
+
+class RecordingPatchManager:
+    """Records register_patch calls the way MindSpeedPatchesManager receives them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def register_patch(self, orig_func_name, new_func=None, force_patch=False, create_dummy=False):
+        self.calls.append((orig_func_name, new_func, force_patch))
+
+
+# --- flags and is_need_apply ---------------------------------------------------------------
+
+def test_flags_default_off_and_parse():
+    args = parse([])
+    assert args.mla_latent_all_gather is False and args.mla_laga_kernel == "auto"
+    args = parse(["--mla-latent-all-gather", "--mla-laga-kernel", "eager"])
+    assert args.mla_latent_all_gather is True and args.mla_laga_kernel == "eager"
+
+
+def test_unknown_kernel_is_rejected_by_the_parser():
+    with pytest.raises(SystemExit):
+        parse(["--mla-laga-kernel", "flash"])
+
+
+def test_feature_name_and_is_need_apply():
+    feature = LAGAFeature()
+    assert feature.feature_name == "mla_latent_all_gather"
+    assert not feature.is_need_apply(parse([]))
+    assert feature.is_need_apply(parse(["--mla-latent-all-gather"]))
+    # optimization level 2 feature: off when the user asks for level 1
+    level_1 = parse(["--mla-latent-all-gather", "--optimization-level", "1"])
+    assert not feature.is_need_apply(level_1)
+
+
+# --- validation ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("algo", ["ulysses_cp_algo", "kvallgather_cp_algo", "megatron_cp_algo"])
+def test_supported_configurations_validate(algo):
+    validate(VALID + ["--context-parallel-algo", algo])
+
+
+def test_disabled_feature_validates_nothing():
+    validate(["--enable-mla-absorb", "--reset-attention-mask", "--context-parallel-size", "2"])
+
+
+# (extra arguments, text the error must contain); each must fail only because of them
+REJECTED = [
+    (["--enable-mla-absorb"], "--enable-mla-absorb"),
+    (["--use-sparse-flash-attn"], "--use-sparse-flash-attn"),
+    (["--enable-dsa-indexer"], "--enable-dsa-indexer"),
+    (["--reset-attention-mask"], "--reset-attention-mask"),
+    (["--reset-position-ids"], "--reset-position-ids"),
+    (["--neat-pack"], "--neat-pack"),
+    (["--shape-order", "TND"], "--shape-order TND"),
+    (["--attention-mask-type", "general"], "--attention-mask-type general"),
+    (["--tp-2d"], "--tp-2d"),
+    (["--mla-up-proj-tp-overlap"], "--mla-up-proj-tp-overlap"),
+    (["--recompute-mla-up-proj"], "--recompute-mla-up-proj"),
+    (["--mla-zero-memory"], "--mla-zero-memory"),
+    (["--mla-swap-core-attn-out"], "--mla-swap-core-attn-out"),
+    (["--add-qkv-bias"], "--add-qkv-bias"),
+    (["--fp8-format", "hybrid"], "--fp8-format"),
+    (["--recompute-granularity", "selective"], "--recompute-granularity selective"),
+    (["--context-parallel-algo", "hybrid_cp_algo"], "hybrid_cp_algo"),
+    (["--context-parallel-algo", "hybrid_adaptive_cp_algo"], "hybrid_adaptive_cp_algo"),
+    # 8 heads over TP 2 x CP 8 = 16
+    (["--context-parallel-algo", "ulysses_cp_algo", "--tensor-model-parallel-size", "2",
+      "--context-parallel-size", "8"], "--num-attention-heads 8"),
+    # zigzag: 2 x CP = 8 chunks; 68 % 8 != 0
+    (["--context-parallel-algo", "kvallgather_cp_algo", "--context-parallel-size", "4",
+      "--seq-length", "68"], "--seq-length 68"),
+    (["--context-parallel-algo", "megatron_cp_algo", "--context-parallel-size", "4",
+      "--seq-length", "68"], "2 x --context-parallel-size"),
+    # contiguous: CP chunks; 66 % 4 != 0
+    (["--context-parallel-algo", "ulysses_cp_algo", "--context-parallel-size", "4",
+      "--seq-length", "66"], "--seq-length 66"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", REJECTED, ids=[" ".join(e) for e, _ in REJECTED])
+def test_unsupported_combinations_raise_value_error_naming_the_flag(extra, needle):
+    with pytest.raises(ValueError) as info:
+        validate(VALID + extra)
+    message = str(info.value)
+    assert needle in message and "--mla-latent-all-gather" in message
+
+
+def test_zigzag_divisibility_is_the_only_failure_of_the_seq_length_cases():
+    # 68 tokens fit contiguous CP=4 (17 each) but not the zigzag 8 chunks
+    validate(VALID + ["--context-parallel-algo", "ulysses_cp_algo", "--context-parallel-size",
+                      "4", "--seq-length", "68"])
+
+
+def test_bias_is_rejected_unless_disabled():
+    argv = [a for a in VALID if a != "--disable-bias-linear"]
+    with pytest.raises(ValueError, match="--disable-bias-linear"):
+        validate(argv)
+
+
+def test_multi_latent_attention_is_required_at_every_cp_size():
+    for cp in ("1", "2"):
+        argv = [a for a in VALID if a != "--multi-latent-attention"]
+        argv[argv.index("--context-parallel-size") + 1] = cp
+        with pytest.raises(ValueError, match="--multi-latent-attention"):
+            validate(argv)
+
+
+def test_cp_size_one_is_a_logged_no_op(caplog):
+    argv = list(VALID)
+    argv[argv.index("--context-parallel-size") + 1] = "1"
+    with caplog.at_level(logging.WARNING):
+        validate(argv + ["--enable-mla-absorb"])  # LAGA never runs, so nothing to reject
+    assert any("no effect" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu present")
+def test_npu_kernel_without_torch_npu_is_rejected():
+    with pytest.raises(ValueError, match="--mla-laga-kernel npu"):
+        validate(VALID + ["--mla-laga-kernel", "npu"])
+
+
+# --- cp-algo mapping -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("algo,expected", [
+    ("ulysses_cp_algo", ("ulysses", "contiguous")),
+    ("kvallgather_cp_algo", ("allgather", "zigzag")),
+    ("megatron_cp_algo", ("allgather", "zigzag")),
+])
+def test_cp_algo_mapping(algo, expected):
+    settings = laga_settings(parse(VALID + ["--context-parallel-algo", algo,
+                                            "--mla-laga-kernel", "eager"]))
+    assert (settings.cp_algo, settings.layout, settings.kernel) == expected + ("eager",)
+
+
+def test_default_cp_algo_maps_like_megatron_cp_algo():
+    args = argparse.Namespace(mla_laga_kernel="auto")  # no --context-parallel-algo registered
+    assert (laga_settings(args).cp_algo, laga_settings(args).layout) == ("allgather", "zigzag")
+
+
+def test_unmapped_cp_algo_has_no_settings():
+    with pytest.raises(ValueError, match="hybrid_cp_algo"):
+        laga_settings(parse(VALID + ["--context-parallel-algo", "hybrid_cp_algo"]))
+
+
+# --- patch registration --------------------------------------------------------------------
+
+def test_register_patches_wraps_the_mindspeed_llm_mla_forward():
+    manager = RecordingPatchManager()
+    LAGAFeature().register_patches(manager, parse(VALID))
+    assert manager.calls == [(MLA_FORWARD, laga_mla_forward_wrapper, False)]
+    # MindSpeed stacks functions named *wrapper around the target instead of replacing it
+    assert laga_mla_forward_wrapper.__name__.endswith("wrapper")
+    assert MLA_FORWARD == ("mindspeed_llm.tasks.models.transformer.multi_latent_attention."
+                           "CustomMLASelfAttention.forward")
+
+
+def test_register_patches_reads_early_string_args():
+    # MindSpeed-LLM applies patches with parse_known_args: Megatron flags arrive as strings
+    manager = RecordingPatchManager()
+    LAGAFeature().register_patches(manager, argparse.Namespace(context_parallel_size="2"))
+    assert [c[0] for c in manager.calls] == [MLA_FORWARD]
+
+
+def test_register_patches_is_a_no_op_at_cp_size_one():
+    manager = RecordingPatchManager()
+    LAGAFeature().register_patches(manager, argparse.Namespace(context_parallel_size="1"))
+    LAGAFeature().register_patches(manager, argparse.Namespace())
+    assert manager.calls == []
