@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from argparse import ArgumentParser, Namespace
 from dataclasses import dataclass
+from typing import Optional
 
 FEATURE_NAME = "mla-latent-all-gather"
 FLAG = "--" + FEATURE_NAME
@@ -46,7 +47,20 @@ def register_laga_args(parser: ArgumentParser) -> None:
     group.add_argument("--mla-laga-kernel", choices=KERNEL_CHOICES, default="auto",
                        help="LAGA attention kernel: npu = torch_npu.npu_fusion_attention, "
                             "eager = plain matmul/softmax, auto = npu on NPU tensors, "
-                            "else torch's scaled_dot_product_attention.")
+                            "else torch's scaled_dot_product_attention (eager with "
+                            "--mla-laga-recompute-kv).")
+    group.add_argument("--mla-laga-recompute-kv", action="store_true", default=False,
+                       help="keep only the gathered latent for backward and rebuild K/V there "
+                            "(attention runs blockwise with an online softmax)")
+    group.add_argument("--mla-laga-kv-block-size", type=int, default=None, metavar="KEYS",
+                       help="with --mla-laga-recompute-kv: rebuild and attend this many keys at "
+                            "a time, so full-sequence K/V never exist (default: one block)")
+    group.add_argument("--mla-laga-trim-causal-prefix", action="store_true", default=False,
+                       help="rebuild only the keys this rank's queries can see under the causal "
+                            "mask")
+    group.add_argument("--mla-laga-overlap", action="store_true", default=False,
+                       help="start the latent all-gather before the query projection and "
+                            "overlap its backward reduce-scatter with the dq work")
 
 
 def cp_algo_and_layout(context_parallel_algo: str):
@@ -61,6 +75,16 @@ class LagaSettings:
     cp_algo: str
     layout: str
     kernel: str
+    recompute_kv: bool = False
+    kv_block_size: Optional[int] = None
+    trim_causal_prefix: bool = False
+    overlap: bool = False
+
+    def core_options(self) -> dict:
+        """Keywords of ``laga_attention`` besides the tensors, scale and group."""
+        return dict(cp_algo=self.cp_algo, layout=self.layout, kernel=self.kernel,
+                    recompute_kv=self.recompute_kv, kv_block_size=self.kv_block_size,
+                    trim_causal_prefix=self.trim_causal_prefix)
 
 
 def laga_settings(args: Namespace) -> LagaSettings:
@@ -72,4 +96,8 @@ def laga_settings(args: Namespace) -> LagaSettings:
                          f"use one of {sorted(CP_ALGO_MAP)}")
     cp_algo, layout = mapped
     return LagaSettings(cp_algo=cp_algo, layout=layout,
-                        kernel=getattr(args, "mla_laga_kernel", None) or "auto")
+                        kernel=getattr(args, "mla_laga_kernel", None) or "auto",
+                        recompute_kv=bool(getattr(args, "mla_laga_recompute_kv", False)),
+                        kv_block_size=getattr(args, "mla_laga_kv_block_size", None),
+                        trim_causal_prefix=bool(getattr(args, "mla_laga_trim_causal_prefix", False)),
+                        overlap=bool(getattr(args, "mla_laga_overlap", False)))

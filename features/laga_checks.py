@@ -67,6 +67,7 @@ def check_laga_args(args: Namespace) -> bool:
     cp_algo, layout = _check_cp_algo(args)
     _check_split(args, cp_size, cp_algo, layout)
     _check_kernel(args)
+    _check_options(args)
     return True
 
 
@@ -132,3 +133,16 @@ def _check_kernel(args: Namespace) -> None:
     if wants_npu and importlib.util.find_spec("torch_npu") is None:
         raise ValueError("--mla-laga-kernel npu needs torch_npu (Ascend CANN + torch_npu); "
                          "install it or use --mla-laga-kernel auto")
+
+
+def _check_options(args: Namespace) -> None:
+    block = getattr(args, "mla_laga_kv_block_size", None)
+    if block is None:
+        return
+    if block <= 0:
+        raise ValueError(f"{FLAG} with --mla-laga-kv-block-size {block}: the block size must be a "
+                         "positive number of keys")
+    if not getattr(args, "mla_laga_recompute_kv", False):
+        raise ValueError(f"{FLAG} with --mla-laga-kv-block-size needs --mla-laga-recompute-kv "
+                         "(blockwise rebuild keeps no K/V for backward): add "
+                         "--mla-laga-recompute-kv or drop the block size")

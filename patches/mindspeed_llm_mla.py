@@ -20,6 +20,7 @@ import math
 import torch
 
 from mindspeed_laga.api import laga_attention
+from mindspeed_laga.overlap import start_latent_gather
 from mindspeed_laga.features.laga_args import laga_settings
 
 # forward arguments that only non-training or packed paths pass; any of them -> original
@@ -64,17 +65,19 @@ def _laga_cp_group(self, call, megatron_args):
 
 def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args):
     """MLA self-attention with LAGA as the core; returns ``linear_proj``'s (output, bias)."""
-    query, kv_latent, k_pos_emb = _mla_inputs(self, hidden_states, rotary_pos_emb)
+    settings = laga_settings(megatron_args)
+    overlap = settings.overlap and torch.distributed.get_world_size(cp_group) > 1
+    query, kv_latent, k_pos_emb, gather = _mla_inputs(self, hidden_states, rotary_pos_emb,
+                                                      cp_group if overlap else None)
     hooked = getattr(self, "a2a_hooked_on_attention", False)
     if hooked:  # --moe-fb-overlap: start the MoE all-to-all where the original does
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
             launch_async_all2all)
         launch_async_all2all()
-    settings = laga_settings(megatron_args)
     core_out = laga_attention(query, kv_latent, k_pos_emb, _kv_up_weight(self),
                               softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
-                              cp_algo=settings.cp_algo, layout=settings.layout,
-                              kernel=settings.kernel)
+                              check_ranks=_first_call(self), latent_gather=gather,
+                              **settings.core_options())
     if hooked and core_out.requires_grad:
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
             launch_async_all2all_hook)
@@ -82,10 +85,20 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     return self.linear_proj(core_out)
 
 
-def _mla_inputs(self, hidden_states, rotary_pos_emb):
-    """query [s,b,n,d_n+d_r], kv_latent [s,b,d_c], k_pos_emb [s,b,d_r] as the original builds them.
+def _first_call(self) -> bool:
+    """Agree on shapes across the CP group on a module's first call only: every
+    rank runs the same modules in the same order, so they skip it together."""
+    first = not getattr(self, "_laga_checked", False)
+    self._laga_checked = True
+    return first
 
-    s is this CP rank's tokens, gathered over TP under sequence parallelism.
+
+def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None):
+    """query [s,b,n,d_n+d_r], kv_latent [s,b,d_c], k_pos_emb [s,b,d_r] as the original builds
+    them, and the latent all-gather already started when ``overlap_group`` is given.
+
+    s is this CP rank's tokens, gathered over TP under sequence parallelism. The
+    latent is finished first so its gather overlaps the query projection.
     """
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
@@ -101,8 +114,6 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb):
         self.linear_qkv(hidden_states), [self.q_rank, self.kv_lora_rank, self.qk_pos_emb_head_dim],
         dim=-1)
 
-    q_no_pe, q_pos_emb = _query_parts(self, q_compressed, s, b, n)
-
     kv_latent = self.kv_layernorm(kv_compressed)
     if self.mla_scale_kv_lora is not None:
         kv_latent = kv_latent * self.mla_scale_kv_lora
@@ -116,16 +127,23 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb):
         # TP all-reduce needs: see mindspeed_laga.forms.common.concat_latent)
         kv_latent = copy_to_tensor_model_parallel_region(kv_latent)
     k_pos_emb = k_pos_emb.view(s, b, 1, self.qk_pos_emb_head_dim)
-
+    if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
+        rotary_pos_emb = (rotary_pos_emb,) * 2
     if rotary_pos_emb is not None:
-        if not isinstance(rotary_pos_emb, tuple):
-            rotary_pos_emb = (rotary_pos_emb,) * 2
-        q_pos_emb = apply_rotary_pos_emb(q_pos_emb, rotary_pos_emb[0], config=self.config,
-                                         cu_seqlens=None)
         k_pos_emb = apply_rotary_pos_emb(k_pos_emb, rotary_pos_emb[1], config=self.config,
                                          cu_seqlens=None)
+    k_pos_emb = k_pos_emb.reshape(s, b, self.qk_pos_emb_head_dim)
+    gather = None
+    if overlap_group is not None:
+        gather = start_latent_gather(kv_latent, k_pos_emb, cp_group=overlap_group,
+                                     check_ranks=not getattr(self, "_laga_checked", False))
+
+    q_no_pe, q_pos_emb = _query_parts(self, q_compressed, s, b, n)
+    if rotary_pos_emb is not None:
+        q_pos_emb = apply_rotary_pos_emb(q_pos_emb, rotary_pos_emb[0], config=self.config,
+                                         cu_seqlens=None)
     query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
-    return query, kv_latent, k_pos_emb.reshape(s, b, self.qk_pos_emb_head_dim)
+    return query, kv_latent, k_pos_emb, gather
 
 
 def _query_parts(self, q_compressed, s, b, n):

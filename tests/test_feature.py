@@ -46,6 +46,19 @@ def test_flags_default_off_and_parse():
     assert args.mla_latent_all_gather is True and args.mla_laga_kernel == "eager"
 
 
+def test_option_flags_reach_the_core():
+    args = validate(VALID + ["--mla-laga-recompute-kv", "--mla-laga-kv-block-size", "512",
+                             "--mla-laga-trim-causal-prefix", "--mla-laga-overlap"])
+    settings = laga_settings(args)
+    assert settings.overlap is True
+    assert settings.core_options() == dict(
+        cp_algo="allgather", layout="zigzag", kernel="auto", recompute_kv=True,
+        kv_block_size=512, trim_causal_prefix=True)
+    plain = laga_settings(validate(VALID))
+    assert (plain.recompute_kv, plain.kv_block_size, plain.trim_causal_prefix, plain.overlap) == (
+        False, None, False, False)
+
+
 def test_unknown_kernel_is_rejected_by_the_parser():
     with pytest.raises(SystemExit):
         parse(["--mla-laga-kernel", "flash"])
@@ -103,6 +116,8 @@ REJECTED = [
     # contiguous: CP chunks; 66 % 4 != 0
     (["--context-parallel-algo", "ulysses_cp_algo", "--context-parallel-size", "4",
       "--seq-length", "66"], "--seq-length 66"),
+    (["--mla-laga-kv-block-size", "512"], "needs --mla-laga-recompute-kv"),
+    (["--mla-laga-recompute-kv", "--mla-laga-kv-block-size", "0"], "--mla-laga-kv-block-size 0"),
 ]
 
 

@@ -50,6 +50,15 @@ CASES = {
                              context_parallel_algo="megatron_cp_algo",
                              rope_scaling_type="yarn", rope_scaling_factor=4.0,
                              rope_scaling_mscale_all_dim=0.7), a2a=True),
+    # the options of docs/BEYOND.md, all on, through the feature's flags
+    "qlora-fused-kvallgather-recompute-blockwise-trim-overlap": dict(
+        config={}, args=dict(qk_layernorm=True, context_parallel_algo="kvallgather_cp_algo",
+                             mla_laga_recompute_kv=True, mla_laga_kv_block_size=3,
+                             mla_laga_trim_causal_prefix=True, mla_laga_overlap=True)),
+    "noqlora-mmsplit-ulysses-recompute-overlap": dict(
+        config=dict(q_lora_rank=None), args=dict(
+            mla_mm_split=True, context_parallel_algo="ulysses_cp_algo", mla_laga_recompute_kv=True,
+            mla_laga_kv_block_size=4, mla_laga_overlap=True)),
 }
 
 
