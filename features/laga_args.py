@@ -1,8 +1,7 @@
 """LAGA's command-line flags and what they mean for the core.
 
-Every LAGA flag is registered here, in one argument group, so later options
-(recompute, block size, causal-prefix trimming, overlap) are added in one
-place and reach the patch through :func:`laga_settings`.
+Every LAGA flag is registered here, in one argument group, and reaches the
+patch through :func:`laga_settings`.
 
 MindSpeed's ``--context-parallel-algo`` decides both the collective pattern
 and the batch layout (``get_batch_on_this_cp_rank``); LAGA must use the same
