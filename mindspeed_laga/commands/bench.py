@@ -1,0 +1,362 @@
+"""``mindspeed-laga bench``: the forms side by side, measured, beside the cost model.
+
+Runs explicit, absorbed, LAGA and every LAGA option this build's
+``laga_attention`` accepts (prefix trimming, K/V recompute, blockwise,
+overlapped latent gather) forward+backward on P ranks: spawned gloo workers
+on CPU by default, or this process's rank under torchrun (RANK/WORLD_SIZE
+set; any backend). For each variant and sequence length: collective bytes
+(byte counter), activation bytes saved for backward (saved-tensor hooks,
+each storage once, kv_up_weight excluded) beside the cost model's figure,
+peak accelerator memory where there is one, median fwd+bwd time, and the
+worst relative error against the float64 single-process reference.
+Writes JSON (every figure in the table) and, with matplotlib, PNG plots.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import Dict, List, Optional
+
+from .. import costmodel as cm
+from .plan import one_line_errors
+from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
+
+FORMS = ("explicit", "absorbed", "laga")
+DEFAULT_LAYOUT = {"allgather": "zigzag", "ulysses": "contiguous"}
+MiB = 2 ** 20
+
+# The table: (header, JSON key, format). Every cell is a key of the row's JSON.
+COLUMNS = (
+    ("variant", "variant", "{:<20}"),
+    ("fwd bytes", "comm_forward_bytes", "{:>10,}"),
+    ("bwd bytes", "comm_backward_bytes", "{:>10,}"),
+    ("wire bytes", "comm_wire_bytes", "{:>11,}"),
+    ("expl/form", "comm_explicit_over_form", "{:>9}"),
+    ("saved KiB", "saved_kib", "{:>10.1f}"),
+    ("model KiB", "model_saved_kib", "{:>10.1f}"),
+    ("meas/model", "saved_measured_over_model", "{:>10}"),
+    ("form/expl", "saved_form_over_explicit", "{:>9}"),
+    ("peak MiB", "peak_mib", "{:>8}"),
+    ("ms", "ms", "{:>8.2f}"),
+    ("max rel err", "max_rel_err", "{:>11.2e}"),
+)
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="measure bytes, saved activations, time and error per form",
+                       description=__doc__.split("\n\n")[1])
+    one_line_errors(p, "bench")
+    p.add_argument("--cp", type=positive_int, default=4,
+                   help="CP size: gloo processes to spawn (default 4); under torchrun the world size")
+    p.add_argument("--cp-algo", choices=("allgather", "ulysses", "both"), default="both")
+    p.add_argument("--seq-lens", default="128,256,512",
+                   help="comma-separated full sequence lengths (default 128,256,512)")
+    p.add_argument("--kernel", choices=("eager", "sdpa", "npu", "auto"), default="sdpa",
+                   help="attention kernel of the non-recomputing variants (default sdpa); "
+                        "recompute variants use 'auto' (eager on CPU/GPU, npu on NPU)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--kv-block-size", type=positive_int, default=None,
+                   help="keys per block of the blockwise variants (default: S/4)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="timed runs per variant")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--forms-only", action="store_true",
+                   help="only explicit, absorbed and LAGA (no LAGA options)")
+    p.add_argument("--json", default="bench.json", metavar="PATH",
+                   help="write every figure here (default bench.json; '-' = stdout only)")
+    p.add_argument("--plot", default="bench.png", metavar="PATH",
+                   help="PNG plots (needs matplotlib; default bench.png; '' = none)")
+    p.add_argument("--backend", default=None,
+                   help="torchrun only: process-group backend (default nccl on CUDA, hccl on NPU, gloo)")
+    add_shape_args(p, CPU_DEFAULT)
+
+
+# ---------------------------------------------------------------- what to run
+
+def parse_seq_lens(text: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seq-lens {text!r} must be comma-separated integers, e.g. 128,256")
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"--seq-lens {text!r} must list positive lengths")
+    return values
+
+
+def variants_for(args, seq_len: int, cp_size: int) -> List[cm.Variant]:
+    """The three forms plus every LAGA option this build of laga_attention accepts."""
+    from ..measure import laga_options, overlap_available
+    out = [cm.Variant(f, f) for f in FORMS]
+    if args.forms_only:
+        return out
+    opts = laga_options()
+    block = args.kv_block_size or max(seq_len // 4, 1)
+    if "trim_causal_prefix" in opts:
+        out.append(cm.Variant("laga+trim", "laga", trim=True))
+    if "recompute_kv" in opts:
+        out.append(cm.Variant("laga+recompute", "laga", recompute=True))
+        if "kv_block_size" in opts:
+            out.append(cm.Variant("laga+blockwise", "laga", recompute=True, block_size=block))
+            if "trim_causal_prefix" in opts:
+                out.append(cm.Variant("laga+blockwise+trim", "laga", trim=True, recompute=True,
+                                      block_size=block))
+    if cp_size > 1 and overlap_available():
+        # A pair with the same stand-in query projection; only the second overlaps it.
+        out.append(cm.Variant("laga+qproj", "laga"))
+        out.append(cm.Variant("laga+overlap", "laga", overlap=True))
+    return out
+
+
+def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type: str) -> cm.Config:
+    dims = cm.MLADims(shape.heads, shape.qk_head_dim, shape.rope_dim, shape.v_head_dim, shape.kv_lora_rank)
+    # torch SDPA's CPU dispatch is what the model's "sdpa" describes; on an accelerator
+    # its kernels keep no score matrix: model them as "fused".
+    if kernel == "auto":
+        kernel = {"cpu": "sdpa", "npu": "npu"}.get(device_type, "fused")
+    model_kernel = "fused" if kernel == "sdpa" and device_type != "cpu" else kernel
+    return cm.Config(dims, shape.seq_len, shape.batch, cp_size, 1, algo, DEFAULT_LAYOUT[algo],
+                     args.dtype, model_kernel, True)
+
+
+def build_runs(args, cp_size: int, device_type: str):
+    from .. import equivalence as eq
+    from ..measure import Run
+    algos = ("allgather", "ulysses") if args.cp_algo == "both" else (args.cp_algo,)
+    runs, models = [], []
+    for seq_len in parse_seq_lens(args.seq_lens):
+        shape = shape_from_args(args, seq_len)
+        for algo in algos:
+            cfg = model_config(args, shape, cp_size, algo, args.kernel, device_type)
+            variants = variants_for(args, seq_len, cp_size)
+            cm.validate(cfg, variants)
+            for v in variants:
+                kernel = "auto" if v.recompute else args.kernel
+                case = eq.Case(form=v.form, cp_algo=algo, layout=DEFAULT_LAYOUT[algo], kernel=kernel,
+                               dtype=args.dtype, shape=shape, options=tuple(v.options().items()))
+                runs.append(Run(case=case, variant=v.name, options=case.options, overlap=v.overlap,
+                                query_projection=v.name in ("laga+qproj", "laga+overlap")))
+                mcfg = cfg if not v.recompute else replace(cfg, kernel="eager")
+                models.append(cm.form_cost(mcfg, v, 0))
+    return runs, models
+
+
+# ---------------------------------------------------------------- rows
+
+def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
+    """One JSON row per run: measured (rank 0, worst error/time over ranks) and modelled."""
+    from .. import equivalence as eq
+    rows = []
+    refs: Dict[tuple, dict] = {}
+    for i, (run, model) in enumerate(zip(runs, models)):
+        ranks = [r[i] for r in per_rank]
+        case = run.case
+        key = (case.shape, case.dtype, case.seed, case.causal)
+        if key not in refs:
+            refs[key] = eq.reference(case)
+        err = max(eq.relative_errors(eq.assemble(ranks, case), refs[key]).values())
+        r0 = ranks[0]
+        fwd = _comm(r0, "forward", "payload")
+        bwd = _comm(r0, "backward", "payload")
+        wire = _comm(r0, "forward", "wire") + _comm(r0, "backward", "wire")
+        peak = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
+        rows.append({
+            "seq_len": case.shape.seq_len, "cp_algo": case.cp_algo, "layout": case.layout,
+            "variant": run.variant, "form": case.form, "kernel": case.kernel,
+            "model_kernel": model.kernel, "options": dict(case.options), "overlap": run.overlap,
+            "comm_forward_bytes": fwd, "comm_backward_bytes": bwd, "comm_wire_bytes": wire,
+            "comm_design_bytes": sum(r0["design_bytes"].values()),
+            "model_comm_forward_bytes": model.comm_bytes("forward"),
+            "model_comm_backward_bytes": model.comm_bytes("backward"),
+            "model_comm_wire_bytes": model.comm_bytes(None, "wire"),
+            "saved_bytes": r0["saved_bytes"], "saved_kib": r0["saved_bytes"] / 1024,
+            "saved_bytes_by_rank": [r["saved_bytes"] for r in ranks],
+            "model_saved_bytes": model.saved_bytes, "model_saved_kib": model.saved_bytes / 1024,
+            "model_saved_terms": [t.__dict__ for t in model.saved],
+            "saved_measured_over_model": _ratio(r0["saved_bytes"], model.saved_bytes),
+            "peak_bytes": max(peak) if peak else None,
+            "peak_mib": f"{max(peak) / MiB:.1f}" if peak else "-",
+            "ms": 1e3 * max(r["seconds"] for r in ranks),
+            "comm_seconds": r0.get("comm_seconds"),
+            "max_rel_err": err,
+        })
+    _add_relative(rows)
+    return rows
+
+
+def _comm(result, direction, measure) -> int:
+    return sum(v[measure] for k, v in result["comm"].get(direction, {}).items() if k != "handshake")
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def _add_relative(rows: List[dict]) -> None:
+    """Ratios against explicit at the same (seq_len, cp_algo); the overlap share."""
+    groups: Dict[tuple, Dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault((r["seq_len"], r["cp_algo"]), {})[r["variant"]] = r
+    for group in groups.values():
+        ex = group["explicit"]
+        for r in group.values():
+            total = r["comm_forward_bytes"] + r["comm_backward_bytes"]
+            r["comm_explicit_over_form"] = _ratio(ex["comm_forward_bytes"] + ex["comm_backward_bytes"], total)
+            r["saved_form_over_explicit"] = _ratio(r["saved_bytes"], ex["saved_bytes"])
+        base, ov = group.get("laga+qproj"), group.get("laga+overlap")
+        if base and ov:
+            ov["overlap_speedup"] = base["ms"] / ov["ms"]
+            blocked = [(x.get("comm_seconds") or {}).get("latent") for x in (base, ov)]
+            if None not in blocked and blocked[0] > 0:
+                ov["latent_blocked_ms"] = {"without_overlap": 1e3 * blocked[0], "with_overlap": 1e3 * blocked[1]}
+                ov["latent_comm_hidden_share"] = 1 - blocked[1] / blocked[0]
+
+
+# ---------------------------------------------------------------- output
+
+def print_table(rows: List[dict], out=None) -> None:
+    out = out or sys.stdout
+    header = " ".join(_pad(h, fmt) for h, _, fmt in COLUMNS)
+    current = None
+    for r in rows:
+        if (r["seq_len"], r["cp_algo"]) != current:
+            current = (r["seq_len"], r["cp_algo"])
+            print(f"\nS={r['seq_len']} cp_algo={r['cp_algo']} layout={r['layout']}", file=out)
+            print(header, file=out)
+            print("-" * len(header), file=out)
+        print(" ".join(fmt.format(r[key]) for _, key, fmt in COLUMNS), file=out)
+        if "latent_comm_hidden_share" in r:
+            b = r["latent_blocked_ms"]
+            print(f"  overlap: fwd+bwd {r['overlap_speedup']:.2f}x laga+qproj; latent gather + "
+                  f"reduce-scatter blocked {b['without_overlap']:.2f} ms -> {b['with_overlap']:.2f} ms "
+                  f"({100 * r['latent_comm_hidden_share']:.0f}% hidden)", file=out)
+
+
+def _pad(header: str, fmt: str) -> str:
+    width = int("".join(ch for ch in fmt.split(":")[1] if ch.isdigit() or ch == ".").split(".")[0] or 0)
+    return header.ljust(width) if "<" in fmt else header.rjust(width)
+
+
+def write_plot(rows: List[dict], path: str) -> Optional[str]:
+    """Bytes and saved activations vs sequence length, one line per variant; None if no matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    algos = sorted({r["cp_algo"] for r in rows})
+    fig, axes = plt.subplots(2, len(algos), figsize=(6 * len(algos), 8), squeeze=False)
+    for col, algo in enumerate(algos):
+        names = list(dict.fromkeys(r["variant"] for r in rows if r["cp_algo"] == algo))
+        for name in names:
+            pts = sorted((r["seq_len"], r) for r in rows if r["cp_algo"] == algo and r["variant"] == name)
+            xs = [x for x, _ in pts]
+            axes[0][col].plot(xs, [r["comm_forward_bytes"] + r["comm_backward_bytes"] for _, r in pts],
+                              marker="o", label=name)
+            axes[1][col].plot(xs, [r["saved_bytes"] for _, r in pts], marker="o", label=name)
+        axes[0][col].set_title(f"{algo}: collective bytes per rank (fwd+bwd)")
+        axes[1][col].set_title(f"{algo}: activations saved for backward per rank")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("bytes")
+            ax.set_xscale("log", base=2)
+            if all(y > 0 for line in ax.get_lines() for y in line.get_ydata()):
+                ax.set_yscale("log")  # no CP: zero bytes would break a log axis
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- running
+
+def _torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _run_torchrun(args, runs, repeat, warmup):
+    """This process is one rank: run every variant, gather all ranks' results on every rank."""
+    import torch
+    import torch.distributed as dist
+    from ..measure import worker
+    backend = args.backend
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend is None:
+        if torch.cuda.is_available():
+            backend = "nccl"
+        elif getattr(torch, "npu", None) is not None:
+            backend = "hccl"
+        else:
+            backend = "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    elif backend == "hccl":
+        torch.npu.set_device(local)
+    dist.init_process_group(backend)
+    try:
+        mine = worker(dist.get_rank(), dist.get_world_size(), runs, repeat, warmup, False, True)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return gathered, dist.get_rank()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args) -> int:
+    from ..spawn import run_on_ranks
+    from ..measure import worker
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    torchrun = _torchrun()
+    cp_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.cp
+    device_type = _device_type(args) if torchrun else "cpu"
+    runs, models = build_runs(args, cp_size, device_type)
+    where = f"torchrun, world size {cp_size}" if torchrun else f"{cp_size} spawned gloo CPU ranks"
+    s = runs[0].case.shape
+    print(f"bench: {where}; {len(runs)} runs ({args.warmup} warm-up + {args.repeat} timed each); "
+          f"b={s.batch}, n={s.heads}, d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, "
+          f"d_c={s.kv_lora_rank}, {args.dtype}, kernel={args.kernel}", flush=True)
+    start = time.perf_counter()
+    if torchrun:
+        per_rank, rank = _run_torchrun(args, runs, args.repeat, args.warmup)
+        if rank != 0:
+            return 0
+    else:
+        per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True)
+    rows = make_rows(runs, models, per_rank)
+    print_table(rows)
+    print(f"\nbytes: rank 0's payload handed to the collectives (fwd, bwd) and bytes it sends "
+          f"(wire); saved: activations autograd keeps in the attention call, each storage once, "
+          f"kv_up_weight excluded (rank 0), beside the cost model; ms: slowest rank's median "
+          f"fwd+bwd; err: worst output/grad error vs the float64 reference. "
+          f"{time.perf_counter() - start:.1f} s.")
+    _write_outputs(args, rows, cp_size, where)
+    return 0
+
+
+def _device_type(args) -> str:
+    import torch
+    if args.backend in (None, "nccl") and torch.cuda.is_available():
+        return "cuda"
+    if args.backend in (None, "hccl") and getattr(torch, "npu", None) is not None:
+        return "npu"
+    return "cpu"
+
+
+def _write_outputs(args, rows, cp_size, where) -> None:
+    doc = {"cp_size": cp_size, "where": where, "dtype": args.dtype, "kernel": args.kernel,
+           "repeat": args.repeat, "warmup": args.warmup, "columns": [k for _, k, _ in COLUMNS],
+           "rows": rows}
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        print(f"JSON: {args.json}")
+    elif args.json == "-":
+        print(json.dumps(doc, indent=1, default=str))
+    if args.plot:
+        written = write_plot(rows, args.plot)
+        print(f"plot: {written}" if written else
+              "plot: skipped (matplotlib is not installed; pip install matplotlib)")

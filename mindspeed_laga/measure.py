@@ -1,0 +1,223 @@
+"""Measure one attention variant on one CP rank: bytes, saved activations, FLOPs, time.
+
+Used by ``mindspeed-laga bench`` and the cost-model tests.
+
+- Saved activations: every tensor autograd packs for backward inside the
+  attention call (``torch.autograd.graph.saved_tensors_hooks``), counted by
+  *storage*, once each (a saved view keeps its whole storage alive, so the
+  storage's size is what memory pays). Storages of parameters
+  (``kv_up_weight``) are excluded: they exist whether or not backward runs.
+- Communication: :func:`mindspeed_laga.comm.count_bytes`.
+- FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (matmul-family ops only;
+  torch's CPU flash SDPA has no FLOP formula and counts 0).
+- Time: median fwd+bwd wall time of the timed runs after the warm-up.
+- Peak memory: ``max_memory_allocated`` on CUDA/NPU; None on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import api, comm, equivalence as eq, layout as layouts
+
+
+class SavedBytes:
+    """``with SavedBytes(exclude=[params]) as saved: ...``; then ``saved.bytes``."""
+
+    def __init__(self, exclude=()):
+        self._excluded = {_storage_key(t) for t in exclude}
+        self.storages: Dict[tuple, dict] = {}
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in self._excluded and key not in self.storages:
+            self.storages[key] = {"bytes": t.untyped_storage().nbytes(), "shape": tuple(t.shape),
+                                  "dtype": str(t.dtype).replace("torch.", "")}
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s["bytes"] for s in self.storages.values())
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def laga_options() -> set:
+    """LAGA keywords this build of ``laga_attention`` accepts (issue 5 adds them)."""
+    return set(inspect.signature(api.laga_attention).parameters)
+
+
+def overlap_available() -> bool:
+    if "latent_gather" not in laga_options():
+        return False
+    try:
+        from . import overlap  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Run:
+    """One variant to run: a case of the core plus LAGA options."""
+
+    case: eq.Case
+    variant: str
+    options: tuple = ()          # laga_attention keywords
+    overlap: bool = False        # start the latent gather before a stand-in query projection
+    query_projection: bool = False  # run the stand-in query projection (overlap pairs)
+
+
+def _device():
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    npu = getattr(torch, "npu", None)
+    if npu is not None and dist.is_initialized() and dist.get_backend() == "hccl":
+        return torch.device("npu", npu.current_device())
+    return torch.device("cpu")
+
+
+def _memory_api(device):
+    if device.type == "cuda":
+        return torch.cuda
+    if device.type == "npu":
+        return torch.npu
+    return None
+
+
+def _projection_weight(case: eq.Case, device, dtype):
+    """A stand-in query projection: [s, b, r] -> [s, b, n*(d_n+d_r)], r = 2*d_c."""
+    s = case.shape
+    g = torch.Generator().manual_seed(case.seed + 1)
+    width = 2 * s.kv_lora_rank
+    w = torch.randn(s.heads * (s.qk_head_dim + s.rope_dim), width, generator=g, dtype=torch.float64)
+    return w.to(device, dtype).requires_grad_(), width
+
+
+def run_on_rank(run: Run, rank: int, cp_size: int, group, repeat: int = 1, warmup: int = 0,
+                count_flops: bool = False) -> dict:
+    """Forward+backward of one variant on this rank, ``warmup + repeat`` times."""
+    case = run.case
+    device = _device()
+    dtype = eq.DTYPES[case.dtype]
+    full = eq.full_inputs(case.shape, case.seed)
+    grad_out = _shard(full["grad_out"], case, rank, cp_size).to(device, dtype)
+    fn = api.FORMS[case.form]
+    cp_group = group if cp_size > 1 else None
+    proj = _projection_weight(case, device, dtype) if run.query_projection else None
+    mem = _memory_api(device)
+    times, result = [], None
+    for i in range(warmup + repeat):
+        local = {k: _shard(full[k], case, rank, cp_size).to(device, dtype).requires_grad_()
+                 for k in eq.INPUTS}
+        flops = _flop_counter() if count_flops and i == warmup + repeat - 1 else contextlib.nullcontext()
+        if mem is not None:
+            mem.synchronize()
+            mem.reset_peak_memory_stats()
+            base = mem.memory_allocated()
+        saved = SavedBytes(exclude=[local["kv_up_weight"]] + ([proj[0]] if proj else []))
+        with comm.count_bytes() as counter, flops as flop_mode:
+            if dist.is_initialized() and cp_size > 1:
+                dist.barrier(group=group)
+            start = time.perf_counter()
+            out = _forward(run, fn, local, case, cp_group, proj, saved)
+            out.backward(grad_out)
+            if mem is not None:
+                mem.synchronize()
+            times.append(time.perf_counter() - start)
+        result = {"out": out.detach().cpu(),
+                  "grads": {k: v.grad.detach().cpu() for k, v in local.items()},
+                  "comm": counter.summary(),
+                  "design_bytes": {d: counter.design_bytes(d) for d in ("forward", "backward")},
+                  "comm_seconds": _comm_seconds(counter),
+                  "saved_bytes": saved.bytes,
+                  "saved": list(saved.storages.values()),
+                  "peak_bytes": (mem.max_memory_allocated() - base) if mem is not None else None,
+                  "flops": _flop_totals(flop_mode) if count_flops and i == warmup + repeat - 1 else None}
+    timed = times[warmup:] or times
+    result["seconds"] = statistics.median(timed)
+    return result
+
+
+def _forward(run: Run, fn, local, case: eq.Case, cp_group, proj, saved: SavedBytes):
+    """The attention call (saved tensors counted inside it only), optionally after a
+    stand-in query projection, with the latent gather started before it (overlap)."""
+    query = local["query"]
+    handle = None
+    if run.overlap:
+        from .overlap import start_latent_gather
+        handle = start_latent_gather(local["kv_latent"], local["k_pos_emb"], cp_group=cp_group)
+    if proj is not None:
+        weight, width = proj
+        s, b = query.shape[:2]
+        x = torch.ones(s, b, width, dtype=query.dtype, device=query.device)
+        # 0 * projection: the projection's compute (and its dq work in backward) runs,
+        # the query the attention sees is unchanged, so the reference still applies.
+        query = query + 0 * torch.nn.functional.linear(x, weight).view_as(query)
+    kwargs = dict(case.options)
+    if handle is not None:
+        kwargs["latent_gather"] = handle
+    with saved:
+        return fn(query, local["kv_latent"], local["k_pos_emb"], local["kv_up_weight"],
+                  softmax_scale=case.shape.softmax_scale, cp_group=cp_group, cp_algo=case.cp_algo,
+                  layout=case.layout, causal=case.causal, kernel=case.kernel, **kwargs)
+
+
+def _shard(t: torch.Tensor, case: eq.Case, rank: int, cp_size: int) -> torch.Tensor:
+    if t.dim() == 2:  # kv_up_weight: replicated over the CP group
+        return t.clone()
+    return layouts.shard(t, case.layout, cp_size, rank)
+
+
+def _comm_seconds(counter) -> Optional[dict]:
+    """Blocked time in collectives by tag, where the counter records it."""
+    records = getattr(counter, "records", [])
+    if not records or not hasattr(records[0], "seconds"):
+        return None
+    out: Dict[str, float] = {}
+    for r in records:
+        if r.kind in comm.DATA_KINDS:
+            out[r.tag] = out.get(r.tag, 0.0) + r.seconds
+    return out
+
+
+def _flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+    return FlopCounterMode(display=False)
+
+
+def _flop_totals(mode) -> dict:
+    """{"total": n, "by_op": {op: n}} from a FlopCounterMode."""
+    counts = mode.get_flop_counts().get("Global", {})
+    return {"total": mode.get_total_flops(), "by_op": {str(k): v for k, v in counts.items()}}
+
+
+def worker(rank: int, cp_size: int, runs: List[Run], repeat: int = 1, warmup: int = 0,
+           count_flops: bool = False, progress: bool = False) -> List[dict]:
+    """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`: every run, in order."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    out = []
+    for i, run in enumerate(runs):
+        out.append(run_on_rank(run, rank, cp_size, group, repeat, warmup, count_flops))
+        if progress and rank == 0:
+            print(f"  [{i + 1}/{len(runs)}] {run.variant} S={run.case.shape.seq_len} "
+                  f"{run.case.cp_algo}", flush=True)
+    return out

@@ -1,0 +1,83 @@
+"""``mindspeed-laga bench`` on 2 gloo ranks at a tiny shape: table, JSON, plot, errors."""
+import contextlib
+import io
+import json
+
+import pytest
+
+from mindspeed_laga import cli
+from mindspeed_laga.commands import bench
+
+TINY = ["--cp", "2", "--seq-lens", "16,32", "--heads", "4", "--qk-head-dim", "8",
+        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--kv-lora-rank", "16",
+        "--repeat", "1", "--warmup", "0"]
+
+
+def run_cli(capsys, *argv):
+    try:
+        code = cli.main(["bench", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    """One bench run for the module (it spawns the ranks); its stdout captured."""
+    path = tmp_path_factory.mktemp("bench")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["bench", *TINY, "--json", str(path / "b.json"), "--plot", str(path / "b.png")])
+    return code, out.getvalue(), json.loads((path / "b.json").read_text()), path
+
+
+def test_bench_runs_and_json_carries_every_table_figure(tiny_bench):
+    code, out, doc, _ = tiny_bench
+    assert code == 0
+    rows = doc["rows"]
+    assert {r["seq_len"] for r in rows} == {16, 32} and {r["cp_algo"] for r in rows} == {"allgather", "ulysses"}
+    assert {"explicit", "absorbed", "laga"} <= {r["variant"] for r in rows}
+    lines = out.splitlines()
+    for r in rows:
+        cells = [fmt.format(r[key]) for _, key, fmt in bench.COLUMNS]  # KeyError = missing in JSON
+        assert " ".join(cells) in lines, cells
+
+
+def test_bench_measurements_match_model_and_reference(tiny_bench):
+    _, _, doc, _ = tiny_bench
+    for r in doc["rows"]:
+        assert r["comm_forward_bytes"] == r["model_comm_forward_bytes"], r["variant"]
+        assert r["comm_backward_bytes"] == r["model_comm_backward_bytes"], r["variant"]
+        assert r["comm_wire_bytes"] == r["model_comm_wire_bytes"], r["variant"]
+        assert abs(r["saved_bytes"] - r["model_saved_bytes"]) <= 0.05 * r["saved_bytes"], r["variant"]
+        assert r["max_rel_err"] < 1e-5, (r["variant"], r["max_rel_err"])
+        assert r["ms"] > 0 and r["peak_bytes"] is None  # CPU: no accelerator peak
+
+
+def test_bench_plot_written_or_skipped_with_a_note(tiny_bench):
+    _, out, _, path = tiny_bench
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "plot: skipped (matplotlib is not installed" in out
+        assert not (path / "b.png").exists()
+    else:
+        assert (path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--cp", "4", "--seq-lens", "12"], "not divisible"),
+    (["--cp", "4", "--heads", "6", "--cp-algo", "ulysses", "--seq-lens", "16"], "heads"),
+    (["--seq-lens", "-8"], "positive"),
+    (["--seq-lens", "a,b"], "integers"),
+    (["--cp", "0"], "must be positive"),
+    (["--heads", "-2"], "must be positive"),
+    (["--warmup", "-1"], "warmup"),
+])
+def test_bad_input_is_one_line_error(capsys, argv, word):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and word in lines[0] and lines[0].startswith("mindspeed-laga bench: error:")
+    assert "Traceback" not in err
