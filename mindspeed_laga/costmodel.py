@@ -433,11 +433,10 @@ def _explicit_saved(cfg: Config, rank: int, kind: str) -> _Saved:
     saved = _Saved()
     saved.add("kv_latent", "kv_latent [s, b, d_c] (input of linear_kv_up_proj)", s * b * d.kv_lora_rank * e)
     q = _query(cfg, d.qk_dim)
-    if cfg.cp_size == 1:  # no gather: V stays a view of the up-projection output
+    if cfg.cp_size == 1:  # no gather: the up-projection's K and V are attended directly
         k = _Operand("key", f"key [s, b, {n}, d_n+d_r] (k_nope and rope key concatenated)",
                      s * b * n * d.qk_dim * e)
-        v = _Operand("kv_up_out", f"linear_kv_up_proj output [s, b, {n}*(d_n+d_v)] (V is a view)",
-                     s * b * n * (d.qk_head_dim + d.v_head_dim) * e)
+        v = _Operand("value", f"value [s, b, {n}, d_v] (own storage)", s * b * n * d.v_head_dim * e)
     else:
         how = "all-to-all" if cfg.heads_split else "all-gather"
         k = _Operand("key", f"key after {how} [S, b, {h}, d_n+d_r]", S * b * h * d.qk_dim * e)
@@ -465,10 +464,9 @@ def _laga_saved(cfg: Config, rank: int, kind: str, v: Variant) -> _Saved:
     saved.add(lat.key, lat.tensor, lat.bytes)  # input of linear_kv_up_proj
     key = _Operand("key", f"rebuilt key [{'S_vis' if v.trim else 'S'}, b, {h}, d_n+d_r]",
                    keys * b * h * d.qk_dim * e)
-    # V is a view of the up-projection output: keeping V keeps k_nope's half as well.
-    value = _Operand("kv_up_out", f"rebuilt linear_kv_up_proj output [{'S_vis' if v.trim else 'S'}, "
-                     f"b, {h}*(d_n+d_v)] (V is a view of it)",
-                     keys * b * h * (d.qk_head_dim + d.v_head_dim) * e)
+    # V gets its own storage (forms/common.up_project), so the up-projection output is freed.
+    value = _Operand("value", f"rebuilt value [{'S_vis' if v.trim else 'S'}, b, {h}, d_v]",
+                     keys * b * h * d.v_head_dim * e)
     _add_index(saved, cfg)
     _kernel_saved(saved, kind, cfg, query_segments(cfg, rank), h, d.qk_dim, d.v_head_dim, q, key, value, h)
     return saved
@@ -486,9 +484,9 @@ def _absorbed_saved(cfg: Config, rank: int, kind: str) -> _Saved:
     segs = query_segments(cfg, rank)
     _kernel_saved(saved, kind, cfg, segs, h, d.latent_dim, d.kv_lora_rank, q_abs, key, value, 1)
     s_q = S if cfg.heads_split else s
-    # o_latent . W_UV (einsum): a copy [h, b*s_q, d_c] unless b == 1 (a view of the
-    # attention output, which a fused kernel already keeps when there is one segment).
-    shares = b == 1 and len(segs) == 1 and kind in ("fused", "sdpa_flash", "npu")
+    # o_latent . W_UV per segment (einsum): a copy [h, b*s_q, d_c] unless b == 1 (then
+    # a view of the attention output, which a fused kernel keeps anyway).
+    shares = b == 1 and kind in ("fused", "sdpa_flash", "npu")
     saved.add("attn_out" if shares else "o_latent", f"latent-space output [b, {h}, s_q, d_c] "
               "(input of o_latent . W_UV)", b * h * s_q * d.kv_lora_rank * e,
               name="o_latent" if not shares else None)
@@ -510,12 +508,13 @@ def _attention(cfg: Config, rank: int, kind: str, v: Variant, qk_dim: int, v_dim
     b, h = cfg.micro_batch, cfg.attended_heads
     segs = query_segments(cfg, rank)
     visible = sum(n * (end - n) + n * (n + 1) // 2 if cfg.causal else n * end for n, _, end in segs)
-    if v.recompute:  # blockwise: rows before the block start are cut (laga_blockwise.visible_rows)
-        pairs = 0
+    if v.recompute:  # blockwise: rows before the block and keys after the segment are cut
+        pairs = 0          # (laga_blockwise.visible_rows)
         for k0, k1 in key_blocks(cfg, rank, v):
             for n, g, _ in segs:
                 first = max(0, k0 - g) if cfg.causal else 0
-                pairs += max(0, n - first) * (k1 - k0)
+                end = min(k1, g + n) if cfg.causal else k1
+                pairs += max(0, n - first) * max(0, end - k0)
     else:
         pairs = sum(n * end for n, _, end in segs)
     fwd, bwd_kept, bwd_recomputed = _matmul_flops(pairs, b, h, qk_dim, v_dim)

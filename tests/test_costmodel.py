@@ -188,15 +188,15 @@ def test_v3_ulysses_memory_laga_near_explicit_absorbed_above():
         assert la > ex
     eager = [summary(v3("ulysses", "eager"), n)["saved_bytes"]["worst"] for n in ("explicit", "laga")]
     assert eager[1] / eager[0] < 1.01  # the score matrix dominates both
-    # Fused: LAGA keeps exactly what explicit keeps, plus the gathered latent and the
-    # k_nope half of the up-projection output (V is a view of it), minus the local latent.
+    # Fused: LAGA keeps exactly what explicit keeps, plus the gathered latent (the input
+    # of the rebuild), minus the local latent (the input of explicit's up-projection).
     cfg = v3("ulysses")
     ex = cm.form_cost(cfg, cm.Variant("explicit", "explicit"))
     la = cm.form_cost(cfg, cm.Variant("laga", "laga"))
-    S, h, s, e = 16384, V3.heads // 8, 16384 // 8, 2
-    extra = S * V3.latent_dim * e + S * h * V3.qk_head_dim * e - s * V3.kv_lora_rank * e
+    S, s, e = 16384, 16384 // 8, 2
+    extra = S * V3.latent_dim * e - s * V3.kv_lora_rank * e
     assert la.saved_bytes - ex.saved_bytes == extra
-    assert la.saved_bytes / ex.saved_bytes < 1.3
+    assert la.saved_bytes / ex.saved_bytes < 1.06
 
 
 def test_v3_allgather_trade_offs():

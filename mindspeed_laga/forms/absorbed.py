@@ -32,10 +32,14 @@ def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
     kv_all, k_pe_all = gather_latent(kv_latent, k_pos_emb, setup)
     key = torch.cat([kv_all, k_pe_all], dim=-1).unsqueeze(2)  # [S, b, 1, d_c+d_r]
     value = kv_all.unsqueeze(2)                                 # [S, b, 1, d_c]
-    o_latent = attend(to_bnsd(q_abs), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
-                      segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel)
     _, w_uv = split_up_weight(kv_up_weight, setup)  # this rank's heads
-    out = torch.einsum("bnsc,nvc->sbnv", o_latent, w_uv)
+    # o = o_latent . W_UV^T per query segment, before the segments are concatenated:
+    # the einsum then keeps the kernel's own output [b, h, s_q, d_c] for backward
+    # (a view at micro-batch 1; its batched matmul copies it when b > 1)
+    out = attend(to_bnsd(q_abs), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
+                 segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel,
+                 epilogue=lambda o_latent: torch.einsum("bnsc,nvc->bnsv", o_latent, w_uv))
+    out = from_bnsd(out)
     if not full:
         out = comm.heads_to_seq(out, setup.cp_group, "output")
     return flatten_heads(out)

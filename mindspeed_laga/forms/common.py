@@ -50,7 +50,10 @@ def up_project(kv_latent: torch.Tensor, kv_up_weight: torch.Tensor, setup: AttnS
     kv = F.linear(kv_latent, up_weight_rows(kv_up_weight, setup))
     kv = kv.view(*kv.shape[:2], -1, d.qk_head_dim + d.v_head_dim)
     k_nope, value = torch.split(kv, [d.qk_head_dim, d.v_head_dim], dim=-1)
-    return k_nope, value
+    # V gets its own storage: attention keeps V for backward, and a view would keep
+    # the whole up-projection output (k_nope's half too) alive. k_nope is consumed
+    # by the key concatenation, so the up-projection output is freed.
+    return k_nope, value.contiguous()
 
 
 def assemble_key(k_nope: torch.Tensor, k_pos_emb: torch.Tensor) -> torch.Tensor:

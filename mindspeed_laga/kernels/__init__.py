@@ -16,7 +16,7 @@ cut keys are masked anyway) and is the tested recipe for the NPU kernel.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -37,12 +37,16 @@ def key_prefix(seg: Segment, total: int, causal: bool) -> int:
     return start + length if causal else total
 
 
-def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel: str):
+def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel: str,
+           epilogue: Optional[Callable] = None):
+    """``epilogue`` maps each segment's output before the segments are concatenated
+    (so an op that keeps its input for backward keeps the kernel's own output)."""
     fn = _KERNELS[kernel]
     outs = []
     for seg in segments:
         local_start, length, _ = seg
         end = key_prefix(seg, k.shape[2], causal)
-        outs.append(fn(q[:, :, local_start:local_start + length], k[:, :, :end], v[:, :, :end],
-                       scale=scale, causal=causal))
+        out = fn(q[:, :, local_start:local_start + length], k[:, :, :end], v[:, :, :end],
+                 scale=scale, causal=causal)
+        outs.append(out if epilogue is None else epilogue(out))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
