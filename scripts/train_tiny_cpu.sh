@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# CPU demo: a tiny megatron-core MLA GPT trained with torchrun over gloo.
+#
+#   LAGA=1 scripts/train_tiny_cpu.sh                  # LAGA patch, allgather CP, 2 ranks
+#   LAGA=0 scripts/train_tiny_cpu.sh                  # megatron's own MLA forward
+#   LAGA=1 NPROC=4 CP_ALGO=ulysses scripts/train_tiny_cpu.sh
+#   LAGA=1 FORM=explicit scripts/train_tiny_cpu.sh    # explicit core through the same patch
+#
+# Extra arguments go to train_tiny_cpu.py (e.g. --steps 10 --tp 2).
+set -euo pipefail
+
+LAGA=${LAGA:-1}
+NPROC=${NPROC:-2}
+CP_ALGO=${CP_ALGO:-allgather}
+FORM=${FORM:-laga}
+PYTHON=${PYTHON:-python}
+
+args=(--cp-algo "$CP_ALGO" --form "$FORM")
+if [[ "$LAGA" == "1" ]]; then
+    args+=(--laga)
+fi
+
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+    "$(dirname "$0")/train_tiny_cpu.py" "${args[@]}" "$@"
