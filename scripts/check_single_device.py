@@ -1,0 +1,45 @@
+"""The three forms and LAGA's options on one device (CUDA when present, else CPU)
+against the float64 reference, without CP: the check to run on a GPU machine.
+
+    PYTHONPATH=. python scripts/check_single_device.py          # S=512 (env S=...)
+
+Prints the worst relative error (output and all four grads) per form, kernel,
+dtype and option. Multi-rank checks are `mindspeed-laga verify` and the tests.
+"""
+import itertools
+import os
+
+import torch
+
+from mindspeed_laga import api, equivalence as eq
+
+OPTIONS = {"": {}, "trim": dict(trim_causal_prefix=True), "recompute": dict(recompute_kv=True),
+           "blockwise": dict(recompute_kv=True, kv_block_size=128)}
+
+
+def main():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = eq.MLAShape(seq_len=int(os.environ.get("S", 512)), batch=2, heads=16, qk_head_dim=128,
+                        rope_dim=64, v_head_dim=128, kv_lora_rank=512)
+    full = eq.full_inputs(shape, 1)
+    print(f"device={device} S={shape.seq_len} b=2 n=16 dims 128/64/128/512")
+    for form, kernel, dtype, opt in itertools.product(("explicit", "absorbed", "laga"), ("eager", "sdpa"),
+                                                      (torch.float32, torch.bfloat16), OPTIONS):
+        if (opt and form != "laga") or (opt in ("recompute", "blockwise") and kernel == "sdpa"):
+            continue
+        ref_in = {k: full[k].to(dtype).double().to(device).requires_grad_() for k in eq.INPUTS}
+        ref = eq.mla_attention_reference(*ref_in.values(), softmax_scale=shape.softmax_scale)
+        ref.backward(full["grad_out"].to(dtype).double().to(device))
+        x = {k: full[k].to(dtype).to(device).detach().clone().requires_grad_() for k in eq.INPUTS}
+        out = api.FORMS[form](*x.values(), softmax_scale=shape.softmax_scale, kernel=kernel,
+                              **OPTIONS[opt])
+        out.backward(full["grad_out"].to(dtype).to(device))
+        errs = eq.relative_errors({"out": out.detach().double(),
+                                   "grads": {k: t.grad.double() for k, t in x.items()}},
+                                  {"out": ref.detach(), "grads": {k: t.grad for k, t in ref_in.items()}})
+        print(f"{form:9s} {kernel:6s} {str(dtype)[6:]:9s} {opt or '-':10s} "
+              f"worst rel err {max(errs.values()):.2e}")
+
+
+if __name__ == "__main__":
+    main()
