@@ -228,13 +228,22 @@ def _apply_rope(module, x, table, mscale):
                                       multi_latent_attention=True, mscale=mscale)
 
 
-def _start_gather(kv_latent, k_pos_emb, settings: LAGASettings, cp_group):
+def _core_options(module, settings: LAGASettings) -> Dict:
+    """The core's keywords; by default the ranks agree on shapes on a module's
+    first call only (every rank runs the same modules in the same order, so
+    they skip the exchange together and later steps pay no host sync)."""
+    options = dict(settings.core_options)
+    options.setdefault("check_ranks", not getattr(module, "_laga_checked", False))
+    module._laga_checked = True
+    return options
+
+
+def _start_gather(kv_latent, k_pos_emb, settings: LAGASettings, cp_group, check_ranks: bool):
     """With overlap, launch the latent all-gather now; the query projection hides it."""
     if not settings.overlap_latent_gather:
         return {}
     from mindspeed_laga.overlap import start_latent_gather
-    handle = start_latent_gather(kv_latent, k_pos_emb, cp_group=cp_group,
-                                 check_ranks=settings.core_options.get("check_ranks", True))
+    handle = start_latent_gather(kv_latent, k_pos_emb, cp_group=cp_group, check_ranks=check_ranks)
     return {"latent_gather": handle}
 
 
@@ -247,14 +256,15 @@ def laga_attention_block(module, hidden_states, settings: LAGASettings, cp_group
     kv_latent = _latent_to_tp_region(module, _kv_norm(module, kv_compressed))
     table, mscale = _rope_at_positions(module, kv_latent.shape[0], settings, cp_group)
     k_pos_emb = _apply_rope(module, k_pos_emb.unsqueeze(2), table, mscale).squeeze(2)
-    gather = _start_gather(kv_latent, k_pos_emb, settings, cp_group)
+    options = _core_options(module, settings)
+    gather = _start_gather(kv_latent, k_pos_emb, settings, cp_group, options["check_ranks"])
     query = _query_heads(module, q_compressed)
     q_nope, q_pe = torch.split(query, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
     query = torch.cat([q_nope, _apply_rope(module, q_pe, table, mscale)], dim=-1)
     out = settings.core(query, kv_latent, k_pos_emb, module.linear_kv_up_proj.weight,
                         softmax_scale=module.softmax_scale, cp_group=cp_group,
                         cp_algo=settings.cp_algo, layout=settings.layout, causal=_causal(module),
-                        kernel=settings.kernel, **settings.core_options, **gather)
+                        kernel=settings.kernel, **options, **gather)
     return module.linear_proj(out)
 
 

@@ -51,6 +51,9 @@ OPTIONS = {  # core options through patch_megatron_mla: (patch arguments, batch 
     "laga-ulysses+recompute+overlap": (dict(cp_algo="ulysses", layout="contiguous",
                                             recompute_kv=True, kv_block_size=8,
                                             overlap_latent_gather=True), "contiguous"),
+    "laga-allgather+all-options": (dict(cp_algo="allgather", trim_causal_prefix=True,
+                                        recompute_kv=True, kv_block_size=5,
+                                        overlap_latent_gather=True), "zigzag"),
 }
 PATCHED = {  # name: (patch arguments, batch layout)
     "laga-allgather": (dict(cp_algo="allgather"), "zigzag"),
