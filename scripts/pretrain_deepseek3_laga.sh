@@ -29,6 +29,12 @@ export HCCL_BUFFSIZE=400
 
 LAGA=${LAGA:-1}
 LAGA_KERNEL=${LAGA_KERNEL:-auto}   # auto = npu_fusion_attention on NPU tensors
+# Beyond the paper (docs/BEYOND.md): keep only the latent, rebuild K/V blockwise in
+# backward; rebuild only causally visible keys; overlap the latent gather.
+LAGA_RECOMPUTE=${LAGA_RECOMPUTE:-0}
+LAGA_BLOCK=${LAGA_BLOCK:-}          # keys per rebuilt block (with LAGA_RECOMPUTE=1)
+LAGA_TRIM=${LAGA_TRIM:-0}
+LAGA_OVERLAP=${LAGA_OVERLAP:-0}
 MINDSPEED_LLM_DIR=${MINDSPEED_LLM_DIR:-$PWD}
 
 NPUS_PER_NODE=${NPUS_PER_NODE:-8}
@@ -84,6 +90,10 @@ if [ "$LAGA" = "1" ]; then
     --mla-latent-all-gather \
     --mla-laga-kernel ${LAGA_KERNEL} \
 "
+    [ "$LAGA_RECOMPUTE" = "1" ] && LAGA_ARGS="$LAGA_ARGS --mla-laga-recompute-kv"
+    [ -n "$LAGA_BLOCK" ] && LAGA_ARGS="$LAGA_ARGS --mla-laga-kv-block-size $LAGA_BLOCK"
+    [ "$LAGA_TRIM" = "1" ] && LAGA_ARGS="$LAGA_ARGS --mla-laga-trim-causal-prefix"
+    [ "$LAGA_OVERLAP" = "1" ] && LAGA_ARGS="$LAGA_ARGS --mla-laga-overlap"
 fi
 
 MOE_ARGS="

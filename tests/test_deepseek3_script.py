@@ -51,3 +51,15 @@ def test_script_flags_pass_laga_validation(cp_type):
 def test_an_unsupported_override_is_caught():
     with pytest.raises(ValueError, match="hybrid_cp_algo"):
         validate(dry_run(LAGA="1", CP_TYPE="hybrid_cp_algo"))
+
+
+def test_option_toggles_reach_the_feature():
+    from mindspeed_laga.features.laga_args import laga_settings
+    args = validate(dry_run(LAGA="1", LAGA_RECOMPUTE="1", LAGA_BLOCK="2048", LAGA_TRIM="1",
+                            LAGA_OVERLAP="1"))
+    settings = laga_settings(args)
+    assert (settings.recompute_kv, settings.kv_block_size, settings.trim_causal_prefix,
+            settings.overlap) == (True, 2048, True, True)
+    plain = laga_settings(validate(dry_run(LAGA="1")))
+    assert (plain.recompute_kv, plain.kv_block_size, plain.trim_causal_prefix, plain.overlap) == (
+        False, None, False, False)

@@ -25,6 +25,9 @@ DTYPES = ("float32", "bfloat16")
 
 CASES = [eq.Case(form=f, cp_algo=a, layout=l, kernel=k, dtype=d)
          for f, a, l, k, d in itertools.product(FORMS, CP_ALGOS, LAYOUTS, KERNELS, DTYPES)]
+# Non-causal attention (every key visible) is supported with both layouts too.
+CASES += [eq.Case(form=f, cp_algo=a, layout=l, kernel=k, causal=False)
+          for f, a, l, k in itertools.product(FORMS, CP_ALGOS, LAYOUTS, KERNELS)]
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4, 8], ids=lambda p: f"cp{p}")
@@ -35,7 +38,7 @@ def matrix(request):
     return {case: eq.assemble([r[i] for r in per_rank], case) for i, case in enumerate(CASES)}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label())
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label() + ("" if c.causal else ",noncausal"))
 def test_matches_single_device_reference(matrix, case):
     errors = eq.relative_errors(matrix[case], eq.reference(case))
     bad = {k: v for k, v in errors.items() if not v <= TOLERANCE[case.dtype]}
