@@ -20,17 +20,44 @@ def _scores(q, key, keep, scale):
     return s if keep is None else s.masked_fill(~keep, float("-inf"))
 
 
+# Eager scores of one block are float32 [b, heads, rows, B]; heads are taken a few
+# at a time so the transient scores/probabilities stay near this many elements.
+SCORE_CHUNK_ELEMENTS = 1 << 25
+
+
+def _head_chunks(q, key):
+    b, h, rows, _ = q.shape
+    per_head = max(1, b * rows * key.shape[2])
+    step = max(1, min(h, SCORE_CHUNK_ELEMENTS // per_head))
+    return [slice(i, i + step) for i in range(0, h, step)]
+
+
+def _cat(parts):
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 class EagerBlock:
-    """Plain torch math; one block's scores exist at a time."""
+    """Plain torch math; one block's scores exist at a time, a few heads at a time."""
 
     @staticmethod
     def forward(q, key, value, keep, scale):
-        s = _scores(q, key, keep, scale)
-        lse = torch.logsumexp(s, dim=-1)
-        return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), value.float()), lse
+        outs, lses = [], []
+        for heads in _head_chunks(q, key):
+            s = _scores(q[:, heads], key[:, heads], keep, scale)
+            lse = torch.logsumexp(s, dim=-1)
+            outs.append(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), value[:, heads].float()))
+            lses.append(lse)
+        return _cat(outs), _cat(lses)
 
     @staticmethod
     def backward(q, key, value, keep, scale, d_out, out, lse):
+        grads = [EagerBlock._backward_heads(q[:, h], key[:, h], value[:, h], keep, scale,
+                                            d_out[:, h], out[:, h], lse[:, h])
+                 for h in _head_chunks(q, key)]
+        return tuple(_cat(parts) for parts in zip(*grads))
+
+    @staticmethod
+    def _backward_heads(q, key, value, keep, scale, d_out, out, lse):
         p = torch.exp(_scores(q, key, keep, scale) - lse.unsqueeze(-1))
         do = d_out.float()
         delta = (do * out.float()).sum(dim=-1, keepdim=True)
