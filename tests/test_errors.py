@@ -105,3 +105,55 @@ def _heads_worker(rank, world):
 def test_ulysses_heads_not_divisible():
     for text in run_on_ranks(_heads_worker, 2, timeout_s=60):
         assert "3 heads are not divisible by CP=2" in text and "cp_algo='allgather'" in text
+
+
+# ------------------------------------------------------------- LAGA option errors
+
+OPTION_ERRORS = [
+    (dict(kv_block_size=8), "kv_block_size needs recompute_kv=True"),
+    (dict(recompute_kv=True, kv_block_size=0), "kv_block_size must be a positive int"),
+    (dict(recompute_kv=True, kv_block_size=2.5), "kv_block_size must be a positive int"),
+    (dict(recompute_kv="yes"), "recompute_kv must be True or False"),
+    (dict(trim_causal_prefix=1), "trim_causal_prefix must be True or False"),
+    (dict(recompute_kv=True, kernel="sdpa"), "use kernel='eager', 'npu' or 'auto'"),
+    (dict(latent_gather=object()), "latent_gather must come from start_latent_gather"),
+]
+
+
+@pytest.mark.parametrize("kw,message", OPTION_ERRORS, ids=[m for _, m in OPTION_ERRORS])
+def test_bad_laga_option_names_itself(kw, message):
+    with count_bytes() as counter, pytest.raises(ValueError) as err:
+        call(laga_attention, inputs(), **kw)
+    assert message in str(err.value)
+    assert counter.records == []
+
+
+def test_start_latent_gather_needs_cp():
+    from mindspeed_laga import start_latent_gather
+    args = inputs()
+    with pytest.raises(ValueError, match="needs cp_group of size > 1"):
+        start_latent_gather(args[1], args[2], cp_group=None)
+
+
+def _gather_misuse_worker(rank, world, misuse):
+    from mindspeed_laga import start_latent_gather
+    full = full_inputs(MLAShape(seq_len=8, heads=4), seed=1)
+    args = [full[k].float() for k in INPUTS]
+    gather = start_latent_gather(args[1], args[2], cp_group=dist.group.WORLD)
+    kw = dict(softmax_scale=0.1, cp_group=dist.group.WORLD, latent_gather=gather)
+    try:
+        if misuse == "other_tensors":
+            laga_attention(args[0], args[1].clone(), args[2], args[3], **kw)
+        else:  # a handle feeds one call
+            laga_attention(*args, **kw)
+            laga_attention(*args, **kw)
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("misuse,message", [
+    ("other_tensors", "started on other kv_latent/k_pos_emb tensors"),
+    ("reused", "a LatentGather feeds one laga_attention call")])
+def test_latent_gather_misuse(misuse, message):
+    for text in run_on_ranks(_gather_misuse_worker, 2, misuse, timeout_s=60):
+        assert text is not None and message in text, text
