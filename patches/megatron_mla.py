@@ -172,8 +172,8 @@ class _SumGradOverTP(torch.autograd.Function):
 
     megatron's copy_to_tensor_model_parallel_region all-reduces
     ``grad.contiguous()`` in place and returns ``grad``: when the incoming
-    gradient is not contiguous (the core's split of the gathered latent makes
-    it so) the reduced copy is dropped. This one reduces a contiguous tensor.
+    gradient is not contiguous the reduced copy is dropped. The core hands the
+    latent's gradient back contiguous, but this reduction does not depend on it.
     """
 
     @staticmethod

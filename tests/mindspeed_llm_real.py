@@ -237,14 +237,8 @@ def _build(argv, tp_size, cp_size, sequence_parallel):
 
 
 def _run(module, forward, hidden, rope, grad_out):
-    module.zero_grad(set_to_none=True)
-    hidden = hidden.detach().clone().requires_grad_()
-    output, bias = forward(hidden, rope)
-    assert bias is None
-    (output * grad_out).sum().backward()
-    return dict(output=output.detach(), hidden_grad=hidden.grad,
-                param_grads={n: p.grad.clone() for n, p in module.named_parameters()
-                             if p.grad is not None},
+    from mindspeed_llm_standin import forward_backward
+    return dict(forward_backward(module, forward, hidden, rope, grad_out),
                 # TP-sharded weights: the dim to concatenate over TP ranks; others are summed
                 partition={n: (p.partition_dim if getattr(p, "tensor_model_parallel", False)
                                else None) for n, p in module.named_parameters()})

@@ -27,6 +27,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def forward_backward(module, forward, hidden, rope, grad_out) -> dict:
+    """``forward(hidden, rope)`` and backward of ``(output * grad_out).sum()``:
+    the output, the hidden-states grad and every parameter grad (shared by the
+    stand-in and the real-class tests)."""
+    module.zero_grad(set_to_none=True)
+    hidden = hidden.detach().clone().requires_grad_()
+    output, bias = forward(hidden, rope)
+    assert bias is None
+    (output * grad_out).sum().backward()
+    return dict(output=output.detach(), hidden_grad=hidden.grad,
+                param_grads={n: p.grad.clone() for n, p in module.named_parameters()
+                             if p.grad is not None})
+
+
 def install_megatron_args(args) -> None:
     """``megatron.training.get_args()`` returning ``args``.
 

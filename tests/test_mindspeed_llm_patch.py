@@ -95,14 +95,8 @@ def _install_fb_overlap_standin():
 
 
 def _run(module, forward, hidden, rope, grad_out):
-    """forward + backward; output, hidden grad and parameter grads."""
-    module.zero_grad(set_to_none=True)
-    hidden = hidden.detach().clone().requires_grad_()
-    output, bias = forward(hidden, rope)
-    assert bias is None
-    (output * grad_out).sum().backward()
-    return dict(output=output.detach(), hidden_grad=hidden.grad,
-                param_grads={n: p.grad.clone() for n, p in module.named_parameters()})
+    from mindspeed_llm_standin import forward_backward
+    return forward_backward(module, forward, hidden, rope, grad_out)
 
 
 def worker(rank, world, cases):
