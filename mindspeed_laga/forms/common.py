@@ -44,22 +44,27 @@ def split_up_weight(kv_up_weight: torch.Tensor, setup: AttnSetup):
     return w[:, :d.qk_head_dim], w[:, d.qk_head_dim:]
 
 
-def up_project(kv_latent: torch.Tensor, kv_up_weight: torch.Tensor, setup: AttnSetup):
-    """[S, b, d_c] -> k_nope [S, b, h, d_n], value [S, b, h, d_v] (Megatron's math)."""
-    d = setup.dims
-    kv = F.linear(kv_latent, up_weight_rows(kv_up_weight, setup))
-    kv = kv.view(*kv.shape[:2], -1, d.qk_head_dim + d.v_head_dim)
-    k_nope, value = torch.split(kv, [d.qk_head_dim, d.v_head_dim], dim=-1)
-    # V gets its own storage: attention keeps V for backward, and a view would keep
-    # the whole up-projection output (k_nope's half too) alive. k_nope is consumed
-    # by the key concatenation, so the up-projection output is freed.
-    return k_nope, value.contiguous()
-
-
-def assemble_key(k_nope: torch.Tensor, k_pos_emb: torch.Tensor) -> torch.Tensor:
-    """[S, b, h, d_n] + the shared rope key [S, b, d_r] -> [S, b, h, d_n + d_r]."""
+def rebuild_kv(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, weight_rows: torch.Tensor,
+               qk_head_dim: int, v_head_dim: int):
+    """Megatron's MLA up-projection: kv_latent [S, b, d_c] and the shared rope key
+    [S, b, d_r] -> key [S, b, h, d_n + d_r], value [S, b, h, d_v] (a view of the
+    up-projection output), for the heads whose rows ``weight_rows`` holds."""
+    kv = F.linear(kv_latent, weight_rows)
+    kv = kv.view(*kv.shape[:2], -1, qk_head_dim + v_head_dim)
+    k_nope, value = torch.split(kv, [qk_head_dim, v_head_dim], dim=-1)
     k_pe = k_pos_emb.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)
-    return torch.cat([k_nope, k_pe], dim=-1)
+    return torch.cat([k_nope, k_pe], dim=-1), value
+
+
+def up_project(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, kv_up_weight: torch.Tensor,
+               setup: AttnSetup):
+    """Key and value of this rank's heads, both kept by the attention for backward."""
+    d = setup.dims
+    key, value = rebuild_kv(kv_latent, k_pos_emb, up_weight_rows(kv_up_weight, setup),
+                            d.qk_head_dim, d.v_head_dim)
+    # V gets its own storage: a view would keep the whole up-projection output
+    # (k_nope's half too) alive; k_nope is consumed by the key concatenation.
+    return key, value.contiguous()
 
 
 def to_bnsd(x: torch.Tensor) -> torch.Tensor:

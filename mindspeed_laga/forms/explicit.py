@@ -10,7 +10,7 @@ from __future__ import annotations
 from .. import comm
 from ..kernels import attend
 from ..validate import AttnSetup
-from .common import (all_heads, assemble_key, flatten_heads, from_bnsd, query_segments, to_bnsd,
+from .common import (all_heads, flatten_heads, from_bnsd, query_segments, to_bnsd,
                      to_position_order, up_project)
 
 
@@ -18,8 +18,7 @@ def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
     full = setup.cp_algo == "allgather" or setup.cp_size == 1
     # Ulysses up-projects all local heads: the all-to-all then moves them.
     local = setup if full else all_heads(setup)
-    k_nope, value = up_project(kv_latent, kv_up_weight, local)
-    key = assemble_key(k_nope, k_pos_emb)
+    key, value = up_project(kv_latent, k_pos_emb, kv_up_weight, local)
     group = setup.cp_group
     if full:
         key = to_position_order(comm.gather_seq(key, group, "key"), setup)

@@ -23,7 +23,7 @@ from typing import Optional
 from .. import comm
 from ..kernels import attend, key_prefix
 from ..validate import AttnSetup
-from .common import (assemble_key, flatten_heads, from_bnsd, gathered_latent, gather_latent,
+from .common import (flatten_heads, from_bnsd, gathered_latent, gather_latent,
                      query_segments, split_latent, to_bnsd, up_project, up_weight_rows)
 from .laga_blockwise import BlockPlan, BlockwiseLAGA
 
@@ -59,8 +59,7 @@ def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_pr
     if trim_causal_prefix:
         end = visible_keys(setup)
         kv_all, k_pe_all = kv_all[:end], k_pe_all[:end]
-    k_nope, value = up_project(kv_all, kv_up_weight, setup)
-    key = assemble_key(k_nope, k_pe_all)
+    key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel)
     return from_bnsd(out)
@@ -72,10 +71,9 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
     if trim_causal_prefix:
         latent = latent[:visible_keys(setup)]
     weight = up_weight_rows(kv_up_weight, setup)
-    plan = BlockPlan(heads=weight.shape[0] // (d.qk_head_dim + d.v_head_dim),
-                     qk_head_dim=d.qk_head_dim, rope_dim=d.rope_dim, v_head_dim=d.v_head_dim,
+    plan = BlockPlan(qk_head_dim=d.qk_head_dim, rope_dim=d.rope_dim, v_head_dim=d.v_head_dim,
                      kv_lora_rank=d.kv_lora_rank, scale=setup.softmax_scale, causal=setup.causal,
                      segments=tuple(query_segments(setup)),
                      block_size=kv_block_size or max(latent.shape[0], 1),
-                     skip_invisible_blocks=trim_causal_prefix, kernel=setup.kernel)
+                     kernel=setup.kernel)
     return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))

@@ -26,15 +26,14 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from ..layout import Segment
 from .block_kernels import BLOCK_KERNELS
+from .common import rebuild_kv
 
 
 @dataclass(frozen=True)
 class BlockPlan:
-    heads: int
     qk_head_dim: int
     rope_dim: int
     v_head_dim: int
@@ -43,16 +42,13 @@ class BlockPlan:
     causal: bool
     segments: Tuple[Segment, ...]
     block_size: int
-    skip_invisible_blocks: bool  # causal prefix trimming: no rebuild of unseen blocks
     kernel: str = "eager"        # per-block kernel: "eager" or "npu" (block_kernels.py)
 
 
 def blocks(plan: BlockPlan, num_keys: int):
-    """Key blocks [k0, k1) to rebuild, in position order."""
-    last = num_keys
-    if plan.skip_invisible_blocks and plan.causal:
-        last = min(num_keys, max(g + n for _, n, g in plan.segments))
-    return [(k0, min(k0 + plan.block_size, last)) for k0 in range(0, last, plan.block_size)]
+    """Key blocks [k0, k1) to rebuild, in position order (causal prefix trimming
+    has already cut the latent to the keys some query sees)."""
+    return [(k0, min(k0 + plan.block_size, num_keys)) for k0 in range(0, num_keys, plan.block_size)]
 
 
 def visible_rows(plan: BlockPlan, k0: int, k1: int, device):
@@ -78,10 +74,7 @@ def visible_rows(plan: BlockPlan, k0: int, k1: int, device):
 def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
     """[B, b, d_c + d_r] -> K [b, h, B, d_n + d_r], V [b, h, B, d_v] (Megatron's math)."""
     kv_c, k_pe = torch.split(latent_block, [plan.kv_lora_rank, plan.rope_dim], dim=-1)
-    B, b = kv_c.shape[:2]
-    kv = F.linear(kv_c, kv_up_weight).view(B, b, plan.heads, plan.qk_head_dim + plan.v_head_dim)
-    k_nope, value = torch.split(kv, [plan.qk_head_dim, plan.v_head_dim], dim=-1)
-    key = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, b, plan.heads, plan.rope_dim)], dim=-1)
+    key, value = rebuild_kv(kv_c, k_pe, kv_up_weight, plan.qk_head_dim, plan.v_head_dim)
     return key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
 
 
