@@ -10,15 +10,12 @@ run in float64 on the full sequence.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
-from . import api, comm, layout as layouts
-from .overlap import start_latent_gather
+from . import layout as layouts
 from .reference import mla_attention_reference
 
 INPUTS = ("query", "kv_latent", "k_pos_emb", "kv_up_weight")
@@ -53,7 +50,8 @@ class Case:
     causal: bool = True
     shape: MLAShape = MLAShape()
     seed: int = 1234
-    options: tuple = ()  # extra form keywords as ((name, value), ...)
+    options: tuple = ()  # form keywords as ((name, value), ...); ("overlap", True) starts
+                         # the latent gather before the call (CP > 1)
 
     def label(self) -> str:
         opts = "".join(f",{k}={v}" for k, v in self.options)
@@ -78,51 +76,18 @@ def full_inputs(shape: MLAShape, seed: int) -> Dict[str, torch.Tensor]:
     }
 
 
-def run_case_on_rank(case: Case, rank: int, cp_size: int, group=None, repeat: int = 1) -> dict:
-    """Forward + backward of one case on this rank; shards and partial grads back.
-
-    With ``repeat > 1`` the first run is a warm-up and ``seconds`` is the
-    median fwd+bwd wall time of the others (bytes are those of the last run).
-    """
-    full = full_inputs(case.shape, case.seed)
-    dtype = DTYPES[case.dtype]
-    grad_out = _shard(full["grad_out"], case, rank, cp_size).to(dtype)
-    fn = api.FORMS[case.form]
-    times = []
-    for _ in range(repeat):
-        local = {name: _shard(full[name], case, rank, cp_size).to(dtype).requires_grad_()
-                 for name in INPUTS}
-        options = dict(case.options)
-        cp_group = group if cp_size > 1 else None
-        with comm.count_bytes() as counter:
-            start = time.perf_counter()
-            if options.pop("overlap", False) and cp_group is not None:
-                options["latent_gather"] = start_latent_gather(
-                    local["kv_latent"], local["k_pos_emb"], cp_group=cp_group)
-            out = fn(local["query"], local["kv_latent"], local["k_pos_emb"], local["kv_up_weight"],
-                     softmax_scale=case.shape.softmax_scale, cp_group=cp_group,
-                     cp_algo=case.cp_algo, layout=case.layout, causal=case.causal,
-                     kernel=case.kernel, **options)
-            out.backward(grad_out)
-            times.append(time.perf_counter() - start)
-    timed = sorted(times[1:] if repeat > 1 else times)
-    return {"out": out.detach(), "grads": {k: v.grad for k, v in local.items()},
-            "comm": counter.summary(), "design_bytes": {
-                d: counter.design_bytes(d) for d in ("forward", "backward")},
-            "seconds": timed[len(timed) // 2],
-            "comm_seconds": {d: counter.seconds(direction=d) for d in ("forward", "backward")}}
-
-
-def _shard(t: torch.Tensor, case: Case, rank: int, cp_size: int) -> torch.Tensor:
-    if t.dim() == 2:  # kv_up_weight: replicated over the CP group
+def shard(t: torch.Tensor, case: Case, rank: int, cp_size: int) -> torch.Tensor:
+    """This rank's part of a full input; ``kv_up_weight`` is replicated over CP."""
+    if t.dim() == 2:
         return t.clone()
     return layouts.shard(t, case.layout, cp_size, rank)
 
 
-def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1) -> List[dict]:
-    """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`."""
-    group = dist.group.WORLD if dist.is_initialized() else None
-    return [run_case_on_rank(c, rank, cp_size, group, repeat) for c in cases]
+def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: int = 0) -> List[dict]:
+    """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`: forward + backward of
+    each case on this rank (``measure.run_on_rank``); shards and partial grads back."""
+    from .measure import Run, worker as run_worker
+    return run_worker(rank, cp_size, [Run(c, c.label()) for c in cases], repeat, warmup)
 
 
 def assemble(per_rank: List[dict], case: Case) -> dict:

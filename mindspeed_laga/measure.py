@@ -16,16 +16,15 @@ Used by ``mindspeed-laga bench`` and the cost-model tests.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
-from . import api, comm, equivalence as eq, layout as layouts
+from . import api, comm, equivalence as eq
 
 
 class SavedBytes:
@@ -60,29 +59,12 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
-def laga_options() -> set:
-    """LAGA keywords this build of ``laga_attention`` accepts (issue 5 adds them)."""
-    return set(inspect.signature(api.laga_attention).parameters)
-
-
-def overlap_available() -> bool:
-    if "latent_gather" not in laga_options():
-        return False
-    try:
-        from . import overlap  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class Run:
     """One variant to run: a case of the core plus LAGA options."""
 
-    case: eq.Case
-    variant: str
-    options: tuple = ()          # laga_attention keywords
-    overlap: bool = False        # start the latent gather before a stand-in query projection
+    case: eq.Case                # its options are laga_attention keywords, plus
+    variant: str                 # ("overlap", True): start the latent gather first
     query_projection: bool = False  # run the stand-in query projection (overlap pairs)
 
 
@@ -119,14 +101,14 @@ def run_on_rank(run: Run, rank: int, cp_size: int, group, repeat: int = 1, warmu
     device = _device()
     dtype = eq.DTYPES[case.dtype]
     full = eq.full_inputs(case.shape, case.seed)
-    grad_out = _shard(full["grad_out"], case, rank, cp_size).to(device, dtype)
+    grad_out = eq.shard(full["grad_out"], case, rank, cp_size).to(device, dtype)
     fn = api.FORMS[case.form]
     cp_group = group if cp_size > 1 else None
     proj = _projection_weight(case, device, dtype) if run.query_projection else None
     mem = _memory_api(device)
     times, result = [], None
     for i in range(warmup + repeat):
-        local = {k: _shard(full[k], case, rank, cp_size).to(device, dtype).requires_grad_()
+        local = {k: eq.shard(full[k], case, rank, cp_size).to(device, dtype).requires_grad_()
                  for k in eq.INPUTS}
         flops = _flop_counter() if count_flops and i == warmup + repeat - 1 else contextlib.nullcontext()
         if mem is not None:
@@ -161,10 +143,12 @@ def _forward(run: Run, fn, local, case: eq.Case, cp_group, proj, saved: SavedByt
     """The attention call (saved tensors counted inside it only), optionally after a
     stand-in query projection, with the latent gather started before it (overlap)."""
     query = local["query"]
-    handle = None
-    if run.overlap:
+    kwargs = dict(case.options)
+    # Without CP there is no gather to overlap: the case runs plain.
+    if kwargs.pop("overlap", False) and cp_group is not None:
         from .overlap import start_latent_gather
-        handle = start_latent_gather(local["kv_latent"], local["k_pos_emb"], cp_group=cp_group)
+        kwargs["latent_gather"] = start_latent_gather(local["kv_latent"], local["k_pos_emb"],
+                                                      cp_group=cp_group)
     if proj is not None:
         weight, width = proj
         s, b = query.shape[:2]
@@ -172,28 +156,16 @@ def _forward(run: Run, fn, local, case: eq.Case, cp_group, proj, saved: SavedByt
         # 0 * projection: the projection's compute (and its dq work in backward) runs,
         # the query the attention sees is unchanged, so the reference still applies.
         query = query + 0 * torch.nn.functional.linear(x, weight).view_as(query)
-    kwargs = dict(case.options)
-    if handle is not None:
-        kwargs["latent_gather"] = handle
     with saved:
         return fn(query, local["kv_latent"], local["k_pos_emb"], local["kv_up_weight"],
                   softmax_scale=case.shape.softmax_scale, cp_group=cp_group, cp_algo=case.cp_algo,
                   layout=case.layout, causal=case.causal, kernel=case.kernel, **kwargs)
 
 
-def _shard(t: torch.Tensor, case: eq.Case, rank: int, cp_size: int) -> torch.Tensor:
-    if t.dim() == 2:  # kv_up_weight: replicated over the CP group
-        return t.clone()
-    return layouts.shard(t, case.layout, cp_size, rank)
-
-
-def _comm_seconds(counter) -> Optional[dict]:
-    """Blocked time in collectives by tag, where the counter records it."""
-    records = getattr(counter, "records", [])
-    if not records or not hasattr(records[0], "seconds"):
-        return None
+def _comm_seconds(counter) -> Dict[str, float]:
+    """Blocked time in data collectives, by tag."""
     out: Dict[str, float] = {}
-    for r in records:
+    for r in counter.records:
         if r.kind in comm.DATA_KINDS:
             out[r.tag] = out.get(r.tag, 0.0) + r.seconds
     return out
@@ -212,7 +184,10 @@ def _flop_totals(mode) -> dict:
 
 def worker(rank: int, cp_size: int, runs: List[Run], repeat: int = 1, warmup: int = 0,
            count_flops: bool = False, progress: bool = False) -> List[dict]:
-    """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`: every run, in order."""
+    """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`: every run, in order.
+
+    The one per-rank runner: ``equivalence.worker``, ``verify``, ``bench`` and the
+    tests all measure through it."""
     group = dist.group.WORLD if dist.is_initialized() else None
     out = []
     for i, run in enumerate(runs):

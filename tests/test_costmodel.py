@@ -20,7 +20,7 @@ import pytest
 from mindspeed_laga import costmodel as cm
 from mindspeed_laga import equivalence as eq
 from mindspeed_laga import layout as layouts
-from mindspeed_laga.measure import Run, laga_options, worker
+from mindspeed_laga.measure import Run, worker
 from mindspeed_laga.spawn import run_on_ranks
 
 # d_v != d_n + d_r (MLA-like: CPU SDPA takes its math path) and d_v == d_n + d_r (flash).
@@ -37,16 +37,11 @@ DTYPES = ("float32", "bfloat16")
 
 
 def _variants():
-    opts = laga_options()
-    out = [cm.Variant(f, f) for f in ("explicit", "absorbed", "laga")]
-    if "trim_causal_prefix" in opts:
-        out.append(cm.Variant("laga+trim", "laga", trim=True))
-    if "recompute_kv" in opts:
-        out.append(cm.Variant("laga+recompute", "laga", recompute=True))
-    if "kv_block_size" in opts:
-        out.append(cm.Variant("laga+blockwise", "laga", recompute=True, block_size=6))
-        out.append(cm.Variant("laga+blockwise+trim", "laga", trim=True, recompute=True, block_size=4))
-    return out
+    return [cm.Variant("explicit", "explicit"), cm.Variant("absorbed", "absorbed"),
+            cm.Variant("laga", "laga"), cm.Variant("laga+trim", "laga", trim=True),
+            cm.Variant("laga+recompute", "laga", recompute=True),
+            cm.Variant("laga+blockwise", "laga", recompute=True, block_size=6),
+            cm.Variant("laga+blockwise+trim", "laga", trim=True, recompute=True, block_size=4)]
 
 
 VARIANTS = {v.name: v for v in _variants()}
@@ -63,7 +58,7 @@ def _runs():
             continue
         case = eq.Case(form=v.form, cp_algo=algo, layout=lay, kernel=kernel, dtype=dtype,
                        shape=SHAPES[shape_name], options=tuple(v.options().items()))
-        runs.append(Run(case=case, variant=v.name, options=case.options))
+        runs.append(Run(case=case, variant=v.name))
     return runs
 
 
@@ -213,7 +208,6 @@ def test_v3_allgather_trade_offs():
     assert ul[0] == ul[1]
 
 
-@pytest.mark.skipif("trim_causal_prefix" not in laga_options(), reason="no prefix trimming yet")
 def test_v3_prefix_trimming_helps_the_average_not_rank_0():
     cfg = v3("allgather")
     la, tr = summary(cfg, "laga"), summary(cfg, "laga+trim", trim=True)
@@ -224,7 +218,6 @@ def test_v3_prefix_trimming_helps_the_average_not_rank_0():
         assert cm.visible_keys(cfg, r) == (16 - r) * 16384 // 16
 
 
-@pytest.mark.skipif("kv_block_size" not in laga_options(), reason="no blockwise LAGA yet")
 def test_v3_blockwise_recompute_below_explicit_and_absorbed():
     for algo, ceiling in (("allgather", 0.2), ("ulysses", 0.6)):
         cfg = v3(algo)

@@ -86,23 +86,16 @@ def parse_seq_lens(text: str) -> List[int]:
 
 
 def variants_for(args, seq_len: int, cp_size: int) -> List[cm.Variant]:
-    """The three forms plus every LAGA option this build of laga_attention accepts."""
-    from ..measure import laga_options, overlap_available
+    """The three forms plus every LAGA option (overlap only with CP)."""
     out = [cm.Variant(f, f) for f in FORMS]
     if args.forms_only:
         return out
-    opts = laga_options()
     block = args.kv_block_size or max(seq_len // 4, 1)
-    if "trim_causal_prefix" in opts:
-        out.append(cm.Variant("laga+trim", "laga", trim=True))
-    if "recompute_kv" in opts:
-        out.append(cm.Variant("laga+recompute", "laga", recompute=True))
-        if "kv_block_size" in opts:
-            out.append(cm.Variant("laga+blockwise", "laga", recompute=True, block_size=block))
-            if "trim_causal_prefix" in opts:
-                out.append(cm.Variant("laga+blockwise+trim", "laga", trim=True, recompute=True,
-                                      block_size=block))
-    if cp_size > 1 and overlap_available():
+    out += [cm.Variant("laga+trim", "laga", trim=True),
+            cm.Variant("laga+recompute", "laga", recompute=True),
+            cm.Variant("laga+blockwise", "laga", recompute=True, block_size=block),
+            cm.Variant("laga+blockwise+trim", "laga", trim=True, recompute=True, block_size=block)]
+    if cp_size > 1:
         # A pair with the same stand-in query projection; only the second overlaps it.
         out.append(cm.Variant("laga+qproj", "laga"))
         out.append(cm.Variant("laga+overlap", "laga", overlap=True))
@@ -133,9 +126,10 @@ def build_runs(args, cp_size: int, device_type: str):
             cm.validate(cfg, variants)
             for v in variants:
                 kernel = "auto" if v.recompute else args.kernel
+                options = dict(v.options(), **({"overlap": True} if v.overlap else {}))
                 case = eq.Case(form=v.form, cp_algo=algo, layout=DEFAULT_LAYOUT[algo], kernel=kernel,
-                               dtype=args.dtype, shape=shape, options=tuple(v.options().items()))
-                runs.append(Run(case=case, variant=v.name, options=case.options, overlap=v.overlap,
+                               dtype=args.dtype, shape=shape, options=tuple(options.items()))
+                runs.append(Run(case=case, variant=v.name,
                                 query_projection=v.name in ("laga+qproj", "laga+overlap")))
                 mcfg = cfg if not v.recompute else replace(cfg, kernel="eager")
                 models.append(cm.form_cost(mcfg, v, 0))
@@ -164,7 +158,7 @@ def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
         rows.append({
             "seq_len": case.shape.seq_len, "cp_algo": case.cp_algo, "layout": case.layout,
             "variant": run.variant, "form": case.form, "kernel": case.kernel,
-            "model_kernel": model.kernel, "options": dict(case.options), "overlap": run.overlap,
+            "model_kernel": model.kernel, "options": dict(case.options),
             "comm_forward_bytes": fwd, "comm_backward_bytes": bwd, "comm_wire_bytes": wire,
             "comm_design_bytes": sum(r0["design_bytes"].values()),
             "model_comm_forward_bytes": model.comm_bytes("forward"),

@@ -23,7 +23,7 @@ same way. Accumulation is float32 for half-precision inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Tuple
 
 import torch
 
