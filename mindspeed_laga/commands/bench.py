@@ -1,8 +1,7 @@
 """``mindspeed-laga bench``: the forms side by side, measured, beside the cost model.
 
-Runs explicit, absorbed, LAGA and every LAGA option this build's
-``laga_attention`` accepts (prefix trimming, K/V recompute, blockwise,
-overlapped latent gather) forward+backward on P ranks: spawned gloo workers
+Runs explicit, absorbed, LAGA and every LAGA option (prefix trimming, K/V
+recompute, blockwise, and with CP the overlapped latent gather) forward+backward on P ranks: spawned gloo workers
 on CPU by default, or this process's rank under torchrun (RANK/WORLD_SIZE
 set; any backend). For each variant and sequence length: collective bytes
 (byte counter), activation bytes saved for backward (saved-tensor hooks,
