@@ -15,8 +15,12 @@ Keywords: ``softmax_scale``; ``cp_group`` (None or size 1: no CP);
 ``cp_algo`` "allgather" (local queries, all heads) or "ulysses" (heads split
 over the group); ``layout`` "zigzag" or "contiguous"; ``causal``;
 ``kernel`` "eager" | "sdpa" | "npu" | "auto" (npu on NPU tensors, else sdpa);
-``check_ranks`` (default True): exchange shapes across the group first so a
-mismatch raises on every rank instead of hanging.
+``qk_head_dim``/``v_head_dim``: the MLA config's head dims (the patches pass
+them); without them the tensors must read unambiguously (d_n == d_v).
+``check_ranks`` (default True): exchange every value that must agree across
+the group first, so a rank that differs raises on every rank instead of
+hanging; once every rank passes False in such an exchange the group skips
+it (agreement.py, docs/DESIGN.md "The cross-rank handshake").
 
 Autograd is exact for all four inputs. The ``kv_up_weight`` gradient on each
 rank is that rank's partial sum; Megatron reduces it over dp x cp.
@@ -31,19 +35,27 @@ from .forms.explicit import explicit_forward
 from .forms.laga import laga_forward
 
 
-def _setup(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo, layout,
-           causal, kernel, check_ranks, blockwise=False, extra_check=None):
+def _setup(form, query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
+           layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim, blockwise=False,
+           options=None, extra_check=None):
     return validate.check(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale=softmax_scale,
                           cp_group=cp_group, cp_algo=cp_algo, layout=layout, causal=causal,
-                          kernel=kernel, check_ranks=check_ranks, blockwise=blockwise,
+                          kernel=kernel, form=form, check_ranks=check_ranks, blockwise=blockwise,
+                          qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, options=options,
                           extra_check=extra_check)
+
+
+def _flag(value) -> int:
+    """An option as the handshake's integer (-1 when it is not a valid value)."""
+    return int(value) if isinstance(value, bool) else -1
 
 
 def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group=None,
                    cp_algo="allgather", layout="zigzag", causal=True, kernel="auto",
                    check_ranks: bool = True, trim_causal_prefix: bool = False,
                    recompute_kv: bool = False, kv_block_size: Optional[int] = None,
-                   latent_gather=None):
+                   latent_gather=None, qk_head_dim: Optional[int] = None,
+                   v_head_dim: Optional[int] = None):
     """LAGA: gather the latent (d_c + d_r per token), rebuild K/V locally, attend.
 
     Options beyond the paper (all exact; see docs/BEYOND.md):
@@ -63,9 +75,12 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
         _check_laga_options(kv_latent, k_pos_emb, cp_group, cp_size, recompute_kv,
                             kv_block_size, trim_causal_prefix, latent_gather)
 
-    setup = _setup(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
-                   layout, causal, kernel, check_ranks, blockwise=bool(recompute_kv),
-                   extra_check=check_options)
+    options = {"recompute_kv": _flag(recompute_kv), "trim_causal_prefix": _flag(trim_causal_prefix),
+               "kv_block_size": kv_block_size if isinstance(kv_block_size, int) else 0,
+               "latent_gather": int(latent_gather is not None)}
+    setup = _setup("laga", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
+                   cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim,
+                   blockwise=recompute_kv is True, options=options, extra_check=check_options)
     return laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup,
                         trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
                         kv_block_size=kv_block_size, latent_gather=latent_gather)
@@ -96,19 +111,21 @@ def _check_laga_options(kv_latent, k_pos_emb, cp_group, cp_size, recompute_kv, k
 
 def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
                        cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
-                       kernel="auto", check_ranks: bool = True):
+                       kernel="auto", check_ranks: bool = True, qk_head_dim: Optional[int] = None,
+                       v_head_dim: Optional[int] = None):
     """Explicit MLA: per-head K/V (allgather) or Q/K/V/O (ulysses) cross the wire."""
-    setup = _setup(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
-                   layout, causal, kernel, check_ranks)
+    setup = _setup("explicit", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
+                   cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim)
     return explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 
 def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
                        cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
-                       kernel="auto", check_ranks: bool = True):
+                       kernel="auto", check_ranks: bool = True, qk_head_dim: Optional[int] = None,
+                       v_head_dim: Optional[int] = None):
     """Absorbed MLA: latent-space attention with q . W_UK and o . W_UV^T (the memory trap)."""
-    setup = _setup(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
-                   layout, causal, kernel, check_ranks)
+    setup = _setup("absorbed", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
+                   cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim)
     return absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 

@@ -10,39 +10,15 @@ segments, i.e. from true global positions, never from local indices.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List
 
 import torch
 
-LAYOUTS = ("zigzag", "contiguous")
-Segment = Tuple[int, int, int]  # (local_start, length, global_start)
+from .vocab import LAYOUTS, Segment, check_seq_len, num_chunks, rank_segments  # noqa: F401
 
-
-def num_chunks(layout: str, cp_size: int) -> int:
-    """How many equal pieces the full sequence is cut into."""
-    return 2 * cp_size if layout == "zigzag" else cp_size
-
-
-def check_seq_len(seq_len: int, layout: str, cp_size: int) -> None:
-    """The full sequence must cut into equal chunks: 2P (zigzag) or P (contiguous)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
-    chunks = num_chunks(layout, cp_size)
-    if seq_len % chunks:
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by {chunks} "
-            f"({'2*CP' if layout == 'zigzag' else 'CP'} for layout={layout!r}, CP={cp_size}); "
-            f"pad it to a multiple of {chunks}")
-
-
-def segments(layout: str, cp_size: int, rank: int, local_len: int) -> List[Segment]:
-    """The consecutive-position runs of rank ``rank``'s local tokens."""
-    if cp_size == 1:
-        return [(0, local_len, 0)]
-    if layout == "contiguous":
-        return [(0, local_len, rank * local_len)]
-    c = local_len // 2
-    return [(0, c, rank * c), (c, c, (2 * cp_size - 1 - rank) * c)]
+# The chunk rule and segments are shared vocabulary (vocab.py); this module adds
+# the torch side: position tensors, reordering, sharding.
+segments = rank_segments
 
 
 def positions(layout: str, cp_size: int, rank: int, local_len: int) -> torch.Tensor:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
+from . import agreement, comm
+from .forms.common import concat_latent, split_latent, to_position_order
 
 
 class _State:
@@ -60,27 +61,32 @@ class _GatheredLatent(torch.autograd.Function):
 
 
 class LatentGather:
-    """An all-gather of ``[kv_latent, k_pos_emb]`` in flight."""
+    """An all-gather of ``[kv_latent, k_pos_emb]`` in flight: the overlapped latent source
+    (forms/latent_source.py has the synchronous one and the interface)."""
 
     def __init__(self, kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, cp_group):
         self.kv_latent, self.k_pos_emb, self.cp_group = kv_latent, k_pos_emb, cp_group
         self._state = _State(cp_group)
-        from .forms.common import concat_latent
         latent = concat_latent(kv_latent, k_pos_emb)
         self._latent = _WaitForGradient.apply(latent, self._state)
         self._buffer, self._pending = comm.all_gather_raw(self._latent.detach(), cp_group, "forward",
                                                           "latent", async_op=True)
         self._used = False
 
-    def gathered(self, setup) -> torch.Tensor:
+    def latent(self, setup) -> torch.Tensor:
         """Wait, then the gathered latent in position order, autograd-connected."""
-        from .forms.common import to_position_order
         if self._used:
             raise ValueError("a LatentGather feeds one laga_attention call; start a new one per call")
         self._used = True
         self._pending.wait()
         gathered = _GatheredLatent.apply(self._latent, self._state, self._buffer)
         return to_position_order(gathered, setup)
+
+    def parts(self, setup):
+        """The gathered latent as (kv part, rope key); see forms/latent_source.py."""
+        return split_latent(self.latent(setup), setup)
+
+    gathered = latent  # the name of earlier releases
 
 
 def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_group,
@@ -89,24 +95,29 @@ def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_
 
     Needs a CP group of size > 1 (there is nothing to overlap without CP).
     ``check_ranks``: first agree on the shapes across the group (a small
-    blocking exchange), so a mismatch raises instead of corrupting the gather.
+    blocking exchange, agreement.py), so a mismatch raises on every rank
+    instead of corrupting the gather.
     """
     if comm.group_size(cp_group) == 1:
         raise ValueError("start_latent_gather needs cp_group of size > 1; without context "
                          "parallelism call laga_attention without latent_gather")
-    for name, t, nd in (("kv_latent", kv_latent, 3), ("k_pos_emb", k_pos_emb, 3)):
-        if not isinstance(t, torch.Tensor) or t.dim() != nd:
-            raise ValueError(f"{name} must be a 3-dim [s, b, d] tensor")
-    if kv_latent.shape[:2] != k_pos_emb.shape[:2] or kv_latent.dtype != k_pos_emb.dtype:
-        raise ValueError("kv_latent and k_pos_emb must share [s, b] and dtype")
-    if check_ranks:
-        _agree_on_shapes(kv_latent, k_pos_emb, cp_group)
+    error = _local_error(kv_latent, k_pos_emb, check_ranks)
+    values = {"stage": agreement.STAGES.index("start_latent_gather"),
+              "check_ranks": int(check_ranks is True), "latent_gather": 1}
+    if error is None:
+        values.update(local_len=kv_latent.shape[0], micro_batch=kv_latent.shape[1],
+                      kv_lora_rank=kv_latent.shape[2], rope_dim=k_pos_emb.shape[2])
+    device = kv_latent.device if isinstance(kv_latent, torch.Tensor) else "cpu"
+    agreement.agree(values, error, cp_group, device)
     return LatentGather(kv_latent, k_pos_emb, cp_group)
 
 
-def _agree_on_shapes(kv_latent, k_pos_emb, cp_group):
-    shape = [kv_latent.shape[0], kv_latent.shape[1], kv_latent.shape[2], k_pos_emb.shape[2]]
-    table = comm.handshake(shape, cp_group, kv_latent.device)
-    if any(row != table[0] for row in table):
-        raise ValueError(f"CP ranks disagree on the latent shape [s, b, d_c, d_r]: {table} "
-                         "(by rank); every rank of cp_group must pass the same shapes")
+def _local_error(kv_latent, k_pos_emb, check_ranks):
+    if not isinstance(check_ranks, bool):
+        return f"check_ranks must be True or False, got {check_ranks!r}"
+    for name, t, nd in (("kv_latent", kv_latent, 3), ("k_pos_emb", k_pos_emb, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != nd:
+            return f"{name} must be a 3-dim [s, b, d] tensor"
+    if kv_latent.shape[:2] != k_pos_emb.shape[:2] or kv_latent.dtype != k_pos_emb.dtype:
+        return "kv_latent and k_pos_emb must share [s, b] and dtype"
+    return None

@@ -1,52 +1,24 @@
 """Argument checks shared by the three forms.
 
 Every check runs before any data collective. With CP > 1 the ranks then
-exchange a few integers (their verdict and their shapes): if any rank rejected
-its arguments, or the ranks disagree on shapes, *every* rank raises the
-``ValueError`` instead of some ranks waiting forever in a collective.
+exchange their verdict and every value that must agree (agreement.py): if
+any rank rejected its arguments, or the ranks disagree, *every* rank raises
+the ``ValueError`` instead of some ranks waiting forever in a collective or
+returning wrong numbers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional
+import math
+import numbers
+from typing import Dict, Optional
 
 import torch
 
-from . import comm, layout as layouts
-
-CP_ALGOS = ("allgather", "ulysses")
-KERNELS = ("auto", "eager", "sdpa", "npu")
+from . import agreement, comm
+from .vocab import CP_ALGOS, FORMS, KERNELS, LAYOUTS, AttnSetup, MLADims, heads_split
 
 
-@dataclass(frozen=True)
-class MLADims:
-    """MLA sizes inferred from the tensors (DeepSeek-V3: 128, 128, 64, 128, 512)."""
-
-    heads: int          # n: heads on this TP rank
-    qk_head_dim: int    # d_n
-    rope_dim: int       # d_r (qk_pos_emb_head_dim)
-    v_head_dim: int     # d_v
-    kv_lora_rank: int   # d_c
-
-
-@dataclass(frozen=True)
-class AttnSetup:
-    """Everything a form needs besides the tensors."""
-
-    dims: MLADims
-    local_len: int
-    batch: int
-    cp_group: object
-    cp_size: int
-    cp_rank: int
-    cp_algo: str
-    layout: str
-    causal: bool
-    kernel: str
-    softmax_scale: float
-
-
-def _dims(query, kv_latent, k_pos_emb, kv_up_weight) -> MLADims:
+def _dims(query, kv_latent, k_pos_emb, kv_up_weight, qk_head_dim=None, v_head_dim=None) -> MLADims:
     for name, t, nd in (("query", query, 4), ("kv_latent", kv_latent, 3),
                         ("k_pos_emb", k_pos_emb, 3), ("kv_up_weight", kv_up_weight, 2)):
         if not isinstance(t, torch.Tensor):
@@ -54,6 +26,14 @@ def _dims(query, kv_latent, k_pos_emb, kv_up_weight) -> MLADims:
         if t.dim() != nd:
             raise ValueError(f"{name} must have {nd} dims, got shape {tuple(t.shape)}; "
                              "see the laga_attention docstring for the [s, b, ...] layouts")
+    empty = [name for name, t in (("query", query), ("kv_latent", kv_latent),
+                                  ("k_pos_emb", k_pos_emb), ("kv_up_weight", kv_up_weight))
+             if t.numel() == 0]
+    if empty:
+        raise ValueError(f"{empty} have a zero-size dimension (query {tuple(query.shape)}, "
+                         f"kv_latent {tuple(kv_latent.shape)}, k_pos_emb {tuple(k_pos_emb.shape)}, "
+                         f"kv_up_weight {tuple(kv_up_weight.shape)}); every rank needs at least "
+                         "one token, one sequence, one head and non-empty head dims")
     s, b, n, q_dim = query.shape
     d_r = k_pos_emb.shape[-1]
     d_c = kv_latent.shape[-1]
@@ -61,18 +41,40 @@ def _dims(query, kv_latent, k_pos_emb, kv_up_weight) -> MLADims:
         raise ValueError(
             f"query, kv_latent and k_pos_emb must share [s, b]; got {tuple(query.shape[:2])}, "
             f"{tuple(kv_latent.shape[:2])}, {tuple(k_pos_emb.shape[:2])}")
-    d_n = q_dim - d_r
-    if d_n <= 0:
-        raise ValueError(f"query's last dim ({q_dim}) must be qk_head_dim + qk_pos_emb_head_dim "
-                         f"with qk_pos_emb_head_dim = k_pos_emb.shape[-1] = {d_r}")
     rows, cols = kv_up_weight.shape
     if cols != d_c:
         raise ValueError(f"kv_up_weight must be [n*(qk_head_dim+v_head_dim), kv_lora_rank={d_c}] "
                          f"(Megatron's linear_kv_up_proj.weight); got {tuple(kv_up_weight.shape)}")
-    if rows % n or rows // n <= d_n:
-        raise ValueError(f"kv_up_weight has {rows} rows; it must be n*(qk_head_dim+v_head_dim) "
-                         f"with n={n} heads and qk_head_dim={d_n}")
-    return MLADims(n, d_n, d_r, rows // n - d_n, d_c)
+    d_n, d_v = _head_dims(q_dim, d_r, rows, n, qk_head_dim, v_head_dim)
+    return MLADims(n, d_n, d_r, d_v, d_c)
+
+
+def _head_dims(q_dim, d_r, rows, n, qk_head_dim, v_head_dim):
+    """(d_n, d_v): checked against the caller's values, or read off the tensors when
+    that reading is unique."""
+    for name, value in (("qk_head_dim", qk_head_dim), ("v_head_dim", v_head_dim)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    given = qk_head_dim is not None or v_head_dim is not None
+    d_n = q_dim - d_r if qk_head_dim is None else qk_head_dim
+    if d_n <= 0 or d_n + d_r != q_dim:
+        raise ValueError(f"query's last dim ({q_dim}) must be qk_head_dim ({d_n}) + "
+                         f"qk_pos_emb_head_dim (k_pos_emb.shape[-1] = {d_r}); check k_pos_emb's "
+                         "width and qk_head_dim")
+    d_v = v_head_dim if v_head_dim is not None else (rows // n - d_n if rows % n == 0 else -1)
+    if d_v <= 0 or rows != n * (d_n + d_v):
+        raise ValueError(f"kv_up_weight has {rows} rows; it must be n*(qk_head_dim+v_head_dim) = "
+                         f"{n}*({d_n}+{d_v if d_v > 0 else 'v_head_dim'}) for this TP rank's "
+                         "heads (the TP-split linear_kv_up_proj.weight, not the whole one)")
+    if not given and d_v != d_n:
+        # k_pos_emb a column too wide or narrow, or the un-split (whole-TP) weight,
+        # still yield a consistent-looking d_v; equal d_n and d_v (every DeepSeek
+        # model) is the only reading the tensors fix on their own.
+        raise ValueError(f"the tensors read as qk_head_dim={d_n}, v_head_dim={d_v}, which is "
+                         "ambiguous (a k_pos_emb of the wrong width or an un-split "
+                         "kv_up_weight reads the same way); pass qk_head_dim= and v_head_dim= "
+                         "(the MLA config's values)")
+    return d_n, d_v
 
 
 def _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight):
@@ -90,14 +92,16 @@ def _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight):
 def _check_choices(cp_algo, layout, kernel, causal, softmax_scale):
     if cp_algo not in CP_ALGOS:
         raise ValueError(f"cp_algo={cp_algo!r} is unknown; use one of {CP_ALGOS}")
-    if layout not in layouts.LAYOUTS:
-        raise ValueError(f"layout={layout!r} is unknown; use one of {layouts.LAYOUTS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is unknown; use one of {KERNELS}")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    if not isinstance(softmax_scale, (int, float)) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a positive, finite real number (e.g. "
+                         f"1/sqrt(qk_head_dim + qk_pos_emb_head_dim)), got {softmax_scale!r}")
 
 
 def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layout: str):
@@ -108,7 +112,7 @@ def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layo
             f"layout='zigzag' needs the sequence divisible by 2*CP={2 * cp_size}: each rank "
             f"holds 2 equal chunks, but this rank holds {local_len} tokens; pad the sequence "
             "to a multiple of 2*CP or use layout='contiguous'")
-    if cp_algo == "ulysses" and dims.heads % cp_size:
+    if heads_split(cp_algo, cp_size) and dims.heads % cp_size:
         raise ValueError(
             f"cp_algo='ulysses' splits heads over the CP group: {dims.heads} heads are not "
             f"divisible by CP={cp_size}; use cp_algo='allgather' or a CP size dividing the heads")
@@ -131,52 +135,65 @@ def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False) -
 
 
 def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group, cp_algo,
-          layout, causal, kernel, check_ranks: bool = True, blockwise: bool = False,
-          extra_check=None) -> AttnSetup:
+          layout, causal, kernel, form: str, check_ranks: bool = True, blockwise: bool = False,
+          qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
+          options: Optional[Dict[str, int]] = None, extra_check=None) -> AttnSetup:
     """Validate the arguments of a form and agree on them across the CP group.
 
-    ``extra_check(cp_size)`` runs with the other local checks (form options).
+    ``options``: the form's options as integers (field names of
+    agreement.FIELDS); ``extra_check(cp_size)`` runs with the local checks.
     """
     cp_size = comm.group_size(cp_group)
     error: Optional[str] = None
     dims = None
     try:
+        if not isinstance(check_ranks, bool):
+            raise ValueError(f"check_ranks must be True or False, got {check_ranks!r}")
         _check_choices(cp_algo, layout, kernel, causal, softmax_scale)
-        dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight)
+        dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight, qk_head_dim, v_head_dim)
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
         _check_split(dims, query.shape[0], cp_size, cp_algo, layout)
         kernel = resolve_kernel(kernel, query.device, blockwise)
         if extra_check is not None:
             extra_check(cp_size)
     except ValueError as exc:
-        if cp_size == 1 or not check_ranks:
+        if cp_size == 1:
             raise
         error = str(exc)
-    if cp_size > 1 and check_ranks:
-        _agree(error, query, dims, cp_group)
+    values = _agreed_values(form, cp_algo, layout, causal, softmax_scale, check_ranks, query,
+                            (query, kv_latent, k_pos_emb, kv_up_weight), dims, options)
+    agreement.agree(values, error, cp_group, query.device if isinstance(query, torch.Tensor) else "cpu",
+                    names=_NAMES)
     return AttnSetup(dims=dims, local_len=query.shape[0], batch=query.shape[1],
                      cp_group=cp_group, cp_size=cp_size, cp_rank=comm.group_rank(cp_group),
                      cp_algo=cp_algo, layout=layout, causal=causal, kernel=kernel,
                      softmax_scale=float(softmax_scale))
 
 
-def _agree(error: Optional[str], query, dims: Optional[MLADims], cp_group):
-    """Exchange verdicts and shapes; raise the same way on every rank."""
-    shape: List[int] = [-1] * 7
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_NAMES = {"form": FORMS, "cp_algo": CP_ALGOS, "layout": LAYOUTS, "stage": agreement.STAGES,
+          "dtype": tuple(str(d) for d in _DTYPES)}
+
+
+def _code(choices, value) -> int:
+    return choices.index(value) if value in choices else agreement.UNKNOWN
+
+
+def _agreed_values(form, cp_algo, layout, causal, softmax_scale, check_ranks, query, tensors,
+                   dims: Optional[MLADims], options) -> Dict[str, int]:
+    """What every rank must agree on, as integers (unknown values stay out)."""
+    values = {"stage": 0, "check_ranks": int(bool(check_ranks)), "form": _code(FORMS, form),
+              "cp_algo": _code(CP_ALGOS, cp_algo), "layout": _code(LAYOUTS, layout)}
+    if isinstance(causal, bool):
+        values["causal"] = int(causal)
+    if isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool):
+        values["softmax_scale"] = agreement.float_bits(softmax_scale)
     if dims is not None:
-        shape = [query.shape[0], query.shape[1], dims.heads, dims.qk_head_dim, dims.rope_dim,
-                 dims.v_head_dim, dims.kv_lora_rank]
-    table = comm.handshake([0 if error is None else 1] + shape, cp_group, query.device)
-    if error is not None:
-        raise ValueError(error)
-    bad = [r for r, row in enumerate(table) if row[0]]
-    if bad:
-        raise ValueError(f"CP rank(s) {bad} rejected their arguments (see the error there); "
-                         "no collective was issued")
-    names = ("local sequence length", "micro-batch", "heads", "qk_head_dim",
-             "qk_pos_emb_head_dim", "v_head_dim", "kv_lora_rank")
-    for i, name in enumerate(names, start=1):
-        values = [row[i] for row in table]
-        if len(set(values)) != 1:
-            raise ValueError(f"CP ranks disagree on the {name}: {values} (by rank); every rank "
-                             "of cp_group must pass the same shapes")
+        values.update(local_len=query.shape[0], micro_batch=query.shape[1], heads=dims.heads,
+                      qk_head_dim=dims.qk_head_dim, rope_dim=dims.rope_dim,
+                      v_head_dim=dims.v_head_dim, kv_lora_rank=dims.kv_lora_rank,
+                      dtype=_code(_DTYPES, query.dtype),
+                      requires_grad=int(torch.is_grad_enabled()
+                                        and any(t.requires_grad for t in tensors)))
+    values.update(options or {})
+    return values

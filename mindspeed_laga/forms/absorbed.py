@@ -17,19 +17,20 @@ import torch
 
 from .. import comm
 from ..kernels import attend
-from ..validate import AttnSetup
-from .common import all_heads, flatten_heads, from_bnsd, gather_latent, query_segments, split_up_weight, to_bnsd
+from ..vocab import AttnSetup
+from .common import all_heads, flatten_heads, from_bnsd, split_up_weight, to_bnsd
+from .latent_source import SyncLatent
 
 
 def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup):
     d = setup.dims
-    full = setup.cp_algo == "allgather" or setup.cp_size == 1
+    full = not setup.heads_split
     w_uk, _ = split_up_weight(kv_up_weight, all_heads(setup))
     q_nope, q_pe = torch.split(query, [d.qk_head_dim, d.rope_dim], dim=-1)
     q_abs = torch.cat([torch.einsum("sbnd,ndc->sbnc", q_nope, w_uk), q_pe], dim=-1)
     if not full:
         q_abs = comm.seq_to_heads(q_abs, setup.cp_group, "query")
-    kv_all, k_pe_all = gather_latent(kv_latent, k_pos_emb, setup)
+    kv_all, k_pe_all = SyncLatent(kv_latent, k_pos_emb).parts(setup)
     key = torch.cat([kv_all, k_pe_all], dim=-1).unsqueeze(2)  # [S, b, 1, d_c+d_r]
     value = kv_all.unsqueeze(2)                                 # [S, b, 1, d_c]
     _, w_uv = split_up_weight(kv_up_weight, setup)  # this rank's heads
@@ -37,7 +38,7 @@ def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
     # the einsum then keeps the kernel's own output [b, h, s_q, d_c] for backward
     # (a view at micro-batch 1; its batched matmul copies it when b > 1)
     out = attend(to_bnsd(q_abs), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
-                 segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel,
+                 segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
                  epilogue=lambda o_latent: torch.einsum("bnsc,nvc->bnsv", o_latent, w_uv))
     out = from_bnsd(out)
     if not full:

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
-from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from .. import comm, layout as layouts
-from ..layout import Segment
-from ..validate import AttnSetup
+from ..vocab import AttnSetup
 
 
 def all_heads(setup: AttnSetup) -> AttnSetup:
@@ -18,18 +16,9 @@ def all_heads(setup: AttnSetup) -> AttnSetup:
     return replace(setup, cp_algo="allgather")
 
 
-def head_slice(setup: AttnSetup) -> Tuple[int, int]:
-    """Heads this rank attends: all of them (allgather) or its n/P block (ulysses)."""
-    n = setup.dims.heads
-    if setup.cp_algo == "allgather" or setup.cp_size == 1:
-        return 0, n
-    h = n // setup.cp_size
-    return setup.cp_rank * h, h
-
-
 def up_weight_rows(kv_up_weight: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
     """Rows of linear_kv_up_proj.weight for this rank's heads (a view)."""
-    first, count = head_slice(setup)
+    first, count = setup.head_slice()
     if count == setup.dims.heads:
         return kv_up_weight
     per_head = setup.dims.qk_head_dim + setup.dims.v_head_dim
@@ -95,18 +84,6 @@ def to_position_order(x: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
     return x.index_select(0, idx)
 
 
-def query_segments(setup: AttnSetup) -> List[Segment]:
-    """Segments of the queries the attention sees on this rank.
-
-    allgather: this rank's own tokens. ulysses: every rank's tokens in rank
-    order (as the all-to-all delivers them), so queries are never reordered.
-    """
-    s, P = setup.local_len, setup.cp_size
-    if setup.cp_algo == "allgather" or P == 1:
-        return layouts.segments(setup.layout, P, setup.cp_rank, s)
-    return [(r * s + ls, n, g) for r in range(P) for ls, n, g in layouts.segments(setup.layout, P, r, s)]
-
-
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous.
 
@@ -141,10 +118,3 @@ def gathered_latent(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, setup: Att
 def split_latent(latent: torch.Tensor, setup: AttnSetup):
     """[S, b, d_c + d_r] -> kv part [S, b, d_c], rope key [S, b, d_r]."""
     return torch.split(latent, [setup.dims.kv_lora_rank, setup.dims.rope_dim], dim=-1)
-
-
-def gather_latent(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, setup: AttnSetup):
-    """The gathered latent split in its two parts (no copy at all without CP)."""
-    if setup.cp_size == 1:
-        return kv_latent, k_pos_emb
-    return split_latent(gathered_latent(kv_latent, k_pos_emb, setup), setup)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from .. import comm
 from ..kernels import attend
-from ..validate import AttnSetup
-from .common import (all_heads, flatten_heads, from_bnsd, query_segments, to_bnsd,
-                     to_position_order, up_project)
+from ..vocab import AttnSetup
+from .common import all_heads, flatten_heads, from_bnsd, to_bnsd, to_position_order, up_project
 
 
 def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup):
-    full = setup.cp_algo == "allgather" or setup.cp_size == 1
+    full = not setup.heads_split
     # Ulysses up-projects all local heads: the all-to-all then moves them.
     local = setup if full else all_heads(setup)
     key, value = up_project(kv_latent, k_pos_emb, kv_up_weight, local)
@@ -28,7 +27,7 @@ def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
         key = to_position_order(comm.seq_to_heads(key, group, "key"), setup)
         value = to_position_order(comm.seq_to_heads(value, group, "value"), setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
-                 segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel)
+                 segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel)
     out = from_bnsd(out)
     if not full:
         out = comm.heads_to_seq(out, group, "output")

@@ -21,35 +21,26 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import comm
-from ..kernels import attend, key_prefix
-from ..validate import AttnSetup
-from .common import (flatten_heads, from_bnsd, gathered_latent, gather_latent,
-                     query_segments, split_latent, to_bnsd, up_project, up_weight_rows)
+from ..kernels import attend
+from ..vocab import AttnSetup
+from .common import flatten_heads, from_bnsd, to_bnsd, up_project, up_weight_rows
 from .laga_blockwise import BlockPlan, BlockwiseLAGA
-
-
-def visible_keys(setup: AttnSetup) -> int:
-    """Keys (from position 0) that at least one of this rank's queries sees."""
-    total = setup.local_len * setup.cp_size
-    return max(key_prefix(seg, total, setup.causal) for seg in query_segments(setup))
+from .latent_source import SyncLatent
 
 
 def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup, *,
                  trim_causal_prefix: bool = False, recompute_kv: bool = False,
                  kv_block_size: Optional[int] = None, latent_gather=None):
-    full = setup.cp_algo == "allgather" or setup.cp_size == 1
-    if not full:
+    source = latent_gather or SyncLatent(kv_latent, k_pos_emb)
+    if setup.heads_split:
         query = comm.seq_to_heads(query, setup.cp_group, "query")
     if recompute_kv:
-        latent = latent_gather.gathered(setup) if latent_gather else gathered_latent(kv_latent, k_pos_emb, setup)
-        out = _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv_block_size)
+        out = _attend_blockwise(query, source.latent(setup), kv_up_weight, setup,
+                                trim_causal_prefix, kv_block_size)
     else:
-        if latent_gather is not None:
-            kv_all, k_pe_all = split_latent(latent_gather.gathered(setup), setup)
-        else:
-            kv_all, k_pe_all = gather_latent(kv_latent, k_pos_emb, setup)
+        kv_all, k_pe_all = source.parts(setup)
         out = _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix)
-    if not full:
+    if setup.heads_split:
         out = comm.heads_to_seq(out, setup.cp_group, "output")
     return flatten_heads(out)
 
@@ -57,11 +48,11 @@ def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup, *,
 def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix):
     """The paper's LAGA: rebuild K/V for every (visible) key; autograd keeps them."""
     if trim_causal_prefix:
-        end = visible_keys(setup)
+        end = setup.visible_keys()
         kv_all, k_pe_all = kv_all[:end], k_pe_all[:end]
     key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
-                 segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel)
+                 segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel)
     return from_bnsd(out)
 
 
@@ -69,11 +60,10 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
     """K/V rebuilt per block in forward and again in backward; only the latent is kept."""
     d = setup.dims
     if trim_causal_prefix:
-        latent = latent[:visible_keys(setup)]
+        latent = latent[:setup.visible_keys()]
     weight = up_weight_rows(kv_up_weight, setup)
     plan = BlockPlan(qk_head_dim=d.qk_head_dim, rope_dim=d.rope_dim, v_head_dim=d.v_head_dim,
                      kv_lora_rank=d.kv_lora_rank, scale=setup.softmax_scale, causal=setup.causal,
-                     segments=tuple(query_segments(setup)),
-                     block_size=kv_block_size or max(latent.shape[0], 1),
+                     segments=tuple(setup.query_segments()), block_size=kv_block_size,
                      kernel=setup.kernel)
     return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))

@@ -23,11 +23,11 @@ same way. Accumulation is float32 for half-precision inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from ..layout import Segment
+from ..vocab import Segment, key_blocks
 from .block_kernels import BLOCK_KERNELS
 from .common import rebuild_kv
 
@@ -41,14 +41,8 @@ class BlockPlan:
     scale: float
     causal: bool
     segments: Tuple[Segment, ...]
-    block_size: int
+    block_size: Optional[int]    # keys per rebuilt block; None = one block
     kernel: str = "eager"        # per-block kernel: "eager" or "npu" (block_kernels.py)
-
-
-def blocks(plan: BlockPlan, num_keys: int):
-    """Key blocks [k0, k1) to rebuild, in position order (causal prefix trimming
-    has already cut the latent to the keys some query sees)."""
-    return [(k0, min(k0 + plan.block_size, num_keys)) for k0 in range(0, num_keys, plan.block_size)]
 
 
 def visible_rows(plan: BlockPlan, k0: int, k1: int, device):
@@ -84,7 +78,7 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
     b, h, s_q, _ = q.shape
     out = torch.zeros(b, h, s_q, plan.v_head_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q.device)
-    for k0, k1 in blocks(plan, latent.shape[0]):
+    for k0, k1 in key_blocks(latent.shape[0], plan.block_size):
         key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
         for rows, end, keep in visible_rows(plan, k0, k1, q.device):
             block_out, block_lse = kernel.forward(q[:, :, rows], key[:, :, :end], value[:, :, :end],
@@ -102,7 +96,7 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     d_latent = torch.zeros(latent.shape, dtype=torch.float32, device=q.device)
     d_weight = torch.zeros(kv_up_weight.shape, dtype=torch.float32, device=q.device)
-    for k0, k1 in blocks(plan, latent.shape[0]):
+    for k0, k1 in key_blocks(latent.shape[0], plan.block_size):
         key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
         d_key = torch.zeros(key.shape, dtype=torch.float32, device=q.device)
         d_value = torch.zeros(value.shape, dtype=torch.float32, device=q.device)

@@ -20,21 +20,11 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..layout import Segment
+from ..vocab import Segment, key_prefix
 from . import eager, npu, sdpa
+from .masks import causal_keep_mask  # noqa: F401  (re-exported)
 
 _KERNELS = {"eager": eager.attend_segment, "sdpa": sdpa.attend_segment, "npu": npu.attend_segment}
-
-
-def causal_keep_mask(q_len: int, k_len: int, device) -> torch.Tensor:
-    """[q_len, k_len] bool, True = visible: bottom-right-aligned causal."""
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
-
-
-def key_prefix(seg: Segment, total: int, causal: bool) -> int:
-    """How many position-ordered keys a segment can see."""
-    _, length, start = seg
-    return start + length if causal else total
 
 
 def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel: str,

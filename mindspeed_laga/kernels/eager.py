@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .masks import causal_keep_mask
+
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     """Broadcast [b, n_k, S, d] to [b, heads, S, d] (a view; no copy)."""
@@ -14,7 +16,6 @@ def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def attend_segment(q, k, v, *, scale: float, causal: bool):
-    from . import causal_keep_mask
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from .eager import expand_kv
+from .masks import causal_keep_mask
 
 
 def attend_segment(q, k, v, *, scale: float, causal: bool):
-    from . import causal_keep_mask
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     mask = None
     if causal and q.shape[2] != k.shape[2]:
