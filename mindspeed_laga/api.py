@@ -15,6 +15,11 @@ Keywords: ``softmax_scale``; ``cp_group`` (None or size 1: no CP);
 ``cp_algo`` "allgather" (local queries, all heads) or "ulysses" (heads split
 over the group); ``layout`` "zigzag" or "contiguous"; ``causal``;
 ``kernel`` "eager" | "sdpa" | "npu" | "auto" (npu on NPU tensors, else sdpa);
+``cu_seqlens``: packed documents, the global boundaries 0 ... S (local
+length x CP) in position order, the same on every rank (micro-batch 1): a
+query sees only keys of its own document at positions <= its own (causal)
+or its whole document (``causal=False``). ``layout="doc_zigzag"`` splits
+every document into 2P chunks (rank r holds chunks r and 2P-1-r of each).
 ``qk_head_dim``/``v_head_dim``: the MLA config's head dims (the patches pass
 them); without them the tensors must read unambiguously (d_n == d_v).
 ``check_ranks`` (default True): exchange every value that must agree across
@@ -36,13 +41,13 @@ from .forms.laga import laga_forward
 
 
 def _setup(form, query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
-           layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim, blockwise=False,
-           options=None, extra_check=None):
+           layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim, cu_seqlens,
+           blockwise=False, options=None, extra_check=None):
     return validate.check(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale=softmax_scale,
                           cp_group=cp_group, cp_algo=cp_algo, layout=layout, causal=causal,
                           kernel=kernel, form=form, check_ranks=check_ranks, blockwise=blockwise,
                           qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, options=options,
-                          extra_check=extra_check)
+                          cu_seqlens=cu_seqlens, extra_check=extra_check)
 
 
 def _flag(value) -> int:
@@ -55,7 +60,7 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
                    check_ranks: bool = True, trim_causal_prefix: bool = False,
                    recompute_kv: bool = False, kv_block_size: Optional[int] = None,
                    latent_gather=None, qk_head_dim: Optional[int] = None,
-                   v_head_dim: Optional[int] = None):
+                   v_head_dim: Optional[int] = None, cu_seqlens=None):
     """LAGA: gather the latent (d_c + d_r per token), rebuild K/V locally, attend.
 
     Options beyond the paper (all exact; see docs/BEYOND.md):
@@ -80,7 +85,8 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
                "latent_gather": int(latent_gather is not None)}
     setup = _setup("laga", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
                    cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim,
-                   blockwise=recompute_kv is True, options=options, extra_check=check_options)
+                   cu_seqlens, blockwise=recompute_kv is True, options=options,
+                   extra_check=check_options)
     return laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup,
                         trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
                         kv_block_size=kv_block_size, latent_gather=latent_gather)
@@ -112,20 +118,22 @@ def _check_laga_options(kv_latent, k_pos_emb, cp_group, cp_size, recompute_kv, k
 def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
                        cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
                        kernel="auto", check_ranks: bool = True, qk_head_dim: Optional[int] = None,
-                       v_head_dim: Optional[int] = None):
+                       v_head_dim: Optional[int] = None, cu_seqlens=None):
     """Explicit MLA: per-head K/V (allgather) or Q/K/V/O (ulysses) cross the wire."""
     setup = _setup("explicit", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
-                   cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim)
+                   cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim,
+                   cu_seqlens)
     return explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 
 def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
                        cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
                        kernel="auto", check_ranks: bool = True, qk_head_dim: Optional[int] = None,
-                       v_head_dim: Optional[int] = None):
+                       v_head_dim: Optional[int] = None, cu_seqlens=None):
     """Absorbed MLA: latent-space attention with q . W_UK and o . W_UV^T (the memory trap)."""
     setup = _setup("absorbed", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
-                   cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim)
+                   cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim,
+                   cu_seqlens)
     return absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 

@@ -8,14 +8,17 @@ returning wrong numbers.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
+import struct
 from typing import Dict, Optional
 
 import torch
 
 from . import agreement, comm
-from .vocab import CP_ALGOS, FORMS, KERNELS, LAYOUTS, AttnSetup, MLADims, heads_split
+from .vocab import (CP_ALGOS, FORMS, KERNELS, LAYOUTS, AttnSetup, MLADims, check_documents,
+                    heads_split)
 
 
 def _dims(query, kv_latent, k_pos_emb, kv_up_weight, qk_head_dim=None, v_head_dim=None) -> MLADims:
@@ -107,7 +110,7 @@ def _check_choices(cp_algo, layout, kernel, causal, softmax_scale):
 def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layout: str):
     if cp_size == 1:
         return
-    if layout == "zigzag" and local_len % 2:
+    if layout in ("zigzag",) and local_len % 2:
         raise ValueError(
             f"layout='zigzag' needs the sequence divisible by 2*CP={2 * cp_size}: each rank "
             f"holds 2 equal chunks, but this rank holds {local_len} tokens; pad the sequence "
@@ -116,6 +119,33 @@ def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layo
         raise ValueError(
             f"cp_algo='ulysses' splits heads over the CP group: {dims.heads} heads are not "
             f"divisible by CP={cp_size}; use cp_algo='allgather' or a CP size dividing the heads")
+
+
+def _documents(cu_seqlens, query, cp_size: int, layout: str):
+    """cu_seqlens -> a tuple of global document boundaries (or None), checked."""
+    if cu_seqlens is None:
+        if layout == "doc_zigzag":
+            raise ValueError("layout='doc_zigzag' needs cu_seqlens= (the global document "
+                             "boundaries); without documents use layout='zigzag'")
+        return None
+    if query.shape[1] != 1:
+        raise ValueError(f"cu_seqlens describes one packed sequence, so the micro-batch must be 1 "
+                         f"(got {query.shape[1]}); pack the batch into one sequence of documents "
+                         "(as --reset-attention-mask does with micro-batch 1) or drop cu_seqlens")
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+            raise ValueError("cu_seqlens must be a 1-D integer tensor or a list of ints, got a "
+                             f"{cu_seqlens.dtype} tensor of shape {tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    return check_documents(cu_seqlens, query.shape[0] * cp_size, layout, cp_size)
+
+
+def documents_code(documents) -> int:
+    """The document boundaries as one int64 for the handshake (0: no documents)."""
+    if documents is None:
+        return 0
+    digest = hashlib.blake2b(repr(documents).encode(), digest_size=8).digest()
+    return struct.unpack("<q", digest)[0] or 1
 
 
 def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False) -> str:
@@ -137,7 +167,8 @@ def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False) -
 def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group, cp_algo,
           layout, causal, kernel, form: str, check_ranks: bool = True, blockwise: bool = False,
           qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
-          options: Optional[Dict[str, int]] = None, extra_check=None) -> AttnSetup:
+          options: Optional[Dict[str, int]] = None, cu_seqlens=None,
+          extra_check=None) -> AttnSetup:
     """Validate the arguments of a form and agree on them across the CP group.
 
     ``options``: the form's options as integers (field names of
@@ -145,7 +176,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
     """
     cp_size = comm.group_size(cp_group)
     error: Optional[str] = None
-    dims = None
+    dims = documents = None
     try:
         if not isinstance(check_ranks, bool):
             raise ValueError(f"check_ranks must be True or False, got {check_ranks!r}")
@@ -153,6 +184,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
         dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight, qk_head_dim, v_head_dim)
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
         _check_split(dims, query.shape[0], cp_size, cp_algo, layout)
+        documents = _documents(cu_seqlens, query, cp_size, layout)
         kernel = resolve_kernel(kernel, query.device, blockwise)
         if extra_check is not None:
             extra_check(cp_size)
@@ -162,12 +194,14 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
         error = str(exc)
     values = _agreed_values(form, cp_algo, layout, causal, softmax_scale, check_ranks, query,
                             (query, kv_latent, k_pos_emb, kv_up_weight), dims, options)
+    if error is None:
+        values["documents"] = documents_code(documents)
     agreement.agree(values, error, cp_group, query.device if isinstance(query, torch.Tensor) else "cpu",
                     names=_NAMES)
     return AttnSetup(dims=dims, local_len=query.shape[0], batch=query.shape[1],
                      cp_group=cp_group, cp_size=cp_size, cp_rank=comm.group_rank(cp_group),
                      cp_algo=cp_algo, layout=layout, causal=causal, kernel=kernel,
-                     softmax_scale=float(softmax_scale))
+                     softmax_scale=float(softmax_scale), documents=documents)
 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)

@@ -14,17 +14,19 @@ See docs/DESIGN.md, sections "Layouts" and "Causal masks".
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
 FORMS = ("explicit", "absorbed", "laga")
 CP_ALGOS = ("allgather", "ulysses")
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = ("zigzag", "contiguous", "doc_zigzag")
 KERNELS = ("auto", "eager", "sdpa", "npu")
 # The split each algorithm's host data pipeline produces when a caller names none.
 DEFAULT_LAYOUT = {"allgather": "zigzag", "ulysses": "contiguous"}
 
 Segment = Tuple[int, int, int]  # (local_start, length, global_start)
+Documents = Optional[Tuple[int, ...]]  # cu_seqlens: global document boundaries, 0 ... S
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class AttnSetup:
     causal: bool
     kernel: str
     softmax_scale: float
+    documents: Documents = None   # cu_seqlens (global), or None: one sequence
 
     @property
     def heads_split(self) -> bool:
@@ -116,18 +119,19 @@ class AttnSetup:
     def query_segments(self) -> List[Segment]:
         """Segments of the queries the attention sees on this rank."""
         return query_segments(self.layout, self.cp_size, self.cp_rank, self.local_len,
-                              self.heads_split)
+                              self.heads_split, self.documents)
 
-    def visible_keys(self) -> int:
-        """Keys (from position 0) that at least one of this rank's queries sees."""
-        return visible_keys(self.query_segments(), self.seq_len, self.causal)
+    def key_ranges(self) -> List[Tuple[int, int]]:
+        """Position ranges of the keys this rank's queries see (what trimming rebuilds)."""
+        return key_ranges(self.query_segments(), self.seq_len, self.causal, self.documents)
 
 
 # ---------------------------------------------------------------- layouts
 
 def num_chunks(layout: str, cp_size: int) -> int:
-    """How many equal pieces the full sequence is cut into: 2P (zigzag) or P."""
-    return 2 * cp_size if layout == "zigzag" and cp_size > 1 else cp_size
+    """How many equal pieces the full sequence (zigzag, contiguous) or each document
+    (doc_zigzag) is cut into: 2P or P."""
+    return 2 * cp_size if layout in ("zigzag", "doc_zigzag") and cp_size > 1 else cp_size
 
 
 def check_seq_len(seq_len: int, layout: str, cp_size: int) -> None:
@@ -142,28 +146,105 @@ def check_seq_len(seq_len: int, layout: str, cp_size: int) -> None:
             f"pad it to a multiple of {chunks}")
 
 
-def rank_segments(layout: str, cp_size: int, rank: int, local_len: int) -> List[Segment]:
+def rank_segments(layout: str, cp_size: int, rank: int, local_len: int,
+                  documents: Documents = None) -> List[Segment]:
     """The consecutive-position runs of rank ``rank``'s ``local_len`` tokens."""
     if cp_size == 1:
         return [(0, local_len, 0)]
     if layout == "contiguous":
         return [(0, local_len, rank * local_len)]
+    if layout == "doc_zigzag":
+        return _doc_zigzag_segments(cp_size, rank, documents)
     c = local_len // 2
     return [(0, c, rank * c), (c, c, (2 * cp_size - 1 - rank) * c)]
 
 
+def _doc_zigzag_segments(cp_size: int, rank: int, documents: Documents) -> List[Segment]:
+    """Every document cut into 2P chunks; rank r holds chunks r and 2P-1-r of each,
+    documents in order (MindSpeed's megatron_cp split of EOD-padded batches)."""
+    if documents is None:
+        raise ValueError("layout='doc_zigzag' needs cu_seqlens= (the document boundaries)")
+    out, local = [], 0
+    for start, end in zip(documents[:-1], documents[1:]):
+        c = (end - start) // (2 * cp_size)
+        for chunk in (rank, 2 * cp_size - 1 - rank):
+            out.append((local, c, start + chunk * c))
+            local += c
+    return out
+
+
 def query_segments(layout: str, cp_size: int, rank: int, local_len: int,
-                   split_heads: bool) -> List[Segment]:
+                   split_heads: bool, documents: Documents = None) -> List[Segment]:
     """Segments of the queries a rank attends.
 
     Local queries: this rank's own tokens. Heads split (ulysses): every rank's
     tokens in rank order, as the all-to-all delivers them.
     """
     if not split_heads:
-        return rank_segments(layout, cp_size, rank, local_len)
+        return rank_segments(layout, cp_size, rank, local_len, documents)
     s = local_len
     return [(r * s + ls, n, g) for r in range(cp_size)
-            for ls, n, g in rank_segments(layout, cp_size, r, s)]
+            for ls, n, g in rank_segments(layout, cp_size, r, s, documents)]
+
+
+# ---------------------------------------------------------------- documents
+
+def check_documents(cu_seqlens, seq_len: int, layout: str, cp_size: int) -> Tuple[int, ...]:
+    """cu_seqlens as a tuple of ints, checked (ValueError naming the fix)."""
+    try:
+        bounds = tuple(int(x) for x in cu_seqlens)
+        exact = all(int(x) == x and not isinstance(x, bool) for x in cu_seqlens)
+    except (TypeError, ValueError):
+        raise ValueError("cu_seqlens must be a 1-D integer tensor or a list of ints (document "
+                         f"boundaries 0 ... sequence length), got {cu_seqlens!r}") from None
+    if not exact or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len:
+        raise ValueError(f"cu_seqlens must hold integer document boundaries from 0 to the full "
+                         f"sequence length (local length x CP = {seq_len}), got {list(bounds)}")
+    if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens must increase strictly (every document non-empty), got "
+                         f"{list(bounds)}")
+    if layout == "doc_zigzag" and cp_size > 1:
+        bad = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if (b - a) % (2 * cp_size)]
+        if bad:
+            raise ValueError(
+                f"layout='doc_zigzag' cuts every document into 2*CP={2 * cp_size} equal chunks; "
+                f"document lengths {bad} are not divisible by {2 * cp_size}: pad each document "
+                f"to a multiple of {2 * cp_size} (as MindSpeed pads EOD-separated documents "
+                "under --reset-attention-mask) or use layout='zigzag'/'contiguous'")
+    return bounds
+
+
+def document_of(pos: int, documents: Tuple[int, ...]) -> int:
+    """Index of the document holding global position ``pos``."""
+    return bisect.bisect_right(documents, pos) - 1
+
+
+def doc_pieces(seg: Segment, documents: Documents) -> List[Segment]:
+    """A segment cut at document boundaries (one piece when there are no documents)."""
+    if documents is None:
+        return [seg]
+    local, length, g = seg
+    out = []
+    while length:
+        end = documents[document_of(g, documents) + 1]
+        n = min(length, end - g)
+        out.append((local, n, g))
+        local, length, g = local + n, length - n, g + n
+    return out
+
+
+def key_window(seg: Segment, total: int, causal: bool, documents: Documents = None) -> Tuple[int, int]:
+    """[lo, hi): the position-ordered keys some query of ``seg`` can see.
+
+    Without documents lo is 0; with them it is the start of the first query's
+    document and (non-causal) hi the end of the last query's document.
+    """
+    _, length, g = seg
+    if documents is None:
+        return 0, key_prefix(seg, total, causal)
+    lo = documents[document_of(g, documents)]
+    hi = g + length if causal else documents[document_of(g + length - 1, documents) + 1]
+    return lo, hi
 
 
 # ---------------------------------------------------------------- keys a query sees
@@ -177,6 +258,20 @@ def key_prefix(seg: Segment, total: int, causal: bool) -> int:
 def visible_keys(segments: Iterable[Segment], total: int, causal: bool) -> int:
     """Keys [0, end) that at least one of the segments' queries sees."""
     return max(key_prefix(seg, total, causal) for seg in segments)
+
+
+def key_ranges(segments: Iterable[Segment], total: int, causal: bool,
+               documents: Documents = None) -> List[Tuple[int, int]]:
+    """Sorted, disjoint [lo, hi) position ranges holding every key some query sees
+    (without documents: the one prefix [0, visible_keys))."""
+    windows = sorted(key_window(seg, total, causal, documents) for seg in segments)
+    merged: List[List[int]] = []
+    for lo, hi in windows:
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
 
 
 def key_blocks(num_keys: int, block_size: Optional[int]) -> List[Tuple[int, int]]:

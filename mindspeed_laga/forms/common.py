@@ -56,6 +56,15 @@ def up_project(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, kv_up_weight: t
     return key, value.contiguous()
 
 
+def take_ranges(x: torch.Tensor, ranges) -> torch.Tensor:
+    """The rows of position ranges [(lo, hi), ...] of a position-ordered tensor, in order
+    (a view when there is one range)."""
+    if len(ranges) == 1:
+        lo, hi = ranges[0]
+        return x[lo:hi]
+    return torch.cat([x[lo:hi] for lo, hi in ranges])
+
+
 def to_bnsd(x: torch.Tensor) -> torch.Tensor:
     """[S, b, h, d] -> [b, h, S, d]."""
     return x.permute(1, 2, 0, 3)
@@ -72,15 +81,16 @@ def flatten_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _order_index(layout: str, cp_size: int, local_len: int, device: str) -> torch.Tensor:
-    return layouts.to_position_order(layout, cp_size, local_len).to(device)
+def _order_index(layout: str, cp_size: int, local_len: int, documents, device: str) -> torch.Tensor:
+    return layouts.to_position_order(layout, cp_size, local_len, documents).to(device)
 
 
 def to_position_order(x: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
     """A rank-order gather ([P*s, ...]) -> global position order."""
     if layouts.is_identity(setup.layout, setup.cp_size):
         return x
-    idx = _order_index(setup.layout, setup.cp_size, setup.local_len, str(x.device))
+    idx = _order_index(setup.layout, setup.cp_size, setup.local_len, setup.documents,
+                       str(x.device))
     return x.index_select(0, idx)
 
 

@@ -23,7 +23,7 @@ from typing import Optional
 from .. import comm
 from ..kernels import attend
 from ..vocab import AttnSetup
-from .common import flatten_heads, from_bnsd, to_bnsd, up_project, up_weight_rows
+from .common import flatten_heads, from_bnsd, take_ranges, to_bnsd, up_project, up_weight_rows
 from .laga_blockwise import BlockPlan, BlockwiseLAGA
 from .latent_source import SyncLatent
 
@@ -47,20 +47,22 @@ def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup, *,
 
 def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix):
     """The paper's LAGA: rebuild K/V for every (visible) key; autograd keeps them."""
-    if trim_causal_prefix:
-        end = setup.visible_keys()
-        kv_all, k_pe_all = kv_all[:end], k_pe_all[:end]
+    ranges = setup.key_ranges() if trim_causal_prefix else None
+    if ranges:
+        kv_all, k_pe_all = take_ranges(kv_all, ranges), take_ranges(k_pe_all, ranges)
     key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
-                 segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel)
+                 segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
+                 documents=setup.documents, key_ranges=ranges)
     return from_bnsd(out)
 
 
 def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv_block_size):
     """K/V rebuilt per block in forward and again in backward; only the latent is kept."""
     d = setup.dims
-    if trim_causal_prefix:
-        latent = latent[:setup.visible_keys()]
+    ranges = setup.key_ranges() if trim_causal_prefix else None
+    if ranges:
+        latent = take_ranges(latent, ranges)
     weight = up_weight_rows(kv_up_weight, setup)
     plan = BlockPlan(qk_head_dim=d.qk_head_dim, rope_dim=d.rope_dim, v_head_dim=d.v_head_dim,
                      kv_lora_rank=d.kv_lora_rank, scale=setup.softmax_scale, causal=setup.causal,
