@@ -73,9 +73,16 @@ def _mindspeed_llm_message(what: str) -> str:
 
 def check_mindspeed_llm_forward(forward) -> None:
     """At patch time: the wrapped ``CustomMLASelfAttention.forward`` reads
-    ``mla_scale_kv_lora`` as the supported commit does (source unavailable: checked per module)."""
+    ``mla_scale_kv_lora`` as the supported commit does.
+
+    Only MindSpeed-LLM's own forward is read: another feature's wrapper without
+    ``functools.wraps`` (or a forward without source) is left to the per-module
+    check on the first LAGA call."""
+    target = inspect.unwrap(forward)
+    if not getattr(target, "__qualname__", "").endswith("MLASelfAttention.forward"):
+        return
     try:
-        source = inspect.getsource(forward)
+        source = inspect.getsource(target)
     except (OSError, TypeError):
         return
     if "mla_scale_kv_lora" not in source:
