@@ -68,8 +68,8 @@ def cp_algo_and_layout(context_parallel_algo: str):
 
 
 @dataclass(frozen=True)
-class LagaSettings:
-    """What the patched forward needs from the validated arguments."""
+class MindSpeedLAGASettings:
+    """What the patched MindSpeed-LLM forward needs from the validated flags."""
 
     cp_algo: str
     layout: str
@@ -86,7 +86,11 @@ class LagaSettings:
                     trim_causal_prefix=self.trim_causal_prefix)
 
 
-def laga_settings(args: Namespace) -> LagaSettings:
+# the name before the megatron-core patch's settings got their own class name
+LagaSettings = MindSpeedLAGASettings
+
+
+def laga_settings(args: Namespace) -> MindSpeedLAGASettings:
     """Settings for the core; ``validate_args`` has already rejected unmapped algorithms."""
     algo = getattr(args, "context_parallel_algo", None) or DEFAULT_CP_ALGO
     mapped = cp_algo_and_layout(algo)
@@ -94,9 +98,10 @@ def laga_settings(args: Namespace) -> LagaSettings:
         raise ValueError(f"{FLAG} does not support --context-parallel-algo {algo}; "
                          f"use one of {sorted(CP_ALGO_MAP)}")
     cp_algo, layout = mapped
-    return LagaSettings(cp_algo=cp_algo, layout=layout,
-                        kernel=getattr(args, "mla_laga_kernel", None) or "auto",
-                        recompute_kv=bool(getattr(args, "mla_laga_recompute_kv", False)),
-                        kv_block_size=getattr(args, "mla_laga_kv_block_size", None),
-                        trim_causal_prefix=bool(getattr(args, "mla_laga_trim_causal_prefix", False)),
-                        overlap=bool(getattr(args, "mla_laga_overlap", False)))
+    return MindSpeedLAGASettings(cp_algo=cp_algo, layout=layout,
+                                 kernel=getattr(args, "mla_laga_kernel", None) or "auto",
+                                 recompute_kv=bool(getattr(args, "mla_laga_recompute_kv", False)),
+                                 kv_block_size=getattr(args, "mla_laga_kv_block_size", None),
+                                 trim_causal_prefix=bool(getattr(args, "mla_laga_trim_causal_prefix",
+                                                                 False)),
+                                 overlap=bool(getattr(args, "mla_laga_overlap", False)))

@@ -64,6 +64,7 @@ def check_laga_args(args: Namespace) -> bool:
     if cp_size == 1:
         return False
     _check_incompatible(args)
+    _check_attention_dropout(args)
     cp_algo, layout = _check_cp_algo(args)
     _check_split(args, cp_size, cp_algo, layout)
     _check_kernel(args)
@@ -87,6 +88,16 @@ def _check_incompatible(args: Namespace) -> None:
         raise ValueError(f"{FLAG} needs linear_kv_up_proj without a bias (LAGA rebuilds K/V from "
                          "its weight alone): pass --disable-bias-linear, as the DeepSeek scripts "
                          f"do, or drop {FLAG}")
+
+
+def _check_attention_dropout(args: Namespace) -> None:
+    # LAGA's attention has no dropout; Megatron's default is 0.1, so a script
+    # that does not set it would otherwise train a different model silently
+    dropout = getattr(args, "attention_dropout", None) or 0.0
+    if dropout > 0:
+        raise ValueError(f"{FLAG} with --attention-dropout {dropout} is not supported: LAGA's "
+                         "attention applies no dropout (Megatron's default is 0.1). Pass "
+                         f"--attention-dropout 0.0, as the DeepSeek scripts do, or drop {FLAG}")
 
 
 def _algo(args: Namespace) -> str:

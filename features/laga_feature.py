@@ -9,6 +9,7 @@ plugin hook, so ``python -m mindspeed_laga.launch`` adds the feature to
 from __future__ import annotations
 
 import logging
+import warnings
 from argparse import ArgumentParser, Namespace
 
 from .laga_args import FEATURE_NAME, FLAG, register_laga_args
@@ -38,9 +39,27 @@ class LAGAFeature(_Base):
         # MindSpeed validates every feature, enabled or not
         if not getattr(args, self.feature_name, False):
             return
+        if self._level_too_low(args):
+            return  # MindSpeed will not apply the feature: nothing of it to validate
         if not check_laga_args(args):
             logger.warning("%s has no effect with --context-parallel-size 1: MLA attends to the "
                            "whole sequence locally", FLAG)
+
+    def _level_too_low(self, args: Namespace) -> bool:
+        """Warn, and True, when MindSpeed's --optimization-level filters this feature out:
+        it registers a feature's patches only when the feature's level is at most
+        --optimization-level (is_need_apply), so the flag alone would do nothing."""
+        level = getattr(args, "optimization_level", None)
+        if level is None or level >= self.optimization_level:
+            return False
+        message = (f"{FLAG} is not applied: MindSpeed registers features of optimization level "
+                   f"{self.optimization_level} only with --optimization-level "
+                   f"{self.optimization_level} or above, and this run has --optimization-level "
+                   f"{level}. Pass --optimization-level {self.optimization_level} (MindSpeed's "
+                   f"default) or drop {FLAG}")
+        logger.warning(message)
+        warnings.warn(message, stacklevel=3)
+        return True
 
     def register_patches(self, patch_manager, args: Namespace):
         # args here come from MindSpeed-LLM's early parse_known_args: unknown

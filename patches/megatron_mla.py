@@ -1,6 +1,6 @@
 """LAGA forward for megatron-core 0.16.1 ``MLASelfAttention`` (no MindSpeed).
 
-Installed by :func:`mindspeed_laga.megatron_patch.patch_megatron_mla`. A forward
+Installed by :func:`mindspeed_laga.patch_megatron_mla` (``patches/megatron_patch.py``). A forward
 call the LAGA path covers (CP > 1, no inference context, no packed sequences,
 no attention mask, nothing from :func:`uncovered_reason`) does:
 
@@ -17,7 +17,9 @@ no attention mask, nothing from :func:`uncovered_reason`) does:
    ``linear_kv_up_proj.weight`` (this TP rank's heads) and the CP group;
 5. the module's own ``linear_proj``.
 
-Every other call runs the original forward unchanged. The K/V up-projection
+Every other call runs the original forward unchanged, each a case where the
+original computes the configured model (docs/MEGATRON.md lists them); attention
+dropout in training, which LAGA does not compute, raises instead. The K/V up-projection
 happens inside the core, which is why ``forward`` is replaced rather than
 ``core_attention``: the rotated ``k_pos_emb`` never leaves the original forward.
 """
@@ -33,9 +35,11 @@ import torch.nn.functional as F
 
 from mindspeed_laga import layout as layouts
 
+from .common import first_call, start_gather
+
 
 @dataclass(frozen=True)
-class LAGASettings:
+class MegatronPatchSettings:
     """What :func:`patch_megatron_mla` validated; read by every patched forward call."""
 
     form: str                 # "laga" or "explicit"
@@ -46,6 +50,9 @@ class LAGASettings:
     core_options: Dict = field(default_factory=dict)
     overlap_latent_gather: bool = False  # start the latent gather before the query projection
 
+
+# the name before the MindSpeed-LLM flags got their own settings class
+LAGASettings = MegatronPatchSettings
 
 _WARNED = set()
 
@@ -90,7 +97,6 @@ def uncovered_reason(module, args: Dict) -> Optional[str]:
          or bool(args.get("rotary_pos_cos_sin")), "rope tables or an attention bias from outside"),
         (getattr(cfg, "cache_mla_latents", False), "cache_mla_latents"),
         (_causal(module) is None, f"attn_mask_type={module.attn_mask_type}"),
-        (training and bool(cfg.attention_dropout), "attention_dropout > 0 in training"),
         (getattr(module, "recompute_up_proj", False), "recompute of mla_up_proj"),
         (training and getattr(module, "checkpoint_core_attention", False),
          "recompute of core_attn"),
@@ -211,7 +217,7 @@ def _query_heads(module, q_compressed):
     return q.view(*q.shape[:-1], module.num_attention_heads_per_partition, module.q_head_dim)
 
 
-def _rope_at_positions(module, local_len: int, settings: LAGASettings, cp_group):
+def _rope_at_positions(module, local_len: int, settings: MegatronPatchSettings, cp_group):
     """The module's rope table at this rank's global positions, and yarn's mscale."""
     size, rank = cp_group.size(), cp_group.rank()
     # packed_seq=True: the full table, without megatron's (zigzag) CP slice.
@@ -228,26 +234,24 @@ def _apply_rope(module, x, table, mscale):
                                       multi_latent_attention=True, mscale=mscale)
 
 
-def _core_options(module, settings: LAGASettings) -> Dict:
-    """The core's keywords; by default the ranks agree on shapes on a module's
-    first call only (every rank runs the same modules in the same order, so
-    they skip the exchange together and later steps pay no host sync)."""
+def _core_options(module, settings: MegatronPatchSettings) -> Dict:
+    """The core's keywords; by default the ranks agree on shapes on a module's first call only."""
     options = dict(settings.core_options)
-    options.setdefault("check_ranks", not getattr(module, "_laga_checked", False))
-    module._laga_checked = True
+    options.setdefault("check_ranks", first_call(module))
     return options
 
 
-def _start_gather(kv_latent, k_pos_emb, settings: LAGASettings, cp_group, check_ranks: bool):
-    """With overlap, launch the latent all-gather now; the query projection hides it."""
-    if not settings.overlap_latent_gather:
-        return {}
-    from mindspeed_laga.overlap import start_latent_gather
-    handle = start_latent_gather(kv_latent, k_pos_emb, cp_group=cp_group, check_ranks=check_ranks)
-    return {"latent_gather": handle}
+def check_attention_dropout(module) -> None:
+    """LAGA's attention has no dropout: a model configured with it is rejected, not changed."""
+    dropout = getattr(module.config, "attention_dropout", 0.0)
+    if module.training and dropout:
+        raise ValueError(
+            f"mindspeed_laga.patch_megatron_mla: the model has attention_dropout={dropout}, which "
+            "LAGA's attention does not apply; set attention_dropout=0.0 in the TransformerConfig "
+            "(--attention-dropout 0.0), as DeepSeek-V3 trains, or unpatch")
 
 
-def laga_attention_block(module, hidden_states, settings: LAGASettings, cp_group):
+def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings, cp_group):
     """The covered path: hidden [s, b, h] -> (linear_proj output, bias)."""
     cfg = module.config
     q_compressed, kv_compressed, k_pos_emb = _down_project(module, hidden_states)
@@ -257,7 +261,9 @@ def laga_attention_block(module, hidden_states, settings: LAGASettings, cp_group
     table, mscale = _rope_at_positions(module, kv_latent.shape[0], settings, cp_group)
     k_pos_emb = _apply_rope(module, k_pos_emb.unsqueeze(2), table, mscale).squeeze(2)
     options = _core_options(module, settings)
-    gather = _start_gather(kv_latent, k_pos_emb, settings, cp_group, options["check_ranks"])
+    handle = start_gather(settings.overlap_latent_gather, kv_latent, k_pos_emb, cp_group,
+                          options["check_ranks"])
+    gather = {} if handle is None else {"latent_gather": handle}
     query = _query_heads(module, q_compressed)
     q_nope, q_pe = torch.split(query, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
     query = torch.cat([q_nope, _apply_rope(module, q_pe, table, mscale)], dim=-1)
@@ -270,7 +276,7 @@ def laga_attention_block(module, hidden_states, settings: LAGASettings, cp_group
 
 # ----------------------------------------------------------------- the replacement forward
 
-def make_forward(original: Callable, settings: LAGASettings) -> Callable:
+def make_forward(original: Callable, settings: MegatronPatchSettings) -> Callable:
     """A drop-in ``MLASelfAttention.forward`` that routes covered calls through LAGA."""
     signature = inspect.signature(original)
 
@@ -278,6 +284,7 @@ def make_forward(original: Callable, settings: LAGASettings) -> Callable:
         cp_group = cp_group_of(self)
         if cp_group is None or cp_group.size() == 1:
             return original(self, *args, **kwargs)
+        check_attention_dropout(self)
         bound = signature.bind(self, *args, **kwargs)
         reason = uncovered_reason(self, bound.arguments)
         if reason is None:

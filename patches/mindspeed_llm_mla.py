@@ -10,6 +10,10 @@ up-projection does, applies rope (``rotary_pos_emb`` is already sliced to this
 rank's global positions), hands them to :func:`mindspeed_laga.laga_attention`
 and finishes with ``linear_proj``. Anything else (evaluation, inference,
 packed sequences, CP size 1) runs the original forward untouched.
+
+The forward copied here is MindSpeed-LLM's at the commit named in
+``host_versions.SUPPORTED_MINDSPEED_LLM``; another version fails with that
+named when the patch is applied or on a module's first LAGA call.
 """
 from __future__ import annotations
 
@@ -20,8 +24,10 @@ import math
 import torch
 
 from mindspeed_laga.api import laga_attention
-from mindspeed_laga.overlap import start_latent_gather
 from mindspeed_laga.features.laga_args import laga_settings
+
+from .common import first_call, start_gather
+from .host_versions import check_mindspeed_llm_forward, check_mindspeed_llm_module
 
 # forward arguments that only non-training or packed paths pass; any of them -> original
 _ORIGINAL_ONLY = ("key_value_states", "inference_context", "inference_params", "rotary_pos_cos",
@@ -30,6 +36,7 @@ _ORIGINAL_ONLY = ("key_value_states", "inference_context", "inference_params", "
 
 def laga_mla_forward_wrapper(forward):
     """Wrap ``CustomMLASelfAttention.forward``: LAGA where it applies, else ``forward``."""
+    check_mindspeed_llm_forward(forward)
     signature = inspect.signature(forward)
 
     @functools.wraps(forward)
@@ -65,10 +72,12 @@ def _laga_cp_group(self, call, megatron_args):
 
 def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args):
     """MLA self-attention with LAGA as the core; returns ``linear_proj``'s (output, bias)."""
+    check_mindspeed_llm_module(self)
     settings = laga_settings(megatron_args)
     overlap = settings.overlap and torch.distributed.get_world_size(cp_group) > 1
+    check_ranks = first_call(self)
     query, kv_latent, k_pos_emb, gather = _mla_inputs(self, hidden_states, rotary_pos_emb,
-                                                      cp_group if overlap else None)
+                                                      cp_group if overlap else None, check_ranks)
     hooked = getattr(self, "a2a_hooked_on_attention", False)
     if hooked:  # --moe-fb-overlap: start the MoE all-to-all where the original does
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
@@ -76,7 +85,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
         launch_async_all2all()
     core_out = laga_attention(query, kv_latent, k_pos_emb, _kv_up_weight(self),
                               softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
-                              check_ranks=_first_call(self), latent_gather=gather,
+                              check_ranks=check_ranks, latent_gather=gather,
                               **settings.core_options())
     if hooked and core_out.requires_grad:
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
@@ -85,15 +94,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     return self.linear_proj(core_out)
 
 
-def _first_call(self) -> bool:
-    """Agree on shapes across the CP group on a module's first call only: every
-    rank runs the same modules in the same order, so they skip it together."""
-    first = not getattr(self, "_laga_checked", False)
-    self._laga_checked = True
-    return first
-
-
-def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None):
+def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_ranks=True):
     """query [s,b,n,d_n+d_r], kv_latent [s,b,d_c], k_pos_emb [s,b,d_r] as the original builds
     them, and the latent all-gather already started when ``overlap_group`` is given.
 
@@ -133,10 +134,8 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None):
         k_pos_emb = apply_rotary_pos_emb(k_pos_emb, rotary_pos_emb[1], config=self.config,
                                          cu_seqlens=None)
     k_pos_emb = k_pos_emb.reshape(s, b, self.qk_pos_emb_head_dim)
-    gather = None
-    if overlap_group is not None:
-        gather = start_latent_gather(kv_latent, k_pos_emb, cp_group=overlap_group,
-                                     check_ranks=not getattr(self, "_laga_checked", False))
+    gather = start_gather(overlap_group is not None, kv_latent, k_pos_emb, overlap_group,
+                          check_ranks)
 
     q_no_pe, q_pos_emb = _query_parts(self, q_compressed, s, b, n)
     if rotary_pos_emb is not None:

@@ -14,6 +14,7 @@ def upstream_flags(parser):
     add = parser.add_argument
     add("--optimization-level", type=int, choices=[0, 1, 2], default=2)
     add("--multi-latent-attention", action="store_true")
+    add("--attention-dropout", type=float, default=0.1)
     add("--num-attention-heads", type=int, default=None)
     add("--seq-length", type=int, default=None)
     add("--tensor-model-parallel-size", type=int, default=1)

@@ -5,8 +5,11 @@ The parser (tests/laga_parser.py) holds LAGA's own flags plus the upstream
 flags the checks read, with their upstream names, defaults and destinations.
 """
 import argparse
+import ast
 import importlib.util
 import logging
+import os
+from pathlib import Path
 
 import pytest
 from laga_parser import parse
@@ -16,8 +19,9 @@ from mindspeed_laga.features.laga_args import laga_settings
 from mindspeed_laga.features.laga_feature import MLA_FORWARD
 from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
 
-VALID = ["--multi-latent-attention", "--disable-bias-linear", "--num-attention-heads", "8",
-         "--seq-length", "64", "--context-parallel-size", "2", "--mla-latent-all-gather"]
+VALID = ["--multi-latent-attention", "--disable-bias-linear", "--attention-dropout", "0.0",
+         "--num-attention-heads", "8", "--seq-length", "64", "--context-parallel-size", "2",
+         "--mla-latent-all-gather"]
 
 
 def validate(argv):
@@ -117,6 +121,7 @@ REJECTED = [
     (["--context-parallel-algo", "ulysses_cp_algo", "--context-parallel-size", "4",
       "--seq-length", "66"], "--seq-length 66"),
     (["--mla-laga-kv-block-size", "512"], "needs --mla-laga-recompute-kv"),
+    (["--attention-dropout", "0.05"], "--attention-dropout 0.0"),
     (["--mla-laga-recompute-kv", "--mla-laga-kv-block-size", "0"], "--mla-laga-kv-block-size 0"),
 ]
 
@@ -139,6 +144,27 @@ def test_bias_is_rejected_unless_disabled():
     argv = [a for a in VALID if a != "--disable-bias-linear"]
     with pytest.raises(ValueError, match="--disable-bias-linear"):
         validate(argv)
+
+
+def test_megatrons_default_attention_dropout_is_rejected():
+    # a script that never mentions --attention-dropout gets Megatron's 0.1
+    argv = VALID[:VALID.index("--attention-dropout")] + VALID[VALID.index("--attention-dropout") + 2:]
+    with pytest.raises(ValueError) as info:
+        validate(argv)
+    assert "--attention-dropout 0.1" in str(info.value)
+    assert "Pass --attention-dropout 0.0" in str(info.value)
+
+
+def test_optimization_level_below_the_features_warns_and_skips_validation(caplog):
+    feature = LAGAFeature()
+    args = parse(VALID + ["--optimization-level", "1", "--enable-mla-absorb"], feature)
+    with caplog.at_level(logging.WARNING), pytest.warns(UserWarning) as warned:
+        feature.validate_args(args)  # not applied, so the absorb conflict is not raised
+    message = str(warned[0].message)
+    assert "--mla-latent-all-gather is not applied" in message
+    assert "--optimization-level 1" in message and "--optimization-level 2" in message
+    assert any("is not applied" in r.getMessage() for r in caplog.records)
+    assert not feature.is_need_apply(args)  # what MindSpeed's features manager checks
 
 
 def test_multi_latent_attention_is_required_at_every_cp_size():
@@ -194,8 +220,34 @@ def test_register_patches_wraps_the_mindspeed_llm_mla_forward():
     assert manager.calls == [(MLA_FORWARD, laga_mla_forward_wrapper, False)]
     # MindSpeed stacks functions named *wrapper around the target instead of replacing it
     assert laga_mla_forward_wrapper.__name__.endswith("wrapper")
-    assert MLA_FORWARD == ("mindspeed_llm.tasks.models.transformer.multi_latent_attention."
-                           "CustomMLASelfAttention.forward")
+
+
+def _source_tree(env):
+    root = os.environ.get(env)
+    if not root:
+        pytest.skip(f"{env} (an unpacked upstream source tree) is not set")
+    return Path(root)
+
+
+def test_patch_target_exists_in_mindspeed_llm_source():
+    """The dotted name resolves to a method in MindSpeed-LLM's own source."""
+    root = _source_tree("MINDSPEED_LLM_SRC")
+    module, cls, method = MLA_FORWARD.rsplit(".", 2)
+    tree = ast.parse((root / (module.replace(".", "/") + ".py")).read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    assert cls in classes
+    assert method in {f.name for f in classes[cls].body if isinstance(f, ast.FunctionDef)}
+
+
+def test_parser_default_attention_dropout_is_megatrons():
+    """tests/laga_parser.py declares --attention-dropout with Megatron's own default."""
+    root = _source_tree("MEGATRON_SRC")
+    tree = ast.parse((root / "megatron" / "training" / "arguments.py").read_text())
+    defaults = [kw.value.value for call in ast.walk(tree) if isinstance(call, ast.Call)
+                and call.args and isinstance(call.args[0], ast.Constant)
+                and call.args[0].value == "--attention-dropout"
+                for kw in call.keywords if kw.arg == "default"]
+    assert defaults == [parse([]).attention_dropout]
 
 
 def test_register_patches_reads_early_string_args():

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import megatron_cpu as mc  # noqa: E402
 
 STEPS = 3

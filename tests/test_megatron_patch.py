@@ -1,4 +1,5 @@
-"""patch_megatron_mla / unpatch_megatron_mla: install, restore, argument checks (in-process).
+"""patch_megatron_mla / unpatch_megatron_mla: install, restore, argument checks, host
+version guard, attention dropout (in-process).
 
 The training behaviour of the patched forward is proven in test_megatron_e2e.py.
 """
@@ -12,8 +13,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 import mindspeed_laga  # noqa: E402
-from mindspeed_laga import megatron_patch  # noqa: E402
-from mindspeed_laga.patches import megatron_mla  # noqa: E402
+from mindspeed_laga.patches import host_versions, megatron_mla, megatron_patch  # noqa: E402
 
 
 @pytest.fixture
@@ -65,7 +65,6 @@ def test_defaults_and_pass_through_options(mla):
     (dict(cp_algo="ring"), ["cp_algo='ring'", "allgather"]),
     (dict(kernel="flash"), ["kernel='flash'", "sdpa"]),
     (dict(form="absorbed"), ["form='absorbed'", "absorbed_attention"]),
-    (dict(cp_algo="ulysses"), ["layout=", "zigzag", "contiguous"]),
     (dict(layout="striped"), ["layout='striped'"]),
     (dict(softmax_scale=0.1), ["softmax_scale", "set by the patched forward"]),
     (dict(cp_group=None), ["cp_group"]),
@@ -83,6 +82,129 @@ def test_bad_arguments_raise_before_patching(mla, kwargs, words):
     for word in words:
         assert word in str(info.value)
     assert cls.forward is original  # nothing installed
+
+
+def test_positional_arguments_and_the_legacy_settings_name(mla):
+    settings = mindspeed_laga.patch_megatron_mla("ulysses", "eager", "explicit", "contiguous")
+    assert (settings.cp_algo, settings.kernel, settings.form, settings.layout) == (
+        "ulysses", "eager", "explicit", "contiguous")
+    assert isinstance(settings, megatron_mla.LAGASettings)  # the old name still works
+
+
+def test_ulysses_without_layout_takes_megatrons_zigzag_split(mla):
+    settings = mindspeed_laga.patch_megatron_mla(cp_algo="ulysses")
+    assert (settings.cp_algo, settings.layout) == ("ulysses", "zigzag")
+    # the split megatron's own get_batch_on_this_cp_rank produces: 2P chunks, r and 2P-1-r
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    from mindspeed_laga import layout as layouts
+    P, s = 2, 8
+    tokens = torch.arange(2 * P * s).view(1, -1)
+    for r in range(P):
+        import unittest.mock as mock
+        with mock.patch("megatron.core.parallel_state.get_context_parallel_world_size",
+                        return_value=P), \
+                mock.patch("megatron.core.parallel_state.get_context_parallel_rank", return_value=r):
+            got = get_batch_on_this_cp_rank({"tokens": tokens.clone()})["tokens"].view(-1)
+        expected = layouts.positions(settings.layout, P, r, got.numel())
+        assert got.tolist() == expected.tolist()
+
+
+class _ThirdPartyWrapper:
+    """Another library wrapping whatever MLASelfAttention.forward is (functools.wraps style)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.__dict__.update(getattr(inner, "__dict__", {}))  # copies laga_settings, as wraps does
+
+    def __get__(self, obj, cls=None):
+        return self if obj is None else (lambda *a, **k: self.inner(obj, *a, **k))
+
+
+def test_unpatch_refuses_when_a_wrapper_sits_over_the_patch(mla):
+    cls, original = mla
+    mindspeed_laga.patch_megatron_mla()
+    ours = cls.__dict__["forward"]
+    cls.forward = _ThirdPartyWrapper(ours)
+    with pytest.raises(RuntimeError, match="no longer LAGA's forward.*remove that wrapper"):
+        mindspeed_laga.unpatch_megatron_mla()
+    with pytest.raises(RuntimeError, match="no longer LAGA's forward"):
+        mindspeed_laga.patch_megatron_mla()  # re-patching would drop the wrapper too
+    cls.forward = ours  # the other library removes its wrapper
+    assert mindspeed_laga.unpatch_megatron_mla() is True and cls.forward is original
+
+
+def test_patch_survives_a_reload_without_double_wrapping(mla):
+    import importlib
+    cls, original = mla
+    mindspeed_laga.patch_megatron_mla()
+    importlib.reload(megatron_mla)
+    reloaded = importlib.reload(megatron_patch)
+    try:
+        settings = mindspeed_laga.patch_megatron_mla(cp_algo="ulysses")
+        assert cls.forward.__wrapped__ is original and settings.cp_algo == "ulysses"
+        assert reloaded.patched_settings() is settings
+        assert mindspeed_laga.unpatch_megatron_mla() is True
+        assert cls.forward is original and "forward" not in cls.__dict__
+    finally:
+        mindspeed_laga.unpatch_megatron_mla()
+
+
+def test_unsupported_megatron_core_is_named(mla, monkeypatch):
+    cls, original = mla
+    monkeypatch.setattr(host_versions, "megatron_core_version", lambda: "0.9.0")
+    with pytest.raises(host_versions.UnsupportedHostError) as info:
+        mindspeed_laga.patch_megatron_mla()
+    assert "megatron-core 0.9.0 is installed" in str(info.value)
+    assert "0.16.1" in str(info.value)
+    assert cls.forward is original
+
+
+def test_megatron_core_lacking_a_function_is_named(monkeypatch):
+    from megatron.core.models.common.embeddings import rope_utils
+    monkeypatch.delattr(rope_utils, "_apply_rotary_pos_emb_bshd")
+    with pytest.raises(host_versions.UnsupportedHostError, match="_apply_rotary_pos_emb_bshd"):
+        host_versions.check_megatron_core(host_versions.SUPPORTED_MEGATRON_CORE[0])
+
+
+def test_installed_megatron_core_is_supported():
+    assert host_versions.check_megatron_core() in host_versions.SUPPORTED_MEGATRON_CORE
+
+
+class _Group:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+
+def _patched_forward_on(training, dropout, cp_size=2):
+    calls = []
+
+    def original(self, hidden_states, attention_mask=None):
+        calls.append(hidden_states)
+        return "original"
+
+    forward = megatron_mla.make_forward(original, megatron_patch.make_settings())
+    module = SimpleNamespace(training=training, config=SimpleNamespace(attention_dropout=dropout),
+                             pg_collection=SimpleNamespace(cp=_Group(cp_size)))
+    return forward, module, calls
+
+
+def test_attention_dropout_in_training_raises_naming_the_fix():
+    forward, module, calls = _patched_forward_on(training=True, dropout=0.1)
+    with pytest.raises(ValueError, match=r"attention_dropout=0\.1.*attention_dropout=0\.0"):
+        forward(module, torch.zeros(2, 1, 4))
+    assert calls == []  # no fallback to the original forward: it would train with dropout
+
+
+def test_attention_dropout_where_lagas_does_not_run_is_left_alone():
+    # CP size 1: the patch hands every call to the original forward, dropout included
+    forward, module, calls = _patched_forward_on(training=True, dropout=0.1, cp_size=1)
+    assert forward(module, torch.zeros(2, 1, 4)) == "original" and len(calls) == 1
+    # evaluation: no dropout is applied, so nothing differs
+    _, module, _ = _patched_forward_on(training=False, dropout=0.1)
+    megatron_mla.check_attention_dropout(module)
 
 
 def test_npu_kernel_needs_torch_npu(mla):

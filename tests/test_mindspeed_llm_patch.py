@@ -262,3 +262,50 @@ def test_real_custom_mla_self_attention():
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+
+
+# --- host version guard ---------------------------------------------------------------------
+
+class CustomMLASelfAttention:
+    def forward(self, hidden_states, attention_mask, rotary_pos_emb=None):
+        """Like MindSpeed-LLM 2.2.0/2.3.0's forward: it never reads the kv-lora scale."""
+        compressed_kv_norm = self.kv_layernorm(hidden_states)
+        return self.linear_proj(compressed_kv_norm)
+
+
+_released_forward = CustomMLASelfAttention.forward
+
+
+def test_wrapping_a_forward_without_the_kv_lora_scale_names_the_supported_commit():
+    from mindspeed_laga.patches.host_versions import SUPPORTED_MINDSPEED_LLM, UnsupportedHostError
+    from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+    with pytest.raises(UnsupportedHostError) as info:
+        laga_mla_forward_wrapper(_released_forward)
+    message = str(info.value)
+    assert SUPPORTED_MINDSPEED_LLM[0] in message and "mla_scale_kv_lora" in message
+    assert "2.2.0" in message and "--mla-latent-all-gather" in message
+
+
+def test_another_features_unwrapped_wrapper_is_left_to_the_module_check():
+    from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+
+    def other_feature_wrapper(self, *args, **kwargs):  # no functools.wraps: source unknown
+        return _released_forward(self, *args, **kwargs)
+
+    laga_mla_forward_wrapper(other_feature_wrapper)  # no false rejection at patch time
+
+
+def test_the_standin_forward_passes_the_guard():
+    from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+    from mindspeed_llm_standin import StandinMLASelfAttention
+    wrapped = laga_mla_forward_wrapper(StandinMLASelfAttention.forward)
+    assert wrapped.__wrapped__ is StandinMLASelfAttention.forward
+
+
+def test_a_module_missing_an_attribute_is_named_before_any_collective():
+    from mindspeed_laga.patches.host_versions import UnsupportedHostError
+    from mindspeed_laga.patches.mindspeed_llm_mla import laga_self_attention
+    module = SimpleNamespace(linear_qkv=None)  # what an older class would lack is the rest
+    with pytest.raises(UnsupportedHostError, match="mla_scale_kv_lora"):
+        # a cp_group that would fail if touched: the guard runs first
+        laga_self_attention(module, None, None, cp_group=object(), megatron_args=None)

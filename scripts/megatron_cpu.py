@@ -1,7 +1,7 @@
 """Real megatron-core 0.16.1 MLA on CPU: shims, a tiny MLA GPTModel, a CP baseline, a trainer.
 
-Imported by tests/test_megatron_e2e.py and by scripts/train_tiny_cpu.py (which
-puts tests/ on sys.path). Nothing in site-packages is edited: every gap of
+Imported by scripts/train_tiny_cpu.py and by tests/test_megatron_e2e.py (which
+puts scripts/ on sys.path). Nothing in site-packages is edited: every gap of
 DESIGN.md section 7 is bridged by monkeypatching in :func:`install_cpu_shims`,
 which only the processes that build megatron models call.
 

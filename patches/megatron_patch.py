@@ -6,13 +6,12 @@
     mindspeed_laga.unpatch_megatron_mla()                    # the original again
 
 The batch layout is a fact about the data pipeline that the tensors do not
-reveal, so the patch never guesses it:
-
-- ``cp_algo="allgather"``: ``layout`` defaults to ``"zigzag"``, the layout of
-  megatron's ``get_batch_on_this_cp_rank`` (and of its CP-sliced rope table).
-- ``cp_algo="ulysses"``: ``layout`` must be given. MindSpeed-style ulysses
-  pipelines shard contiguously, Megatron-LM's shards zigzag; both are correct
-  if declared, and a wrong declaration would train on wrong positions.
+reveal. ``layout`` defaults to ``"zigzag"`` for both ``cp_algo`` values: the
+split megatron's own ``get_batch_on_this_cp_rank`` produces (2*CP chunks, rank
+r holding chunks r and 2*CP-1-r) and its CP-sliced rope table assumes. A
+pipeline that shards contiguously (rank r holds tokens [r*s, (r+1)*s), as
+MindSpeed's ulysses does) passes ``layout="contiguous"``; a wrong declaration
+would train on wrong positions.
 
 ``form="explicit"`` runs the explicit core instead (per-head K/V on the wire),
 the baseline LAGA is measured against. Extra keywords go to the core unchanged
@@ -25,37 +24,38 @@ from __future__ import annotations
 
 import inspect
 
-from . import layout as layouts
-from .api import explicit_attention, laga_attention
-from .validate import CP_ALGOS, KERNELS
+from mindspeed_laga import layout as layouts
+from mindspeed_laga.api import explicit_attention, laga_attention
+from mindspeed_laga.validate import CP_ALGOS, KERNELS
+
+from .host_versions import check_megatron_core
+from .megatron_mla import MegatronPatchSettings, make_forward
 
 TRAINING_FORMS = {"laga": laga_attention, "explicit": explicit_attention}
 # Set by the patched forward from the module and the patch settings.
 _FORWARD_OWNED = ("query", "kv_latent", "k_pos_emb", "kv_up_weight", "softmax_scale", "cp_group",
                   "cp_algo", "layout", "causal", "kernel", "latent_gather")
 
-# (class, whether it had its own "forward" before we patched, the original forward)
-_SAVED = None
+# On the class, not in this module, so a reload of this module still finds it:
+# (whether the class had its own "forward" before the patch, the original, the installed one)
+_SAVED_ATTR = "_laga_saved_forward"
 
 
-def _mla_class():
+def _mla_class(check_version=True):
     try:
         from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     except ImportError as exc:
         raise ImportError("patch_megatron_mla needs megatron-core (pip install "
                           "'mindspeed-laga[megatron]', tested with megatron-core 0.16.1)") from exc
+    if check_version:
+        check_megatron_core()
     return MLASelfAttention
 
 
-def _check_layout(cp_algo: str, layout):
+def _check_layout(layout):
+    """None -> zigzag, the split of megatron's get_batch_on_this_cp_rank, for every cp_algo."""
     if layout is None:
-        if cp_algo == "allgather":
-            return "zigzag"
-        raise ValueError(
-            "patch_megatron_mla(cp_algo='ulysses') needs layout= : the patch cannot tell how "
-            "your batches are split. Pass layout='zigzag' for megatron's "
-            "get_batch_on_this_cp_rank, or layout='contiguous' if rank r holds tokens "
-            "[r*s, (r+1)*s) (e.g. mindspeed_laga.layout.shard(batch, 'contiguous', P, r, dim=1))")
+        return "zigzag"
     if layout not in layouts.LAYOUTS:
         raise ValueError(f"patch_megatron_mla(layout={layout!r}) is unknown; use one of "
                          f"{layouts.LAYOUTS}")
@@ -80,22 +80,21 @@ def _check_core_options(form: str, core, core_options: dict):
 
 def make_settings(cp_algo="allgather", kernel="auto", form="laga", layout=None,
                   overlap_latent_gather=False, **core_options):
-    """Validate the patch arguments (ValueError naming the argument) -> LAGASettings."""
-    from .patches.megatron_mla import LAGASettings
+    """Validate the patch arguments (ValueError naming the argument) -> MegatronPatchSettings."""
     if cp_algo not in CP_ALGOS:
         raise ValueError(f"patch_megatron_mla(cp_algo={cp_algo!r}) is unknown; use one of "
                          f"{CP_ALGOS}")
     if kernel not in KERNELS:
         raise ValueError(f"patch_megatron_mla(kernel={kernel!r}) is unknown; use one of {KERNELS}")
     if kernel == "npu":
-        from .kernels import npu
+        from mindspeed_laga.kernels import npu
         npu.require_torch_npu()
     if form not in TRAINING_FORMS:
         raise ValueError(
             f"patch_megatron_mla(form={form!r}) is not a training form; use one of "
             f"{tuple(TRAINING_FORMS)} (the absorbed form is for measurements: call "
             "mindspeed_laga.absorbed_attention directly)")
-    layout = _check_layout(cp_algo, layout)
+    layout = _check_layout(layout)
     if not isinstance(overlap_latent_gather, bool):
         raise ValueError(f"patch_megatron_mla(overlap_latent_gather={overlap_latent_gather!r}) "
                          "must be True or False")
@@ -104,9 +103,9 @@ def make_settings(cp_algo="allgather", kernel="auto", form="laga", layout=None,
                          f"form={form!r} gathers no latent")
     core = TRAINING_FORMS[form]
     _check_core_options(form, core, core_options)
-    return LAGASettings(form=form, core=core, cp_algo=cp_algo, layout=layout, kernel=kernel,
-                        core_options=dict(core_options),
-                        overlap_latent_gather=overlap_latent_gather)
+    return MegatronPatchSettings(form=form, core=core, cp_algo=cp_algo, layout=layout,
+                                 kernel=kernel, core_options=dict(core_options),
+                                 overlap_latent_gather=overlap_latent_gather)
 
 
 def patch_megatron_mla(cp_algo="allgather", kernel="auto", form="laga", layout=None,
@@ -116,37 +115,61 @@ def patch_megatron_mla(cp_algo="allgather", kernel="auto", form="laga", layout=N
     ``overlap_latent_gather``: start the latent all-gather right after
     ``kv_latent`` and the rotated ``k_pos_emb`` exist, so the query projection
     hides it (and the dq work hides its reduce-scatter in backward).
-    Calling it again replaces the settings; the original forward is kept once.
-    Returns the validated settings.
+    Calling it again replaces the settings; the original forward is kept once,
+    also across a reload of this module. Returns the validated settings.
     """
-    global _SAVED
-    from .patches.megatron_mla import make_forward
     settings = make_settings(cp_algo, kernel, form, layout, overlap_latent_gather,
                              **core_options)
     cls = _mla_class()
-    if _SAVED is None:
+    saved = _our_saved(cls, "patch_megatron_mla")
+    if saved is None:
         # In 0.16.1 MLASelfAttention inherits forward from MultiLatentAttention.
-        _SAVED = (cls, "forward" in cls.__dict__, cls.forward)
-    cls.forward = make_forward(_SAVED[2], settings)
+        saved = ("forward" in cls.__dict__, cls.forward)
+    installed = make_forward(saved[1], settings)
+    cls.forward = installed
+    setattr(cls, _SAVED_ATTR, (saved[0], saved[1], installed))
     return settings
 
 
+def _our_saved(cls, caller: str):
+    """The saved state when our forward is the class's forward; None when not patched.
+
+    Raises when something was installed over our forward: replacing or removing
+    it would silently drop that wrapper, or leave it calling a stale forward.
+    """
+    saved = cls.__dict__.get(_SAVED_ATTR)
+    if saved is None:
+        return None
+    current = cls.__dict__.get("forward")
+    if current is not saved[2]:
+        raise RuntimeError(
+            f"mindspeed_laga.{caller}: MLASelfAttention.forward is no longer LAGA's forward "
+            f"(now {getattr(current, '__qualname__', current)!r}, installed over it by other "
+            "code); remove that wrapper first (restore the forward it wrapped), then call "
+            f"{caller} again")
+    return saved
+
+
 def unpatch_megatron_mla():
-    """Restore the original ``MLASelfAttention.forward``; a no-op when not patched."""
-    global _SAVED
-    if _SAVED is None:
+    """Restore the original ``MLASelfAttention.forward``; False when not patched.
+
+    Refuses (RuntimeError) when another wrapper was installed over LAGA's forward.
+    """
+    cls = _mla_class(check_version=False)
+    saved = _our_saved(cls, "unpatch_megatron_mla")
+    if saved is None:
         return False
-    cls, had_own, original = _SAVED
+    had_own, original, _installed = saved
     if had_own:
         cls.forward = original
-    elif "forward" in cls.__dict__:
+    else:
         del cls.forward
-    _SAVED = None
+    delattr(cls, _SAVED_ATTR)
     return True
 
 
 def patched_settings():
     """The active settings, or None when MLASelfAttention is not patched."""
-    if _SAVED is None:
-        return None
-    return getattr(_SAVED[0].__dict__.get("forward"), "laga_settings", None)
+    cls = _mla_class(check_version=False)
+    saved = cls.__dict__.get(_SAVED_ATTR)
+    return None if saved is None else saved[2].laga_settings

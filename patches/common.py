@@ -1,0 +1,24 @@
+"""What both host patches share: the first-call shape handshake and the overlapped gather.
+
+Every CP rank runs the same modules in the same order, so the ranks agree on
+shapes on a module's first call only and skip the exchange together later
+(no host sync per step).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def first_call(module) -> bool:
+    """True on the module's first LAGA call (the ranks check shapes then), False after."""
+    first = not getattr(module, "_laga_checked", False)
+    module._laga_checked = True
+    return first
+
+
+def start_gather(overlap: bool, kv_latent, k_pos_emb, cp_group, check_ranks: bool) -> Optional[object]:
+    """With overlap, launch the latent all-gather now (the query projection hides it); else None."""
+    if not overlap:
+        return None
+    from mindspeed_laga.overlap import start_latent_gather
+    return start_latent_gather(kv_latent, k_pos_emb, cp_group=cp_group, check_ranks=check_ranks)
