@@ -270,7 +270,8 @@ def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings,
     out = settings.core(query, kv_latent, k_pos_emb, module.linear_kv_up_proj.weight,
                         softmax_scale=module.softmax_scale, cp_group=cp_group,
                         cp_algo=settings.cp_algo, layout=settings.layout, causal=_causal(module),
-                        kernel=settings.kernel, **options, **gather)
+                        kernel=settings.kernel, qk_head_dim=cfg.qk_head_dim,
+                        v_head_dim=cfg.v_head_dim, **options, **gather)
     return module.linear_proj(out)
 
 

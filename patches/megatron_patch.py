@@ -26,7 +26,7 @@ import inspect
 
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.api import explicit_attention, laga_attention
-from mindspeed_laga.validate import CP_ALGOS, KERNELS
+from mindspeed_laga.vocab import CP_ALGOS, KERNELS
 
 from .host_versions import check_megatron_core
 from .megatron_mla import MegatronPatchSettings, make_forward
@@ -34,7 +34,8 @@ from .megatron_mla import MegatronPatchSettings, make_forward
 TRAINING_FORMS = {"laga": laga_attention, "explicit": explicit_attention}
 # Set by the patched forward from the module and the patch settings.
 _FORWARD_OWNED = ("query", "kv_latent", "k_pos_emb", "kv_up_weight", "softmax_scale", "cp_group",
-                  "cp_algo", "layout", "causal", "kernel", "latent_gather")
+                  "cp_algo", "layout", "causal", "kernel", "latent_gather", "qk_head_dim",
+                  "v_head_dim")
 
 # On the class, not in this module, so a reload of this module still finds it:
 # (whether the class had its own "forward" before the patch, the original, the installed one)
