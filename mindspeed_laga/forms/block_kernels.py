@@ -1,18 +1,39 @@
 """Attention of query rows against one rebuilt key block, for the blockwise LAGA.
 
-A block kernel has two calls (``keep`` [rows, B] bool, True = visible, or
-None when every key is visible; every row sees at least one key):
+Interface every block kernel in ``BLOCK_KERNELS`` follows (the walk in
+``laga_blockwise.py`` calls it once per (key block, query segment) pair):
 
-- ``forward(q, key, value, keep, scale) -> (out float32, lse float32)``: the
-  block's own softmax-normalized output and log-sum-exp, merged across blocks
-  by the caller.
-- ``backward(q, key, value, keep, scale, d_out, out, lse) -> (dq, dk, dv)``
-  float32, where ``out``/``lse`` are the *final* (all-block) output and
-  log-sum-exp, so the block's probabilities are exactly the global ones.
+- Tensors are BNSD: ``q`` [b, h, rows, d_qk], ``key`` [b, h, B, d_qk],
+  ``value`` [b, h, B, d_v] (``d_v`` may be below ``d_qk``, or equal to it when
+  V was zero-padded); any float dtype; ``scale`` a float.
+- ``diagonal`` describes visibility, never a dense mask: ``None`` = every key
+  of the block is visible to every row; an ``int`` ``c`` = key ``j`` (0-based
+  in the block handed over) is visible to row ``i`` (0-based in ``q``) iff
+  ``j <= i + c``. The walk guarantees ``max(0, B - rows) <= c < B - 1``: every
+  row sees key 0, the last row sees the last key, and ``None`` is used
+  whenever all keys are visible. :func:`keep_mask` builds the [rows, B] bool
+  mask from it for kernels that want one (its memory grows with the block,
+  never with the sequence).
+- ``forward(q, key, value, diagonal, scale) -> (out, lse)``: float32
+  ``out`` [b, h, rows, d_v], the block's own softmax-normalized output, and
+  float32 ``lse`` [b, h, rows], its log-sum-exp; the caller merges blocks.
+- ``backward(q, key, value, diagonal, scale, d_out, out, lse) -> (dq, dk, dv)``
+  float32, shaped like q/key/value; ``out``/``lse`` are the *final*
+  (all-block) output and log-sum-exp of these rows, so the block's
+  probabilities ``exp(s - lse)`` are exactly the global ones.
+- Kernels are stateless (static methods) and never see the sequence length.
 """
 from __future__ import annotations
 
 import torch
+
+
+def keep_mask(diagonal, rows: int, keys: int, device):
+    """[rows, keys] bool, True = visible (key j for row i iff j <= i + diagonal); None = all."""
+    if diagonal is None:
+        return None
+    return (torch.arange(keys, device=device).unsqueeze(0)
+            <= torch.arange(rows, device=device).unsqueeze(1) + diagonal)
 
 
 def _scores(q, key, keep, scale):
@@ -40,7 +61,8 @@ class EagerBlock:
     """Plain torch math; one block's scores exist at a time, a few heads at a time."""
 
     @staticmethod
-    def forward(q, key, value, keep, scale):
+    def forward(q, key, value, diagonal, scale):
+        keep = keep_mask(diagonal, q.shape[2], key.shape[2], q.device)
         outs, lses = [], []
         for heads in _head_chunks(q, key):
             s = _scores(q[:, heads], key[:, heads], keep, scale)
@@ -50,7 +72,8 @@ class EagerBlock:
         return _cat(outs), _cat(lses)
 
     @staticmethod
-    def backward(q, key, value, keep, scale, d_out, out, lse):
+    def backward(q, key, value, diagonal, scale, d_out, out, lse):
+        keep = keep_mask(diagonal, q.shape[2], key.shape[2], q.device)
         grads = [EagerBlock._backward_heads(q[:, h], key[:, h], value[:, h], keep, scale,
                                             d_out[:, h], out[:, h], lse[:, h])
                  for h in _head_chunks(q, key)]
@@ -78,7 +101,8 @@ class NpuBlock:
     """
 
     @staticmethod
-    def forward(q, key, value, keep, scale):
+    def forward(q, key, value, diagonal, scale):
+        keep = keep_mask(diagonal, q.shape[2], key.shape[2], q.device)
         from ..kernels.npu import require_torch_npu
         torch_npu = require_torch_npu()
         res = torch_npu.npu_fusion_attention(q, key, value, q.shape[1], input_layout="BNSD",
@@ -88,7 +112,8 @@ class NpuBlock:
         return out.float(), row_max.float() + torch.log(row_sum.float())
 
     @staticmethod
-    def backward(q, key, value, keep, scale, d_out, out, lse):
+    def backward(q, key, value, diagonal, scale, d_out, out, lse):
+        keep = keep_mask(diagonal, q.shape[2], key.shape[2], q.device)
         from ..kernels.npu import require_torch_npu
         torch_npu = require_torch_npu()
         stats = lse.unsqueeze(-1).expand(*lse.shape, 8).contiguous()

@@ -51,24 +51,25 @@ def blocks(plan: BlockPlan, num_keys: int):
     return [(k0, min(k0 + plan.block_size, num_keys)) for k0 in range(0, num_keys, plan.block_size)]
 
 
-def visible_rows(plan: BlockPlan, k0: int, k1: int, device):
-    """(query rows, key end, keep-mask or None) for each segment that sees a key of [k0, k1).
+def visible_rows(plan: BlockPlan, k0: int, k1: int):
+    """(query rows, key end, diagonal) for each segment that sees a key of [k0, k1).
 
     Rows whose position is before ``k0`` see nothing of the block and are cut,
     so every row handed to a block kernel has at least one visible key; keys
     after the segment's last position are cut too (``key end`` is relative to
     ``k0``), so no work is spent on keys the causal mask hides from all rows.
+    ``diagonal`` is the block kernels' visibility description
+    (``block_kernels``): key j of the cut block is visible to row i iff
+    ``j <= i + diagonal``; None when every key is visible to every row.
     """
     for start, n, g in plan.segments:
         first = max(0, k0 - g) if plan.causal else 0
         if first >= n:
             continue
         end = min(k1, g + n) if plan.causal else k1
-        keep = None
-        if plan.causal and end - 1 > g + first:
-            q_pos = torch.arange(g + first, g + n, device=device).unsqueeze(1)
-            keep = torch.arange(k0, end, device=device).unsqueeze(0) <= q_pos
-        yield slice(start + first, start + n), end - k0, keep
+        diagonal = g + first - k0  # row i sits at position g + first + i, key j at k0 + j
+        yield slice(start + first, start + n), end - k0, (
+            diagonal if plan.causal and diagonal < end - k0 - 1 else None)
 
 
 def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
@@ -86,9 +87,9 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
     lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q.device)
     for k0, k1 in blocks(plan, latent.shape[0]):
         key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
-        for rows, end, keep in visible_rows(plan, k0, k1, q.device):
+        for rows, end, diagonal in visible_rows(plan, k0, k1):
             block_out, block_lse = kernel.forward(q[:, :, rows], key[:, :, :end], value[:, :, :end],
-                                                  keep, plan.scale)
+                                                  diagonal, plan.scale)
             new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
             out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
                                + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
@@ -106,9 +107,9 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
         key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
         d_key = torch.zeros(key.shape, dtype=torch.float32, device=q.device)
         d_value = torch.zeros(value.shape, dtype=torch.float32, device=q.device)
-        for rows, end, keep in visible_rows(plan, k0, k1, q.device):
+        for rows, end, diagonal in visible_rows(plan, k0, k1):
             dq_b, dk_b, dv_b = kernel.backward(q[:, :, rows], key[:, :, :end], value[:, :, :end],
-                                               keep, plan.scale, d_out[:, :, rows], out[:, :, rows],
+                                               diagonal, plan.scale, d_out[:, :, rows], out[:, :, rows],
                                                lse[:, :, rows])
             dq[:, :, rows] += dq_b
             d_key[:, :, :end] += dk_b
