@@ -16,7 +16,11 @@ Keywords: ``softmax_scale``; ``cp_group`` (None or size 1: no CP);
 over the group); ``layout`` "zigzag" or "contiguous"; ``causal``;
 ``kernel`` "eager" | "sdpa" | "npu" | "auto" (npu on NPU tensors, else sdpa);
 ``check_ranks`` (default True): exchange shapes across the group first so a
-mismatch raises on every rank instead of hanging.
+mismatch raises on every rank instead of hanging; ``pad_v`` (default False):
+with kernel "npu", zero-pad V to the q/k head dim for ``npu_fusion_attention``
+and slice the output back (exact; what MindSpeed-LLM does unless
+``--mla-fa-without-pad``; unpadded V needs CANN 8.2.RC1 or newer), ignored by
+the other kernels.
 
 Autograd is exact for all four inputs. The ``kv_up_weight`` gradient on each
 rank is that rank's partial sum; Megatron reduces it over dp x cp.
@@ -32,18 +36,18 @@ from .forms.laga import laga_forward
 
 
 def _setup(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo, layout,
-           causal, kernel, check_ranks, blockwise=False, extra_check=None):
+           causal, kernel, check_ranks, blockwise=False, extra_check=None, pad_v=False):
     return validate.check(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale=softmax_scale,
                           cp_group=cp_group, cp_algo=cp_algo, layout=layout, causal=causal,
                           kernel=kernel, check_ranks=check_ranks, blockwise=blockwise,
-                          extra_check=extra_check)
+                          extra_check=extra_check, pad_v=pad_v)
 
 
 def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group=None,
                    cp_algo="allgather", layout="zigzag", causal=True, kernel="auto",
                    check_ranks: bool = True, trim_causal_prefix: bool = False,
                    recompute_kv: bool = False, kv_block_size: Optional[int] = None,
-                   latent_gather=None):
+                   latent_gather=None, pad_v: bool = False):
     """LAGA: gather the latent (d_c + d_r per token), rebuild K/V locally, attend.
 
     Options beyond the paper (all exact; see docs/BEYOND.md):
@@ -65,7 +69,7 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
 
     setup = _setup(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
                    layout, causal, kernel, check_ranks, blockwise=bool(recompute_kv),
-                   extra_check=check_options)
+                   extra_check=check_options, pad_v=pad_v)
     return laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup,
                         trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
                         kv_block_size=kv_block_size, latent_gather=latent_gather)
@@ -96,19 +100,19 @@ def _check_laga_options(kv_latent, k_pos_emb, cp_group, cp_size, recompute_kv, k
 
 def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
                        cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
-                       kernel="auto", check_ranks: bool = True):
+                       kernel="auto", check_ranks: bool = True, pad_v: bool = False):
     """Explicit MLA: per-head K/V (allgather) or Q/K/V/O (ulysses) cross the wire."""
     setup = _setup(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
-                   layout, causal, kernel, check_ranks)
+                   layout, causal, kernel, check_ranks, pad_v=pad_v)
     return explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 
 def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
                        cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
-                       kernel="auto", check_ranks: bool = True):
+                       kernel="auto", check_ranks: bool = True, pad_v: bool = False):
     """Absorbed MLA: latent-space attention with q . W_UK and o . W_UV^T (the memory trap)."""
     setup = _setup(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
-                   layout, causal, kernel, check_ranks)
+                   layout, causal, kernel, check_ranks, pad_v=pad_v)
     return absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 

@@ -44,6 +44,7 @@ class AttnSetup:
     causal: bool
     kernel: str
     softmax_scale: float
+    pad_v: bool = False  # kernel "npu": zero-pad V to the q/k head dim for the fused op
 
 
 def _dims(query, kv_latent, k_pos_emb, kv_up_weight) -> MLADims:
@@ -132,7 +133,7 @@ def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False) -
 
 def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group, cp_algo,
           layout, causal, kernel, check_ranks: bool = True, blockwise: bool = False,
-          extra_check=None) -> AttnSetup:
+          extra_check=None, pad_v: bool = False) -> AttnSetup:
     """Validate the arguments of a form and agree on them across the CP group.
 
     ``extra_check(cp_size)`` runs with the other local checks (form options).
@@ -142,6 +143,8 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
     dims = None
     try:
         _check_choices(cp_algo, layout, kernel, causal, softmax_scale)
+        if not isinstance(pad_v, bool):
+            raise ValueError(f"pad_v must be True or False, got {pad_v!r}")
         dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight)
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
         _check_split(dims, query.shape[0], cp_size, cp_algo, layout)
@@ -157,7 +160,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
     return AttnSetup(dims=dims, local_len=query.shape[0], batch=query.shape[1],
                      cp_group=cp_group, cp_size=cp_size, cp_rank=comm.group_rank(cp_group),
                      cp_algo=cp_algo, layout=layout, causal=causal, kernel=kernel,
-                     softmax_scale=float(softmax_scale))
+                     softmax_scale=float(softmax_scale), pad_v=pad_v)
 
 
 def _agree(error: Optional[str], query, dims: Optional[MLADims], cp_group):

@@ -93,36 +93,69 @@ class EagerBlock:
 class NpuBlock:
     """``npu_fusion_attention`` forward and ``npu_fusion_attention_grad`` backward.
 
-    The block mask is passed explicitly (``sparse_mode=0``, [rows, B] bool,
-    True = masked): a block's diagonal offset is not one of the compressed
-    modes. Backward hands the kernel the final log-sum-exp as softmax_max
-    with softmax_sum = 1 and the final output as attention_in, as ring
-    attention on Ascend does.
+    No dense mask reaches the op: a fully visible block runs without a mask
+    (mode 0), a block with a causal diagonal runs with the compressed
+    2048x2048 mask in mode 3 or 4 (``kernels.npu.causal_kwargs``), whatever
+    the block and sequence sizes are.
+
+    Backward statistics: MindSpeed's ring attention
+    (``mindspeed/core/context_parallel/ring_context_parallel``) merges the
+    blocks' (softmax_max, softmax_sum) pairs in forward and hands each block's
+    grad call the *merged* pair with the final output as attention_in. The
+    kernel forms ``exp(s - softmax_max) / softmax_sum``; here the walk keeps
+    only the final log-sum-exp, and ``softmax_max = lse``, ``softmax_sum = 1``
+    gives exactly the same probabilities ``exp(s - lse)`` with half the saved
+    statistics.
     """
 
-    @staticmethod
-    def forward(q, key, value, diagonal, scale):
-        keep = keep_mask(diagonal, q.shape[2], key.shape[2], q.device)
-        from ..kernels.npu import require_torch_npu
+    PAD_V = False  # zero-pad V to the q/k head dim for the op (``NpuBlockPadV``)
+
+    @classmethod
+    def forward(cls, q, key, value, diagonal, scale):
+        from ..kernels.npu import pad_value, require_torch_npu
         torch_npu = require_torch_npu()
+        d_v = value.shape[-1]
+        if cls.PAD_V:
+            value = pad_value(value, key.shape[-1])
         res = torch_npu.npu_fusion_attention(q, key, value, q.shape[1], input_layout="BNSD",
-                                             atten_mask=None if keep is None else ~keep,
-                                             scale=scale, keep_prob=1.0, sparse_mode=0)
-        out, row_max, row_sum = res[0], res[1][..., 0], res[2][..., 0]
+                                             scale=scale, keep_prob=1.0,
+                                             **_mask_kwargs(q, key, diagonal))
+        out, row_max, row_sum = res[0][..., :d_v], res[1][..., 0], res[2][..., 0]
         return out.float(), row_max.float() + torch.log(row_sum.float())
 
-    @staticmethod
-    def backward(q, key, value, diagonal, scale, d_out, out, lse):
-        keep = keep_mask(diagonal, q.shape[2], key.shape[2], q.device)
-        from ..kernels.npu import require_torch_npu
+    @classmethod
+    def backward(cls, q, key, value, diagonal, scale, d_out, out, lse):
+        from ..kernels.npu import pad_value, require_torch_npu
         torch_npu = require_torch_npu()
+        d_v = value.shape[-1]
+        if cls.PAD_V:  # zero columns of V, dy and the output leave dq, dk and dv[:d_v] exact
+            value, d_out, out = (pad_value(x, key.shape[-1]) for x in (value, d_out, out))
         stats = lse.unsqueeze(-1).expand(*lse.shape, 8).contiguous()
         dq, dk, dv = torch_npu.npu_fusion_attention_grad(
-            q, key, value, d_out.to(q.dtype), q.shape[1], "BNSD",
-            atten_mask=None if keep is None else ~keep, softmax_max=stats,
+            q, key, value, d_out.to(q.dtype), q.shape[1], "BNSD", softmax_max=stats,
             softmax_sum=torch.ones_like(stats), attention_in=out.to(q.dtype), scale_value=scale,
-            keep_prob=1.0, sparse_mode=0)[:3]
-        return dq.float(), dk.float(), dv.float()
+            keep_prob=1.0, **_mask_kwargs(q, key, diagonal))[:3]
+        return dq.float(), dk.float(), dv[..., :d_v].float()
+
+
+class NpuBlockPadV(NpuBlock):
+    """:class:`NpuBlock` with V zero-padded to the q/k head dim (``pad_v=True``)."""
+
+    PAD_V = True
+
+
+def _mask_kwargs(q, key, diagonal):
+    if diagonal is None:
+        return dict(sparse_mode=0)
+    from ..kernels.npu import causal_kwargs
+    return causal_kwargs(q.shape[2], key.shape[2], diagonal, q.device)
 
 
 BLOCK_KERNELS = {"eager": EagerBlock, "npu": NpuBlock}
+
+
+def block_kernel(name: str, pad_v: bool = False):
+    """The block kernel of ``BlockPlan.kernel``; ``pad_v`` matters to the NPU kernel only."""
+    if name == "npu" and pad_v:
+        return NpuBlockPadV
+    return BLOCK_KERNELS[name]

@@ -61,7 +61,8 @@ def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_pr
         kv_all, k_pe_all = kv_all[:end], k_pe_all[:end]
     key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
-                 segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel)
+                 segments=query_segments(setup), causal=setup.causal, kernel=setup.kernel,
+                 pad_v=setup.pad_v)
     return from_bnsd(out)
 
 
@@ -75,5 +76,5 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
                      kv_lora_rank=d.kv_lora_rank, scale=setup.softmax_scale, causal=setup.causal,
                      segments=tuple(query_segments(setup)),
                      block_size=kv_block_size or max(latent.shape[0], 1),
-                     kernel=setup.kernel)
+                     kernel=setup.kernel, pad_v=setup.pad_v)
     return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))

@@ -28,7 +28,7 @@ from typing import Tuple
 import torch
 
 from ..layout import Segment
-from .block_kernels import BLOCK_KERNELS
+from .block_kernels import block_kernel
 from .common import rebuild_kv
 
 
@@ -43,6 +43,7 @@ class BlockPlan:
     segments: Tuple[Segment, ...]
     block_size: int
     kernel: str = "eager"        # per-block kernel: "eager" or "npu" (block_kernels.py)
+    pad_v: bool = False          # kernel "npu": V zero-padded to the q/k head dim for the op
 
 
 def blocks(plan: BlockPlan, num_keys: int):
@@ -81,7 +82,7 @@ def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockP
 
 def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
     """Attention over rebuilt key blocks, merged by log-sum-exp -> (out, lse float32)."""
-    kernel = BLOCK_KERNELS[plan.kernel]
+    kernel = block_kernel(plan.kernel, plan.pad_v)
     b, h, s_q, _ = q.shape
     out = torch.zeros(b, h, s_q, plan.v_head_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q.device)
@@ -99,7 +100,7 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
 
 def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan):
     """Grads of q, the gathered latent and kv_up_weight, one rebuilt key block at a time."""
-    kernel = BLOCK_KERNELS[plan.kernel]
+    kernel = block_kernel(plan.kernel, plan.pad_v)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     d_latent = torch.zeros(latent.shape, dtype=torch.float32, device=q.device)
     d_weight = torch.zeros(kv_up_weight.shape, dtype=torch.float32, device=q.device)

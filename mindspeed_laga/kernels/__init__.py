@@ -16,6 +16,7 @@ cut keys are masked anyway) and is the tested recipe for the NPU kernel.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, List, Optional
 
 import torch
@@ -38,10 +39,13 @@ def key_prefix(seg: Segment, total: int, causal: bool) -> int:
 
 
 def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel: str,
-           epilogue: Optional[Callable] = None):
+           epilogue: Optional[Callable] = None, pad_v: bool = False):
     """``epilogue`` maps each segment's output before the segments are concatenated
-    (so an op that keeps its input for backward keeps the kernel's own output)."""
+    (so an op that keeps its input for backward keeps the kernel's own output).
+    ``pad_v``: kernel "npu" zero-pads V to the q/k head dim (the others ignore it)."""
     fn = _KERNELS[kernel]
+    if kernel == "npu":
+        fn = partial(fn, pad_v=pad_v)
     outs = []
     for seg in segments:
         local_start, length, _ = seg
