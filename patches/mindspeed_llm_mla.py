@@ -77,7 +77,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     core_out = laga_attention(query, kv_latent, k_pos_emb, _kv_up_weight(self),
                               softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
                               check_ranks=_first_call(self), latent_gather=gather,
-                              **settings.core_options())
+                              **settings.core_options())  # pad_v = not --mla-fa-without-pad
     if hooked and core_out.requires_grad:
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
             launch_async_all2all_hook)

@@ -303,6 +303,16 @@ def test_pad_v_is_ignored_by_other_kernels_and_checked():
             form(*mla_inputs(), softmax_scale=0.3, kernel="eager", pad_v="yes")
 
 
+def test_mindspeed_llm_flag_decides_pad_v():
+    """MindSpeed-LLM pads V unless its own --mla-fa-without-pad is given; so does LAGA."""
+    from argparse import Namespace
+    from mindspeed_laga.features.laga_args import laga_settings
+    padded = laga_settings(Namespace(context_parallel_algo="kvallgather_cp_algo"))
+    unpadded = laga_settings(Namespace(context_parallel_algo="kvallgather_cp_algo",
+                                       mla_fa_without_pad=True))
+    assert padded.core_options()["pad_v"] is True and unpadded.core_options()["pad_v"] is False
+
+
 # ------------------------------------------------------------ no torch_npu
 
 def test_npu_kernel_without_torch_npu_names_it(monkeypatch):
