@@ -21,7 +21,11 @@ Interface every block kernel in ``BLOCK_KERNELS`` follows (the walk in
   float32, shaped like q/key/value; ``out``/``lse`` are the *final*
   (all-block) output and log-sum-exp of these rows, so the block's
   probabilities ``exp(s - lse)`` are exactly the global ones.
-- Kernels are stateless (static methods) and never see the sequence length.
+  ``d_out`` and ``out`` come in q's dtype, ``lse`` in float32.
+- Kernels are stateless classes called as ``Kernel.forward(...)`` (static or
+  class methods) and never see the sequence length. The walk picks one with
+  :func:`block_kernel` (``BlockPlan.kernel`` and ``BlockPlan.pad_v``); a new
+  kernel registers its class in ``BLOCK_KERNELS`` under its name.
 """
 from __future__ import annotations
 
