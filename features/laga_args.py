@@ -78,12 +78,13 @@ class MindSpeedLAGASettings:
     kv_block_size: Optional[int] = None
     trim_causal_prefix: bool = False
     overlap: bool = False
+    pad_v: bool = False
 
     def core_options(self) -> dict:
         """Keywords of ``laga_attention`` besides the tensors, scale and group."""
         return dict(cp_algo=self.cp_algo, layout=self.layout, kernel=self.kernel,
                     recompute_kv=self.recompute_kv, kv_block_size=self.kv_block_size,
-                    trim_causal_prefix=self.trim_causal_prefix)
+                    trim_causal_prefix=self.trim_causal_prefix, pad_v=self.pad_v)
 
 
 # the name before the megatron-core patch's settings got their own class name
@@ -104,4 +105,12 @@ def laga_settings(args: Namespace) -> MindSpeedLAGASettings:
                                  kv_block_size=getattr(args, "mla_laga_kv_block_size", None),
                                  trim_causal_prefix=bool(getattr(args, "mla_laga_trim_causal_prefix",
                                                                  False)),
-                                 overlap=bool(getattr(args, "mla_laga_overlap", False)))
+                                 overlap=bool(getattr(args, "mla_laga_overlap", False)),
+                                 pad_v=npu_pads_v(args))
+
+
+def npu_pads_v(args: Namespace) -> bool:
+    """MindSpeed-LLM zero-pads V to the q/k head dim for its fused attention unless
+    ``--mla-fa-without-pad`` (its own flag, read from its parsed args) is given;
+    LAGA's kernel "npu" does the same so both run the op on the same shapes."""
+    return not bool(getattr(args, "mla_fa_without_pad", False))

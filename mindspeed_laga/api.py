@@ -26,6 +26,10 @@ them); without them the tensors must read unambiguously (d_n == d_v).
 the group first, so a rank that differs raises on every rank instead of
 hanging; once every rank passes False in such an exchange the group skips
 it (agreement.py, docs/DESIGN.md "The cross-rank handshake").
+``pad_v`` (default False): with kernel "npu", zero-pad V to the q/k head dim
+for ``npu_fusion_attention`` and slice the output back (exact; what
+MindSpeed-LLM does unless ``--mla-fa-without-pad``; unpadded V needs CANN
+8.2.RC1 or newer), ignored by the other kernels.
 
 Autograd is exact for all four inputs. The ``kv_up_weight`` gradient on each
 rank is that rank's partial sum; Megatron reduces it over dp x cp.
@@ -41,13 +45,13 @@ from .forms.laga import laga_forward
 
 
 def _setup(form, query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
-           layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim, cu_seqlens,
+           layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim, cu_seqlens, pad_v,
            blockwise=False, options=None, extra_check=None):
     return validate.check(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale=softmax_scale,
                           cp_group=cp_group, cp_algo=cp_algo, layout=layout, causal=causal,
                           kernel=kernel, form=form, check_ranks=check_ranks, blockwise=blockwise,
                           qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, options=options,
-                          cu_seqlens=cu_seqlens, extra_check=extra_check)
+                          cu_seqlens=cu_seqlens, pad_v=pad_v, extra_check=extra_check)
 
 
 def _flag(value) -> int:
@@ -60,7 +64,7 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
                    check_ranks: bool = True, trim_causal_prefix: bool = False,
                    recompute_kv: bool = False, kv_block_size: Optional[int] = None,
                    latent_gather=None, qk_head_dim: Optional[int] = None,
-                   v_head_dim: Optional[int] = None, cu_seqlens=None):
+                   v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False):
     """LAGA: gather the latent (d_c + d_r per token), rebuild K/V locally, attend.
 
     Options beyond the paper (all exact; see docs/BEYOND.md):
@@ -85,7 +89,7 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
                "latent_gather": int(latent_gather is not None)}
     setup = _setup("laga", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
                    cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim,
-                   cu_seqlens, blockwise=recompute_kv is True, options=options,
+                   cu_seqlens, pad_v, blockwise=recompute_kv is True, options=options,
                    extra_check=check_options)
     return laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup,
                         trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
@@ -118,22 +122,22 @@ def _check_laga_options(kv_latent, k_pos_emb, cp_group, cp_size, recompute_kv, k
 def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
                        cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
                        kernel="auto", check_ranks: bool = True, qk_head_dim: Optional[int] = None,
-                       v_head_dim: Optional[int] = None, cu_seqlens=None):
+                       v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False):
     """Explicit MLA: per-head K/V (allgather) or Q/K/V/O (ulysses) cross the wire."""
     setup = _setup("explicit", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
                    cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim,
-                   cu_seqlens)
+                   cu_seqlens, pad_v)
     return explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 
 def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
                        cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
                        kernel="auto", check_ranks: bool = True, qk_head_dim: Optional[int] = None,
-                       v_head_dim: Optional[int] = None, cu_seqlens=None):
+                       v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False):
     """Absorbed MLA: latent-space attention with q . W_UK and o . W_UV^T (the memory trap)."""
     setup = _setup("absorbed", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
                    cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim,
-                   cu_seqlens)
+                   cu_seqlens, pad_v)
     return absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 

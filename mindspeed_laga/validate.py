@@ -167,7 +167,7 @@ def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False) -
 def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group, cp_algo,
           layout, causal, kernel, form: str, check_ranks: bool = True, blockwise: bool = False,
           qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
-          options: Optional[Dict[str, int]] = None, cu_seqlens=None,
+          options: Optional[Dict[str, int]] = None, cu_seqlens=None, pad_v: bool = False,
           extra_check=None) -> AttnSetup:
     """Validate the arguments of a form and agree on them across the CP group.
 
@@ -181,6 +181,8 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
         if not isinstance(check_ranks, bool):
             raise ValueError(f"check_ranks must be True or False, got {check_ranks!r}")
         _check_choices(cp_algo, layout, kernel, causal, softmax_scale)
+        if not isinstance(pad_v, bool):
+            raise ValueError(f"pad_v must be True or False, got {pad_v!r}")
         dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight, qk_head_dim, v_head_dim)
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
         _check_split(dims, query.shape[0], cp_size, cp_algo, layout)
@@ -201,7 +203,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
     return AttnSetup(dims=dims, local_len=query.shape[0], batch=query.shape[1],
                      cp_group=cp_group, cp_size=cp_size, cp_rank=comm.group_rank(cp_group),
                      cp_algo=cp_algo, layout=layout, causal=causal, kernel=kernel,
-                     softmax_scale=float(softmax_scale), documents=documents)
+                     softmax_scale=float(softmax_scale), documents=documents, pad_v=pad_v)
 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)

@@ -97,6 +97,7 @@ class AttnSetup:
     kernel: str
     softmax_scale: float
     documents: Documents = None   # cu_seqlens (global), or None: one sequence
+    pad_v: bool = False           # kernel "npu": zero-pad V to the q/k head dim for the fused op
 
     @property
     def heads_split(self) -> bool:

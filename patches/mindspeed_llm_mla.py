@@ -87,7 +87,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                               softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
                               check_ranks=check_ranks, latent_gather=gather,
                               qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim,
-                              **settings.core_options())
+                              **settings.core_options())  # pad_v = not --mla-fa-without-pad
     if hooked and core_out.requires_grad:
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
             launch_async_all2all_hook)

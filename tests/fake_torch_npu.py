@@ -23,6 +23,12 @@ Semantics, read from the public documentation (our own code, nothing copied):
   ``qD == kD and kD >= vD``, key/value equal except D, Nq a multiple of Nkv,
   D in [1, 768], softmaxMax/softmaxSum ``[B, N, Sq, 8]`` float32, "band:
   preTokens and nextTokens must overlap".
+- Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md`` (the
+  torch_npu reference of the same op): ``Dq == Dk >= Dv`` in 1..768, Nq in
+  1..256 and a multiple of Nkv, the compressed 2048x2048 mask of modes 2/3/4,
+  mode 4's band counted from the lower-right vertex, and for a negative
+  next (pre) token count: ``pre >= |next|`` and ``|next| < Skv``
+  (``next >= |pre|`` and ``|pre| < Sq``).
 - The host tiling of FlashAttentionScore (flash_attention_score_tiling_general.cpp,
   e.g. in yueliang13/cann-ops-adv-vllm): mode 0 counts pre/next from the
   upper-left vertex (query i sees keys ``[i - pre, i + next]``); mode 3 with
@@ -36,8 +42,10 @@ Semantics, read from the public documentation (our own code, nothing copied):
 
 Deliberate limits: TND (varlen), pse, padding_mask, prefix, dropout
 (keep_prob < 1) and sparse modes 5-8 raise NotImplementedError. Modes 1-4
-without a mask raise (the docs say the mask "must be correct"; silently
-computing full attention would hide a missing mask), and modes 2/3/4 accept
+without a mask raise: the docs say the mask "must be correct" and that with
+no mask the op silently computes full attention, which would hide a missing
+mask from a test; this is the one place the stand-in is stricter than the
+op. Modes 2/3/4 accept
 only the exact 2048x2048 ``triu(diagonal=1)`` bool/uint8 mask. Rows whose
 keys are all masked give zero output and zero gradients (the kernel's
 "invalid line" handling). Argument errors raise ``FakeNpuError``, a
@@ -48,7 +56,10 @@ lists them positionally, op-plugin's meta registration declares them
 keyword-only, so a caller that passes them by name works with either.
 
 Every call is recorded in ``calls`` (layout, head_num, sparse_mode, mask
-shape, q/k/v shapes) so tests can check which recipe a caller used.
+shape, q/k/v shapes) so tests can check which recipe a caller used, and
+``largest_mask_elements`` holds the element count of the largest
+``atten_mask`` handed to either op since the last ``reset_calls()``, so a
+test can assert that no mask above 2048x2048 ever reached it.
 """
 from __future__ import annotations
 
@@ -61,6 +72,7 @@ import torch
 INT_MAX = 2147483647
 COMPRESSED_MASK_SIZE = 2048
 MAX_HEAD_DIM = 768
+MAX_HEADS = 256  # Nq
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PREVIOUS = "_fake_torch_npu_previous"  # key in the module dict: what install() replaced
@@ -81,6 +93,8 @@ def _check_layout(input_layout: str, actual_seq_qlen, actual_seq_kvlen):
 
 
 def _head_dim_of(query: torch.Tensor, head_num: int, input_layout: str) -> int:
+    if not 1 <= head_num <= MAX_HEADS:
+        raise FakeNpuError(f"head_num={head_num} is outside [1, {MAX_HEADS}] (query heads Nq)")
     if input_layout in ("BSH", "SBH"):
         if query.shape[-1] % head_num:
             raise FakeNpuError(f"query hidden size {query.shape[-1]} is not divisible by "
@@ -273,6 +287,12 @@ def _record(name: str, **info):
     module = sys.modules.get("torch_npu")
     if getattr(module, "IS_FAKE", False):
         module.calls.append(dict(name=name, **info))
+        shape = info["atten_mask_shape"]
+        if shape is not None:
+            elements = 1
+            for size in shape:
+                elements *= size
+            module.largest_mask_elements = max(module.largest_mask_elements, elements)
 
 
 def _call_info(query, key, value, head_num, input_layout, atten_mask, scale, pre, nxt, sparse_mode):
@@ -348,7 +368,13 @@ def _build() -> types.ModuleType:
     module.__version__ = "0.0.0+fake"
     module.IS_FAKE = True
     module.calls = []
-    module.reset_calls = module.calls.clear
+    module.largest_mask_elements = 0
+
+    def reset_calls():
+        module.calls.clear()
+        module.largest_mask_elements = 0
+
+    module.reset_calls = reset_calls
     module.npu_fusion_attention = npu_fusion_attention
     module.npu_fusion_attention_grad = npu_fusion_attention_grad
     return module

@@ -349,3 +349,53 @@ def test_calls_are_recorded_only_when_installed(monkeypatch):
         assert call["key_shape"] == (2, 2, 7, 8)
     finally:
         fake_torch_npu.uninstall()
+
+
+# ------------------------------------------------------------ limits of the op, mask record
+
+def test_more_than_256_query_heads_are_rejected():
+    q, k, v = make_qkv(n1=257, n2=1, sq=2, skv=3, d=4, dv=4)
+    with pytest.raises(FakeNpuError, match="head_num"):
+        run_bnsd(q, k, v)
+    q, k, v = make_qkv(n1=256, n2=1, sq=2, skv=3, d=4, dv=4)
+    assert run_bnsd(q, k, v)[0].shape == (2, 256, 2, 4)
+
+
+@pytest.mark.parametrize("sq,skv,pre,nxt", [(7, 13, 13, 1), (13, 7, 7, 6), (37, 20, 20, 3),
+                                            (5, 37, 37, -2), (13, 13, 4, 0)])
+def test_mode4_band_at_odd_offsets(sq, skv, pre, nxt):
+    """Mode 4 from the lower-right vertex at sizes and offsets that align with nothing,
+    forward and backward against float64 autograd."""
+    q, k, v = (x.requires_grad_() for x in make_qkv(n1=2, n2=2, sq=sq, skv=skv, seed=sq + skv))
+    shift = skv - sq
+    keep = keep_matrix(sq, skv, lambda i, j: i + shift - pre <= j <= i + shift + nxt)
+    out, smax, ssum = run_bnsd(q, k, v, atten_mask=COMPRESSED, pre_tockens=pre,
+                               next_tockens=nxt, sparse_mode=4)[:3]
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = dense_reference(*leaves, SCALE, keep)[0]
+    close(out, want)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    got = npu_fusion_attention_grad(q.detach(), k.detach(), v.detach(), dy, 2, "BNSD",
+                                    atten_mask=COMPRESSED, softmax_max=smax, softmax_sum=ssum,
+                                    attention_in=out.detach(), scale_value=SCALE,
+                                    pre_tockens=pre, next_tockens=nxt, sparse_mode=4)[:3]
+    for g, w in zip(got, torch.autograd.grad(want, leaves, dy.double())):
+        close(g, w)
+
+
+def test_largest_mask_is_recorded_and_reset(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    module = fake_torch_npu.install()
+    try:
+        module.reset_calls()
+        q, k, v = make_qkv(sq=5, skv=7)
+        assert module.largest_mask_elements == 0
+        run_bnsd(q, k, v, atten_mask=torch.zeros(5, 7, dtype=torch.bool), sparse_mode=0)
+        assert module.largest_mask_elements == 35
+        run_bnsd(q, k, v, atten_mask=COMPRESSED, sparse_mode=3)
+        run_bnsd(q, k, v, atten_mask=torch.zeros(2, 1, 5, 7, dtype=torch.bool), sparse_mode=1)
+        assert module.largest_mask_elements == 2048 * 2048
+        module.reset_calls()
+        assert module.largest_mask_elements == 0 and module.calls == []
+    finally:
+        fake_torch_npu.uninstall()

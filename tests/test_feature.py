@@ -57,7 +57,7 @@ def test_option_flags_reach_the_core():
     assert settings.overlap is True
     assert settings.core_options() == dict(
         cp_algo="allgather", layout="zigzag", kernel="auto", recompute_kv=True,
-        kv_block_size=512, trim_causal_prefix=True)
+        kv_block_size=512, trim_causal_prefix=True, pad_v=True)
     plain = laga_settings(validate(VALID))
     assert (plain.recompute_kv, plain.kv_block_size, plain.trim_causal_prefix, plain.overlap) == (
         False, None, False, False)

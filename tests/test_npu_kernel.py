@@ -158,6 +158,161 @@ def test_laga_trimmed_prefix_matches_eager(fake_npu):
     assert_close_all(got, want, tol=1e-5)
 
 
+# ------------------------------------------------------------ the block kernel, no dense mask
+
+COMPRESSED = (2048, 2048)
+
+
+def block_inputs(rows, keys, d_qk=12, d_v=8, heads=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, heads, rows, d_qk, generator=g),
+            torch.randn(2, heads, keys, d_qk, generator=g),
+            torch.randn(2, heads, keys, d_v, generator=g))
+
+
+def block_reference(q, key, value, diagonal, scale):
+    """Float64 (out, lse) of one block from the visibility rule itself."""
+    s = torch.matmul(q, key.transpose(-1, -2)) * scale
+    if diagonal is not None:
+        rows, keys = q.shape[2], key.shape[2]
+        hidden = torch.tensor([[j > i + diagonal for j in range(keys)] for i in range(rows)])
+        s = s.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), value), lse
+
+
+# (rows, keys, diagonal): the walk's range max(0, keys - rows) <= diagonal < keys - 1, at
+# sizes and offsets that are multiples of nothing; None = every key visible.
+BLOCKS = [(7, 13, 6), (7, 13, 8), (13, 7, 0), (13, 7, 4), (37, 20, 2), (5, 37, 33),
+          (13, 13, 0), (13, 13, 7), (20, 37, 17), (37, 37, None), (11, 5, None)]
+
+
+@pytest.mark.parametrize("pad_v", [False, True], ids=["unpadded", "pad_v"])
+@pytest.mark.parametrize("rows,keys,diagonal", BLOCKS)
+def test_npu_block_kernel_matches_float64(fake_npu, rows, keys, diagonal, pad_v):
+    from mindspeed_laga.forms.block_kernels import block_kernel
+    kernel = block_kernel("npu", pad_v)
+    q, key, value = block_inputs(rows, keys, seed=rows * keys)
+    leaves = [x.double().requires_grad_() for x in (q, key, value)]
+    want_out, want_lse = block_reference(*leaves, diagonal, 0.3)
+    out, lse = kernel.forward(q, key, value, diagonal, 0.3)
+    assert_close_all((out, lse), (want_out, want_lse), tol=1e-5)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    got = kernel.backward(q, key, value, diagonal, 0.3, d_out, out, lse)
+    want = torch.autograd.grad(want_out, leaves, d_out.double())
+    assert_close_all(got, want, tol=1e-5)
+    assert [g.shape for g in got] == [q.shape, key.shape, value.shape]
+    # The recipe: no mask when all is visible, else the compressed mask in mode 3 or 4.
+    assert [c["name"] for c in fake_npu.calls] == ["npu_fusion_attention",
+                                                   "npu_fusion_attention_grad"]
+    for call in fake_npu.calls:
+        assert call["value_shape"][3] == (key.shape[3] if pad_v else value.shape[3])
+        if diagonal is None:
+            assert call["sparse_mode"] == 0 and call["atten_mask_shape"] is None
+        elif diagonal == keys - rows:
+            assert call["sparse_mode"] == 3 and call["atten_mask_shape"] == COMPRESSED
+        else:
+            assert call["sparse_mode"] == 4 and call["atten_mask_shape"] == COMPRESSED
+            assert call["next_tockens"] == diagonal - (keys - rows)
+    assert fake_npu.largest_mask_elements <= 2048 * 2048
+
+
+def test_block_walk_diagonals_follow_positions():
+    """Every (block, segment) pair the walk yields: its diagonal describes exactly
+    "key position <= query position", within the range the block kernels rely on."""
+    from mindspeed_laga.forms.block_kernels import keep_mask
+    from mindspeed_laga.forms.laga_blockwise import BlockPlan, blocks, visible_rows
+    for segments, total in SEGMENTS.values():
+        for block_size in (1, 5, 7, 13, 37):
+            plan = BlockPlan(qk_head_dim=2, rope_dim=1, v_head_dim=2, kv_lora_rank=2, scale=1.0,
+                             causal=True, segments=tuple(segments), block_size=block_size)
+            positions = torch.tensor([g + i for _, n, g in segments for i in range(n)])
+            seen = torch.zeros(len(positions), total, dtype=torch.bool)
+            for k0, k1 in blocks(plan, total):
+                for rows, end, diagonal in visible_rows(plan, k0, k1):
+                    q_pos = positions[rows]
+                    want = torch.arange(k0, k0 + end).unsqueeze(0) <= q_pos.unsqueeze(1)
+                    got = keep_mask(diagonal, len(q_pos), end, "cpu")
+                    assert torch.equal(want, torch.ones_like(want) if got is None else got)
+                    if diagonal is not None:
+                        assert max(0, end - len(q_pos)) <= diagonal < end - 1
+                    seen[rows, k0:k0 + end] |= want
+            assert torch.equal(seen, torch.arange(total).unsqueeze(0) <= positions.unsqueeze(1))
+
+
+@pytest.mark.parametrize("block_size", [7, 13, 37])
+@pytest.mark.parametrize("pad_v", [False, True], ids=["unpadded", "pad_v"])
+def test_blockwise_laga_odd_blocks_match_float64(fake_npu, block_size, pad_v):
+    """Blockwise LAGA on the NPU block kernel at block sizes that align with nothing:
+    output and all four grads against the float64 reference; no mask but the
+    compressed one reaches the op, whatever the sequence length."""
+    from mindspeed_laga.reference import mla_attention_reference
+    inputs = mla_inputs(s=41, seed=block_size)
+    dy = torch.randn(41, 2, 4 * 6, generator=torch.Generator().manual_seed(1))
+    got = run_form("laga", "npu", inputs, dy, recompute_kv=True, kv_block_size=block_size,
+                   pad_v=pad_v)
+    leaves = [x.double().requires_grad_() for x in inputs]
+    want_out = mla_attention_reference(*leaves, softmax_scale=0.3)
+    want = (want_out.detach(),) + torch.autograd.grad(want_out, leaves, dy.double())
+    assert_close_all(got, want, tol=1e-5)
+    masks = {c["atten_mask_shape"] for c in fake_npu.calls}
+    assert masks <= {None, COMPRESSED}, masks
+    assert {c["sparse_mode"] for c in fake_npu.calls} >= {3, 4}
+    assert fake_npu.largest_mask_elements <= 2048 * 2048
+    assert all((c["value_shape"][3] == c["key_shape"][3]) == pad_v for c in fake_npu.calls)
+
+
+# ------------------------------------------------------------ pad_v: V padded as the host does
+
+def test_segment_kernel_pad_v_equals_unpadded(fake_npu):
+    segments, total = SEGMENTS["zigzag_rank2_of4"]
+    q, k, v = make_qkv(segments, total, HEADS["mla"], seed=8)
+    dy = torch.randn(q.shape[:3] + (v.shape[-1],), generator=torch.Generator().manual_seed(9))
+    kwargs = dict(scale=0.3, segments=segments, causal=True)
+    padded = run("npu", q, k, v, dy, pad_v=True, **kwargs)
+    assert all(c["value_shape"][3] == k.shape[3] for c in fake_npu.calls)
+    fake_npu.reset_calls()
+    plain = run("npu", q, k, v, dy, pad_v=False, **kwargs)
+    assert all(c["value_shape"][3] == v.shape[3] for c in fake_npu.calls)
+    assert padded[0].shape == plain[0].shape and padded[1][2].shape == v.shape
+    assert_close_all((padded[0],) + padded[1], (plain[0],) + plain[1], tol=1e-6)
+
+
+PAD_V_CASES = [(form, {}) for form in sorted(FORMS)] + [
+    ("laga", {"trim_causal_prefix": True}), ("laga", {"recompute_kv": True, "kv_block_size": 3})]
+
+
+@pytest.mark.parametrize("form,options", PAD_V_CASES, ids=str)
+def test_forms_pad_v_equal_unpadded(fake_npu, form, options):
+    inputs = mla_inputs(seed=4)
+    dy = torch.randn(8, 2, 4 * 6, generator=torch.Generator().manual_seed(5))
+    padded = run_form(form, "npu", inputs, dy, pad_v=True, **options)
+    assert fake_npu.calls and all(c["value_shape"][3] == c["key_shape"][3]
+                                  for c in fake_npu.calls)
+    plain = run_form(form, "npu", inputs, dy, pad_v=False, **options)
+    assert_close_all(padded, plain, tol=1e-6)
+
+
+def test_pad_v_is_ignored_by_other_kernels_and_checked():
+    inputs = mla_inputs(seed=6)
+    dy = torch.randn(8, 2, 4 * 6, generator=torch.Generator().manual_seed(7))
+    assert_close_all(run_form("laga", "eager", inputs, dy, pad_v=True),
+                     run_form("laga", "eager", inputs, dy), tol=0)
+    for form in FORMS.values():
+        with pytest.raises(ValueError, match="pad_v"):
+            form(*mla_inputs(), softmax_scale=0.3, kernel="eager", pad_v="yes")
+
+
+def test_mindspeed_llm_flag_decides_pad_v():
+    """MindSpeed-LLM pads V unless its own --mla-fa-without-pad is given; so does LAGA."""
+    from argparse import Namespace
+    from mindspeed_laga.features.laga_args import laga_settings
+    padded = laga_settings(Namespace(context_parallel_algo="kvallgather_cp_algo"))
+    unpadded = laga_settings(Namespace(context_parallel_algo="kvallgather_cp_algo",
+                                       mla_fa_without_pad=True))
+    assert padded.core_options()["pad_v"] is True and unpadded.core_options()["pad_v"] is False
+
+
 # ------------------------------------------------------------ no torch_npu
 
 def test_npu_kernel_without_torch_npu_names_it(monkeypatch):

@@ -28,7 +28,7 @@ def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
         value = to_position_order(comm.seq_to_heads(value, group, "value"), setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents)
+                 documents=setup.documents, pad_v=setup.pad_v)
     out = from_bnsd(out)
     if not full:
         out = comm.heads_to_seq(out, group, "output")

@@ -27,8 +27,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..vocab import Segment, key_blocks
-from .block_kernels import BLOCK_KERNELS
+from ..kernels import KeyIndex
+from ..vocab import Documents, Segment, doc_pieces, key_blocks, key_window
+from .block_kernels import acc_dtype, block_kernel
 from .common import rebuild_kv
 
 
@@ -42,27 +43,41 @@ class BlockPlan:
     causal: bool
     segments: Tuple[Segment, ...]
     block_size: Optional[int]    # keys per rebuilt block; None = one block
-    kernel: str = "eager"        # per-block kernel: "eager" or "npu" (block_kernels.py)
+    kernel: str = "eager"        # per-block kernel (block_kernels.py)
+    pad_v: bool = False          # kernel "npu": V zero-padded to the q/k head dim for the op
+    documents: Documents = None  # cu_seqlens: a query sees only its own document
+    key_ranges: Optional[Tuple[Tuple[int, int], ...]] = None  # positions the latent holds
 
 
-def visible_rows(plan: BlockPlan, k0: int, k1: int, device):
-    """(query rows, key end, keep-mask or None) for each segment that sees a key of [k0, k1).
+def visible_rows(plan: BlockPlan, k0: int, k1: int):
+    """(query rows, key slice, diagonal) for each run of rows that sees a key of [k0, k1).
 
-    Rows whose position is before ``k0`` see nothing of the block and are cut,
-    so every row handed to a block kernel has at least one visible key; keys
-    after the segment's last position are cut too (``key end`` is relative to
-    ``k0``), so no work is spent on keys the causal mask hides from all rows.
+    Runs are the query segments cut at document boundaries. A run sees the keys
+    of its document up to its own positions (causal) or all of them, and
+    nothing else, so a block with no visible (query, key) pair makes no call.
+    Rows before the block's first visible key are cut, so every row handed to
+    a block kernel sees at least one key; keys no row of the run sees are cut
+    too (the key slice is relative to ``k0``). ``diagonal`` is the block
+    kernels' visibility (``block_kernels``): key j of the slice is visible to
+    row i of the run iff ``j <= i + diagonal``; None when every key is.
     """
-    for start, n, g in plan.segments:
-        first = max(0, k0 - g) if plan.causal else 0
-        if first >= n:
-            continue
-        end = min(k1, g + n) if plan.causal else k1
-        keep = None
-        if plan.causal and end - 1 > g + first:
-            q_pos = torch.arange(g + first, g + n, device=device).unsqueeze(1)
-            keep = torch.arange(k0, end, device=device).unsqueeze(0) <= q_pos
-        yield slice(start + first, start + n), end - k0, keep
+    # Untrimmed, key index = position, and a window's end past k1 is cut anyway.
+    keys = KeyIndex(plan.key_ranges, k1) if plan.key_ranges else None
+    total = plan.key_ranges[-1][1] if plan.key_ranges else k1
+    for seg in plan.segments:
+        for local, n, g in doc_pieces(seg, plan.documents):
+            lo, hi = key_window((local, n, g), total, plan.causal, plan.documents)
+            base = keys.index(lo) - lo if keys else 0  # key index of position p: base + p
+            a, e = max(k0, base + lo), min(k1, base + hi)
+            if a >= e:
+                continue
+            first = max(0, a - (base + g)) if plan.causal else 0
+            if first >= n:
+                continue
+            diagonal = base + g + first - a if plan.causal else None
+            if diagonal is not None and diagonal >= e - a - 1:
+                diagonal = None
+            yield slice(local + first, local + n), slice(a - k0, e - k0), diagonal
 
 
 def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
@@ -74,15 +89,16 @@ def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockP
 
 def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
     """Attention over rebuilt key blocks, merged by log-sum-exp -> (out, lse float32)."""
-    kernel = BLOCK_KERNELS[plan.kernel]
+    kernel = block_kernel(plan.kernel, plan.pad_v)
     b, h, s_q, _ = q.shape
-    out = torch.zeros(b, h, s_q, plan.v_head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q.device)
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(b, h, s_q, plan.v_head_dim, dtype=acc, device=q.device)
+    lse = torch.full((b, h, s_q), float("-inf"), dtype=acc, device=q.device)
     for k0, k1 in key_blocks(latent.shape[0], plan.block_size):
         key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
-        for rows, end, keep in visible_rows(plan, k0, k1, q.device):
-            block_out, block_lse = kernel.forward(q[:, :, rows], key[:, :, :end], value[:, :, :end],
-                                                  keep, plan.scale)
+        for rows, ks, diagonal in visible_rows(plan, k0, k1):
+            block_out, block_lse = kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks],
+                                                  diagonal, plan.scale)
             new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
             out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
                                + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
@@ -92,21 +108,22 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
 
 def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan):
     """Grads of q, the gathered latent and kv_up_weight, one rebuilt key block at a time."""
-    kernel = BLOCK_KERNELS[plan.kernel]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    d_latent = torch.zeros(latent.shape, dtype=torch.float32, device=q.device)
-    d_weight = torch.zeros(kv_up_weight.shape, dtype=torch.float32, device=q.device)
+    kernel = block_kernel(plan.kernel, plan.pad_v)
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    d_latent = torch.zeros(latent.shape, dtype=acc, device=q.device)
+    d_weight = torch.zeros(kv_up_weight.shape, dtype=acc, device=q.device)
     for k0, k1 in key_blocks(latent.shape[0], plan.block_size):
         key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
-        d_key = torch.zeros(key.shape, dtype=torch.float32, device=q.device)
-        d_value = torch.zeros(value.shape, dtype=torch.float32, device=q.device)
-        for rows, end, keep in visible_rows(plan, k0, k1, q.device):
-            dq_b, dk_b, dv_b = kernel.backward(q[:, :, rows], key[:, :, :end], value[:, :, :end],
-                                               keep, plan.scale, d_out[:, :, rows], out[:, :, rows],
+        d_key = torch.zeros(key.shape, dtype=acc, device=q.device)
+        d_value = torch.zeros(value.shape, dtype=acc, device=q.device)
+        for rows, ks, diagonal in visible_rows(plan, k0, k1):
+            dq_b, dk_b, dv_b = kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks],
+                                               diagonal, plan.scale, d_out[:, :, rows], out[:, :, rows],
                                                lse[:, :, rows])
             dq[:, :, rows] += dq_b
-            d_key[:, :, :end] += dk_b
-            d_value[:, :, :end] += dv_b
+            d_key[:, :, ks] += dk_b
+            d_value[:, :, ks] += dv_b
         _through_rebuild(latent[k0:k1], kv_up_weight, d_key, d_value, d_latent[k0:k1], d_weight, plan)
     return dq.to(q.dtype), d_latent.to(latent.dtype), d_weight.to(kv_up_weight.dtype)
 
@@ -116,8 +133,8 @@ def _through_rebuild(latent_block, kv_up_weight, d_key, d_value, d_latent_block,
     d_nope, d_pe = torch.split(d_key, [plan.qk_head_dim, plan.rope_dim], dim=-1)
     d_kv = torch.cat([d_nope, d_value], dim=-1).permute(2, 0, 1, 3)  # [B, b, h, d_n + d_v]
     d_kv = d_kv.reshape(*d_kv.shape[:2], -1)
-    kv_c = latent_block[..., :plan.kv_lora_rank].float()
-    d_latent_block[..., :plan.kv_lora_rank] = torch.matmul(d_kv, kv_up_weight.float())
+    kv_c = latent_block[..., :plan.kv_lora_rank].to(d_kv.dtype)
+    d_latent_block[..., :plan.kv_lora_rank] = torch.matmul(d_kv, kv_up_weight.to(d_kv.dtype))
     d_latent_block[..., plan.kv_lora_rank:] = d_pe.sum(dim=1).permute(1, 0, 2)
     d_weight += torch.matmul(d_kv.reshape(-1, d_kv.shape[-1]).t(), kv_c.reshape(-1, kv_c.shape[-1]))
 

@@ -23,6 +23,7 @@ segment; the NPU kernel packs them as varlen sequences (layout TND).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,14 +37,17 @@ _KERNELS = {"eager": eager.attend_segment, "sdpa": sdpa.attend_segment, "npu": n
 
 def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel: str,
            epilogue: Optional[Callable] = None, documents: Documents = None,
-           key_ranges: Optional[Sequence[Tuple[int, int]]] = None):
+           key_ranges: Optional[Sequence[Tuple[int, int]]] = None, pad_v: bool = False):
     """``epilogue`` maps each segment's output before the segments are concatenated
     (so an op that keeps its input for backward keeps the kernel's own output).
 
     ``documents``: cu_seqlens; a query sees only keys of its own document.
     ``key_ranges``: the position ranges ``k`` holds, in order (None: ``[0, S)``).
+    ``pad_v``: kernel "npu" zero-pads V to the q/k head dim (the others ignore it).
     """
     fn = _KERNELS[kernel]
+    if kernel == "npu":
+        fn = partial(fn, pad_v=pad_v)
     keys = KeyIndex(key_ranges, k.shape[2])
     outs = []
     for seg in segments:

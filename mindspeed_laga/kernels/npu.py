@@ -3,15 +3,39 @@
 The recipe of DESIGN.md section 3: keys are sliced to the segment's causal
 prefix and the call uses ``sparse_mode=3`` (right-down causal) with the
 compressed 2048x2048 ``triu(diagonal=1)`` bool mask (True = masked). Layout
-BNSD, so q/k head dim 192 and v head dim 128 go in unpadded
-(``--mla-fa-without-pad``); ``n_k`` may divide ``n`` (grouped heads).
+BNSD; ``n_k`` may divide ``n`` (grouped heads).
+
+What the calls rely on, from the public ``torch_npu.npu_fusion_attention``
+reference (Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md``):
+
+- modes 2/3/4 take the compressed 2048x2048 lower-triangle mask whatever
+  Sq/Skv are, so no mask here ever grows with the sequence; mode 3 ignores
+  pre/next tokens and aligns the diagonal at the lower-right vertex; mode 4
+  keeps the band ``[pre_tockens, next_tockens]`` counted from the lower-right
+  vertex (row i sees keys ``i + Skv - Sq - pre .. i + Skv - Sq + next``), and
+  a negative ``next_tockens`` needs ``pre_tockens >= |next_tockens|`` and
+  ``|next_tockens| < Skv``;
+- head dims ``Dq == Dk >= Dv`` (1..768), ``Nq`` 1..256 and a multiple of
+  ``Nkv``.
+
+V padding. Unpadded V (``Dv < Dk``: MLA's 192/128, the absorbed 576/512) is
+within the documented rule, but the MindSpeed-LLM documentation of
+``--mla-fa-without-pad`` (Ascend/MindSpeed-LLM
+``docs/en/pytorch/features/mcore/multi-latent-attention.md``) recommends
+CANN 8.2.RC1 or later for it and names a shape-mismatch error in the fused
+attention on older packages. ``pad_v=True`` therefore zero-pads V to the q/k
+head dim before the call and slices the output back, as MindSpeed-LLM does
+without that flag: exact, since the padded columns of the output are zero and
+their gradient is dropped by the slice.
 """
 from __future__ import annotations
 
 import importlib
 
 import torch
+import torch.nn.functional as F
 
+COMPRESSED_MASK_SIZE = 2048
 _MASK_CACHE = {}
 
 
@@ -30,13 +54,42 @@ def compressed_causal_mask(device) -> torch.Tensor:
     """The 2048x2048 mask sparse_mode 2/3/4 expect: True above the diagonal."""
     key = str(device)
     if key not in _MASK_CACHE:
-        _MASK_CACHE[key] = torch.ones(2048, 2048, dtype=torch.bool, device=device).triu(diagonal=1)
+        size = COMPRESSED_MASK_SIZE
+        _MASK_CACHE[key] = torch.ones(size, size, dtype=torch.bool, device=device).triu(diagonal=1)
     return _MASK_CACHE[key]
 
 
-def attend_segment(q, k, v, *, scale: float, causal: bool):
+def causal_kwargs(rows: int, keys: int, diagonal: int, device) -> dict:
+    """Mask arguments for: key j visible to row i iff ``j <= i + diagonal`` (0 <= diagonal).
+
+    The diagonal through the lower-right corner (``diagonal == keys - rows``)
+    is mode 3; any other is mode 4's band with ``next_tockens`` the offset from
+    that corner and ``pre_tockens = keys``, which reaches below key 0 for
+    every row (``i + keys - rows - keys < 0``) and is at least
+    ``|next_tockens|`` (``next_tockens >= rows - keys > -keys``).
+    """
+    if diagonal < 0:
+        raise ValueError(f"diagonal={diagonal}: row 0 would see no key")
+    kwargs = dict(atten_mask=compressed_causal_mask(device))
+    shift = keys - rows
+    if diagonal == shift:
+        return dict(kwargs, sparse_mode=3)
+    return dict(kwargs, sparse_mode=4, pre_tockens=keys, next_tockens=diagonal - shift)
+
+
+def pad_value(value: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """V [.., d_v] zero-padded to ``head_dim`` (unchanged when already that wide)."""
+    extra = head_dim - value.shape[-1]
+    return value if extra <= 0 else F.pad(value, (0, extra))
+
+
+def attend_segment(q, k, v, *, scale: float, causal: bool, pad_v: bool = False):
     torch_npu = require_torch_npu()
     kwargs = dict(input_layout="BNSD", scale=scale, keep_prob=1.0)
     if causal:
-        kwargs.update(atten_mask=compressed_causal_mask(q.device), sparse_mode=3)
-    return torch_npu.npu_fusion_attention(q, k, v, q.shape[1], **kwargs)[0]
+        kwargs.update(causal_kwargs(q.shape[2], k.shape[2], k.shape[2] - q.shape[2], q.device))
+    d_v = v.shape[-1]
+    if pad_v:
+        v = pad_value(v, k.shape[-1])
+    out = torch_npu.npu_fusion_attention(q, k, v, q.shape[1], **kwargs)[0]
+    return out[..., :d_v] if out.shape[-1] != d_v else out
