@@ -1,7 +1,10 @@
 """Attention of query rows against one rebuilt key block, for the blockwise LAGA.
 
 Interface every block kernel in ``BLOCK_KERNELS`` follows (the walk in
-``laga_blockwise.py`` calls it once per (key block, query segment) pair):
+``laga_blockwise.py`` calls it once per (key block, run of query rows) pair; a
+run is a query segment, cut at document boundaries when there are documents).
+"float32" below is the accumulation dtype :func:`acc_dtype`: float32 for half
+inputs, the input dtype (float32, float64) otherwise.
 
 - Tensors are BNSD: ``q`` [b, h, rows, d_qk], ``key`` [b, h, B, d_qk],
   ``value`` [b, h, B, d_v] (``d_v`` may be below ``d_qk``, or equal to it when
@@ -14,8 +17,7 @@ Interface every block kernel in ``BLOCK_KERNELS`` follows (the walk in
   whenever all keys are visible. :func:`keep_mask` builds the [rows, B] bool
   mask from it for kernels that want one (its memory grows with the block,
   never with the sequence).
-- ``forward(q, key, value, diagonal, scale) -> (out, lse)``: float32 (float64
-  for float64 inputs: ``acc_dtype``)
+- ``forward(q, key, value, diagonal, scale) -> (out, lse)``: float32
   ``out`` [b, h, rows, d_v], the block's own softmax-normalized output, and
   float32 ``lse`` [b, h, rows], its log-sum-exp; the caller merges blocks.
 - ``backward(q, key, value, diagonal, scale, d_out, out, lse) -> (dq, dk, dv)``
