@@ -28,7 +28,7 @@ setup(
     },
     install_requires=["torch>=2.1,<2.15"],
     extras_require={
-        "test": ["pytest>=7", "numpy"],
+        "test": ["pytest>=7", "pytest-timeout", "numpy"],
         "megatron": ["megatron-core==0.16.1"],
         "npu": ["torch_npu"],
         "plot": ["matplotlib"],

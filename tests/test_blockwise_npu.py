@@ -10,7 +10,7 @@ import pytest
 from mindspeed_laga import equivalence as eq
 from mindspeed_laga.spawn import run_on_ranks
 
-from test_equivalence import TOLERANCE
+from test_equivalence import TOLERANCE, reference
 
 try:
     from . import fake_torch_npu
@@ -63,6 +63,6 @@ def matrix(request):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label() + ("" if c.causal else ",noncausal"))
 def test_npu_matches_reference(matrix, case):
-    errors = eq.relative_errors(matrix[case], eq.reference(case))
+    errors = eq.relative_errors(matrix[case], reference(case))
     bad = {k: v for k, v in errors.items() if not v <= TOLERANCE[case.dtype]}
     assert not bad, f"{case.label()}: {bad} > {TOLERANCE[case.dtype]}"

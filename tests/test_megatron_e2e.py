@@ -23,9 +23,7 @@ reduction (TP shards gathered).
 from __future__ import annotations
 
 import sys
-import traceback
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,8 @@ import torch
 pytest.importorskip("megatron.core")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import megatron_cpu as mc  # noqa: E402
+
+from mindspeed_laga.spawn import WorkerError, run_on_ranks  # noqa: E402
 
 STEPS = 3
 LOSS_TOL = 1e-5
@@ -150,47 +150,36 @@ def _world_4(results):
 WORLDS = {1: _world_1, 2: _world_2, 4: _world_4}
 
 
-def _worker(rank, world, port, out_dir):
-    import torch.distributed as dist
+def _worker(rank, world):
     warnings.filterwarnings("ignore", message=".*Apex.*")
-    mc.init_gloo(rank, world, port, timeout=timedelta(seconds=180))
     results = {}
-    try:
-        WORLDS[world](results)
-    except Exception:
-        (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    if rank == 0:
-        torch.save(results, Path(out_dir) / "results.pt")
-    dist.destroy_process_group()
+    WORLDS[world](results)
+    return results if rank == 0 else None
 
 
-def _spawn(world, tmp_path_factory):
-    import torch.multiprocessing as mp
-    out = tmp_path_factory.mktemp(f"world{world}")
+def _spawn(world):
+    """One world's runs on ``world`` gloo ranks (bounded: a hang fails the fixture)."""
     try:
-        mp.spawn(_worker, args=(world, mc.free_port(), str(out)), nprocs=world, join=True)
-    except Exception as exc:
-        logs = "\n".join(p.read_text() for p in sorted(out.glob("error*.txt")))
-        raise AssertionError(f"world {world} failed:\n{logs}") from exc
-    return torch.load(out / "results.pt", weights_only=False)
+        return run_on_ranks(_worker, world, timeout_s=600)[0]
+    except WorkerError as exc:
+        raise AssertionError(f"world {world} failed:\n{exc}") from exc
 
 
 # ----------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def world1(tmp_path_factory):
-    return _spawn(1, tmp_path_factory)
+def world1():
+    return _spawn(1)
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _spawn(2, tmp_path_factory)
+def world2():
+    return _spawn(2)
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return _spawn(4, tmp_path_factory)
+def world4():
+    return _spawn(4)
 
 
 def _assert_same_training(run, ref, what):

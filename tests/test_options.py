@@ -9,7 +9,7 @@ import pytest
 from mindspeed_laga import equivalence as eq
 from mindspeed_laga.spawn import run_on_ranks
 
-from test_equivalence import TOLERANCE
+from test_equivalence import TOLERANCE, reference
 
 SHAPE = eq.MLAShape(seq_len=64)
 ALL_ON = (("recompute_kv", True), ("kv_block_size", 8), ("trim_causal_prefix", True), ("overlap", True))
@@ -38,7 +38,7 @@ def matrix(request):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label() + ("" if c.causal else ",noncausal"))
 def test_option_matches_single_device_reference(matrix, case):
-    errors = eq.relative_errors(matrix[case], eq.reference(case))
+    errors = eq.relative_errors(matrix[case], reference(case))
     bad = {k: v for k, v in errors.items() if not v <= TOLERANCE[case.dtype]}
     assert not bad, f"{case.label()}: {bad} > {TOLERANCE[case.dtype]}"
 
