@@ -115,15 +115,19 @@ def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layo
 
 
 def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False) -> str:
-    """'auto' -> 'npu' on NPU tensors, else 'sdpa' ('eager' for the blockwise
-    recompute path, which runs its own online-softmax math); 'npu' needs torch_npu."""
+    """'auto' -> 'npu' on NPU tensors, else 'sdpa'; 'npu' needs torch_npu.
+
+    For the blockwise recompute path 'sdpa' is the fused block kernel
+    (forms/fused_block.py: CPU flash or CUDA memory-efficient attention) and
+    'eager' the reference math; 'auto' picks 'eager' only where no fused block
+    op exists for the device."""
     if kernel == "auto":
-        kernel = "npu" if device.type == "npu" else ("eager" if blockwise else "sdpa")
-    if blockwise and kernel not in ("eager", "npu"):
+        fused = not blockwise or device.type in ("cpu", "cuda")
+        kernel = "npu" if device.type == "npu" else ("sdpa" if fused else "eager")
+    if blockwise and kernel == "sdpa" and device.type not in ("cpu", "cuda"):
         raise ValueError(
-            f"recompute_kv=True attends blockwise and merges blocks by their softmax statistics, "
-            f"which kernel={kernel!r} does not return; use kernel='eager', 'npu' or 'auto', or "
-            "drop recompute_kv to use that kernel")
+            f"recompute_kv=True with kernel='sdpa' runs fused block ops for CPU and CUDA tensors, "
+            f"not {device.type!r}; use kernel='eager', 'npu' or 'auto'")
     if kernel == "npu":
         from .kernels import npu
         npu.require_torch_npu()

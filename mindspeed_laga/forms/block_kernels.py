@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .fused_block import FusedBlock
+
 
 def _scores(q, key, keep, scale):
     s = torch.matmul(q.float(), key.float().transpose(-1, -2)) * scale
@@ -100,4 +102,4 @@ class NpuBlock:
         return dq.float(), dk.float(), dv.float()
 
 
-BLOCK_KERNELS = {"eager": EagerBlock, "npu": NpuBlock}
+BLOCK_KERNELS = {"eager": EagerBlock, "npu": NpuBlock, "sdpa": FusedBlock}
