@@ -15,6 +15,7 @@ import torch
 
 from mindspeed_laga import equivalence as eq
 from mindspeed_laga.forms import fused_block as fb
+from mindspeed_laga.kernels.sdpa import block_calls, merge_lse
 from mindspeed_laga.spawn import run_on_ranks
 from mindspeed_laga.validate import resolve_kernel
 
@@ -82,7 +83,7 @@ def test_backward_with_final_statistics_splits_exactly():
     ref_out, _, *ref_grads = _dense_reference(q, key, value, keep, 0.5, d_out)
     first = fb.FusedBlock.forward(q, key[:, :, :4], value[:, :, :4], None, 0.5)
     second = fb.FusedBlock.forward(q, key[:, :, 4:], value[:, :, 4:], _staircase(6, 6, 0), 0.5)
-    out, lse = fb._merge([first, second])
+    out, lse = merge_lse([first, second])
     assert _rel(out, ref_out) <= 1e-5
     g1 = fb.FusedBlock.backward(q, key[:, :, :4], value[:, :, :4], None, 0.5, d_out, out, lse)
     g2 = fb.FusedBlock.backward(q, key[:, :, 4:], value[:, :, 4:], _staircase(6, 6, 0), 0.5,
@@ -99,7 +100,7 @@ def test_backward_with_final_statistics_splits_exactly():
     (7, 7, [(slice(0, 7), False)]),
 ])
 def test_block_calls_cover_every_key_once(offset, num_keys, calls):
-    assert fb._calls(offset, num_keys) == calls
+    assert block_calls(offset, num_keys) == calls
 
 
 @pytest.mark.parametrize("offset", [0, 1, 5])
