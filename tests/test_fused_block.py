@@ -62,10 +62,10 @@ def test_block_matches_float64_dense_attention(rows, num_keys, offset, dims, dty
     keep = None if offset is None else _staircase(rows, num_keys, offset)
     ref_out, ref_lse, *ref_grads = _dense_reference(q, key, value, keep, 0.3, d_out)
 
-    out, lse = fb.FusedBlock.forward(q, key, value, keep, 0.3)
+    out, lse = fb.FusedBlock.forward(q, key, value, offset, 0.3)
     assert out.dtype == lse.dtype == torch.float32
     # backward from the block's own output: the final one when the block is the only one
-    grads = fb.FusedBlock.backward(q, key, value, keep, 0.3, d_out, out, lse)
+    grads = fb.FusedBlock.backward(q, key, value, offset, 0.3, d_out, out.to(dtype), lse)
     tol = BLOCK_TOL[dtype]
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-5
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
@@ -82,11 +82,11 @@ def test_backward_with_final_statistics_splits_exactly():
     keep = _staircase(6, 10, 4)
     ref_out, _, *ref_grads = _dense_reference(q, key, value, keep, 0.5, d_out)
     first = fb.FusedBlock.forward(q, key[:, :, :4], value[:, :, :4], None, 0.5)
-    second = fb.FusedBlock.forward(q, key[:, :, 4:], value[:, :, 4:], _staircase(6, 6, 0), 0.5)
+    second = fb.FusedBlock.forward(q, key[:, :, 4:], value[:, :, 4:], 0, 0.5)
     out, lse = merge_lse([first, second])
     assert _rel(out, ref_out) <= 1e-5
     g1 = fb.FusedBlock.backward(q, key[:, :, :4], value[:, :, :4], None, 0.5, d_out, out, lse)
-    g2 = fb.FusedBlock.backward(q, key[:, :, 4:], value[:, :, 4:], _staircase(6, 6, 0), 0.5,
+    g2 = fb.FusedBlock.backward(q, key[:, :, 4:], value[:, :, 4:], 0, 0.5,
                                 d_out, out, lse)
     got = (g1[0] + g2[0], torch.cat([g1[1], g2[1]], 2), torch.cat([g1[2], g2[2]], 2))
     for a, b in zip(got, ref_grads):
@@ -106,7 +106,16 @@ def test_block_calls_cover_every_key_once(offset, num_keys, calls):
 @pytest.mark.parametrize("offset", [0, 1, 5])
 def test_diagonal_offset_reads_the_staircase(offset):
     assert fb.diagonal_offset(_staircase(4, 9, offset)) == offset
+    assert fb.diagonal_offset(offset) == offset
     assert fb.diagonal_offset(None) is None
+
+
+def test_block_with_keep_mask_equals_block_with_diagonal():
+    g = torch.Generator().manual_seed(5)
+    q, key, value = (torch.randn(1, 2, n, d, generator=g) for n, d in ((4, 8), (7, 8), (7, 4)))
+    by_mask = fb.FusedBlock.forward(q, key, value, _staircase(4, 7, 3), 0.4)
+    by_diagonal = fb.FusedBlock.forward(q, key, value, 3, 0.4)
+    assert all(torch.equal(a, b) for a, b in zip(by_mask, by_diagonal))
 
 
 # ------------------------------------------------------------- kernel selection

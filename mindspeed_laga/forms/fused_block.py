@@ -28,15 +28,16 @@ from ..kernels.sdpa import CpuFlash, CudaEfficient, fused_backward, fused_forwar
 BACKENDS = {"cpu": CpuFlash, "cuda": CudaEfficient}
 
 
-def diagonal_offset(keep) -> Optional[int]:
-    """The block-kernel interface's visibility -> diagonal offset (None = all visible).
+def diagonal_offset(visibility) -> Optional[int]:
+    """A block's visibility -> its causal diagonal (None = every key visible).
 
-    ``keep`` [rows, B] bool is the causal staircase ``j <= i + o`` with every
-    row seeing a key (``o >= 0``), so row 0 sees exactly ``o + 1`` keys.
+    Takes the diagonal itself (an int ``c``: key ``j`` visible to row ``i`` iff
+    ``j <= i + c``) or the [rows, B] bool keep-mask of that staircase, in which
+    row 0 sees exactly ``c + 1`` keys.
     """
-    if keep is None:
-        return None
-    return int(keep[0].sum()) - 1
+    if visibility is None or isinstance(visibility, int):
+        return visibility
+    return int(visibility[0].sum()) - 1
 
 
 def backend_for(device: torch.device):
@@ -51,11 +52,12 @@ class FusedBlock:
     """Block kernel on fused attention ops: no score matrix, one or two calls a block."""
 
     @staticmethod
-    def forward(q, key, value, keep, scale):
-        out, lse = fused_forward(backend_for(q.device), q, key, value, diagonal_offset(keep), scale)
+    def forward(q, key, value, visibility, scale):
+        out, lse = fused_forward(backend_for(q.device), q, key, value, diagonal_offset(visibility),
+                                 scale)
         return out.float(), lse.float()
 
     @staticmethod
-    def backward(q, key, value, keep, scale, d_out, out, lse):
-        return fused_backward(backend_for(q.device), q, key, value, diagonal_offset(keep), scale,
+    def backward(q, key, value, visibility, scale, d_out, out, lse):
+        return fused_backward(backend_for(q.device), q, key, value, diagonal_offset(visibility), scale,
                               d_out.to(q.dtype), out.to(q.dtype), lse)
