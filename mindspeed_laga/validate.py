@@ -114,20 +114,27 @@ def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layo
             f"divisible by CP={cp_size}; use cp_algo='allgather' or a CP size dividing the heads")
 
 
-def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False) -> str:
+def _fused_block_ops(device: torch.device, dtype) -> bool:
+    """Whether forms/fused_block.py has fused ops for these tensors (CUDA's memory-
+    efficient kernel has no float64)."""
+    return device.type == "cpu" or (device.type == "cuda" and dtype != torch.float64)
+
+
+def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False, dtype=None) -> str:
     """'auto' -> 'npu' on NPU tensors, else 'sdpa'; 'npu' needs torch_npu.
 
     For the blockwise recompute path 'sdpa' is the fused block kernel
     (forms/fused_block.py: CPU flash or CUDA memory-efficient attention) and
-    'eager' the reference math; 'auto' picks 'eager' only where no fused block
-    op exists for the device."""
+    'eager' the reference math; 'auto' picks 'eager' where no fused block op
+    exists for the device and dtype."""
     if kernel == "auto":
-        fused = not blockwise or device.type in ("cpu", "cuda")
+        fused = not blockwise or _fused_block_ops(device, dtype)
         kernel = "npu" if device.type == "npu" else ("sdpa" if fused else "eager")
-    if blockwise and kernel == "sdpa" and device.type not in ("cpu", "cuda"):
+    if blockwise and kernel == "sdpa" and not _fused_block_ops(device, dtype):
         raise ValueError(
-            f"recompute_kv=True with kernel='sdpa' runs fused block ops for CPU and CUDA tensors, "
-            f"not {device.type!r}; use kernel='eager', 'npu' or 'auto'")
+            f"recompute_kv=True with kernel='sdpa' runs fused block ops for CPU tensors and "
+            f"CUDA tensors other than float64, not {device.type} {dtype}; use kernel='eager' "
+            "(or 'auto', which picks it)")
     if kernel == "npu":
         from .kernels import npu
         npu.require_torch_npu()
@@ -149,7 +156,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
         dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight)
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
         _check_split(dims, query.shape[0], cp_size, cp_algo, layout)
-        kernel = resolve_kernel(kernel, query.device, blockwise)
+        kernel = resolve_kernel(kernel, query.device, blockwise, query.dtype)
         if extra_check is not None:
             extra_check(cp_size)
     except ValueError as exc:

@@ -125,9 +125,14 @@ def test_kernel_selection_for_recompute():
     assert resolve_kernel("auto", cpu, blockwise=True) == "sdpa"
     assert resolve_kernel("sdpa", cpu, blockwise=True) == "sdpa"
     assert resolve_kernel("eager", cpu, blockwise=True) == "eager"
+    assert resolve_kernel("auto", cpu, blockwise=True, dtype=torch.float64) == "sdpa"
+    cuda = torch.device("cuda")
+    assert resolve_kernel("auto", cuda, blockwise=True, dtype=torch.bfloat16) == "sdpa"
+    assert resolve_kernel("auto", cuda, blockwise=True, dtype=torch.float64) == "eager"
     assert resolve_kernel("auto", torch.device("meta"), blockwise=True) == "eager"
-    with pytest.raises(ValueError, match="kernel='eager'"):
-        resolve_kernel("sdpa", torch.device("meta"), blockwise=True)
+    for device, dtype in ((torch.device("meta"), torch.float32), (cuda, torch.float64)):
+        with pytest.raises(ValueError, match="use kernel='eager'"):
+            resolve_kernel("sdpa", device, blockwise=True, dtype=dtype)
 
 
 def test_float64_blockwise_sdpa_matches_eager():
