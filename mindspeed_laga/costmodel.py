@@ -28,12 +28,11 @@ Kernels (``Config.kernel``):
   a float32 log-sum-exp per query row are kept; causal masking is in-kernel.
 - ``npu``: ``npu_fusion_attention``: as ``fused`` but the softmax max and sum
   are [b, h, s_q, 8] float32 each, plus the shared 2048x2048 compressed mask.
-- ``sdpa``: torch SDPA *on CPU*, resolved per form: its flash kernel
-  (``sdpa_flash`` = ``fused`` plus the float attn_mask it builds for every
-  bottom-right-aligned causal segment) when the q/k head dim equals the v
-  head dim, else its math fallback (``sdpa_math``: scaled q and K copies and
-  the probabilities kept, in float32 for half inputs). MLA's 192/128 and the
-  absorbed form's 576/512 always take the math path on CPU.
+- ``sdpa``: torch SDPA *on CPU*: kernels/sdpa.py calls the CPU flash op
+  for every head dims and causal alignment, keeping what ``fused`` keeps
+  (``sdpa_flash`` and ``sdpa_math`` describe SDPA's own CPU paths: flash plus
+  the float attn_mask of bottom-right causal segments, and the math fallback
+  with the probabilities kept).
 
 Recomputing LAGA (``recompute_kv``) runs its own blockwise kernels; its saved
 set does not depend on the kernel.
@@ -244,11 +243,8 @@ def key_blocks(cfg: Config, rank: int, v: Variant) -> List[Tuple[int, int]]:
 
 
 def resolve_kernel(kernel: str, qk_dim: int, v_dim: int) -> str:
-    """``sdpa`` (torch SDPA on CPU) runs its flash kernel only when the q/k and v head
-    dims are equal; otherwise its math fallback (scores materialized)."""
-    if kernel != "sdpa":
-        return kernel
-    return "sdpa_flash" if qk_dim == v_dim else "sdpa_math"
+    """``sdpa`` on CPU runs the flash op for any head dims (kernels/sdpa.py): ``fused``."""
+    return "fused" if kernel == "sdpa" else kernel
 
 
 # ---------------------------------------------------------------- results

@@ -148,16 +148,27 @@ def documents_code(documents) -> int:
     return struct.unpack("<q", digest)[0] or 1
 
 
-def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False) -> str:
-    """'auto' -> 'npu' on NPU tensors, else 'sdpa' ('eager' for the blockwise
-    recompute path, which runs its own online-softmax math); 'npu' needs torch_npu."""
+def _fused_block_ops(device: torch.device, dtype) -> bool:
+    """Whether forms/fused_block.py has fused ops for these tensors (CUDA's memory-
+    efficient kernel has no float64)."""
+    return device.type == "cpu" or (device.type == "cuda" and dtype != torch.float64)
+
+
+def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False, dtype=None) -> str:
+    """'auto' -> 'npu' on NPU tensors, else 'sdpa'; 'npu' needs torch_npu.
+
+    For the blockwise recompute path 'sdpa' is the fused block kernel
+    (forms/fused_block.py: CPU flash or CUDA memory-efficient attention) and
+    'eager' the reference math; 'auto' picks 'eager' where no fused block op
+    exists for the device and dtype."""
     if kernel == "auto":
-        kernel = "npu" if device.type == "npu" else ("eager" if blockwise else "sdpa")
-    if blockwise and kernel not in ("eager", "npu"):
+        fused = not blockwise or _fused_block_ops(device, dtype)
+        kernel = "npu" if device.type == "npu" else ("sdpa" if fused else "eager")
+    if blockwise and kernel == "sdpa" and not _fused_block_ops(device, dtype):
         raise ValueError(
-            f"recompute_kv=True attends blockwise and merges blocks by their softmax statistics, "
-            f"which kernel={kernel!r} does not return; use kernel='eager', 'npu' or 'auto', or "
-            "drop recompute_kv to use that kernel")
+            f"recompute_kv=True with kernel='sdpa' runs fused block ops for CPU tensors and "
+            f"CUDA tensors other than float64, not {device.type} {dtype}; use kernel='eager' "
+            "(or 'auto', which picks it)")
     if kernel == "npu":
         from .kernels import npu
         npu.require_torch_npu()
@@ -187,7 +198,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
         _check_split(dims, query.shape[0], cp_size, cp_algo, layout)
         documents = _documents(cu_seqlens, query, cp_size, layout)
-        kernel = resolve_kernel(kernel, query.device, blockwise)
+        kernel = resolve_kernel(kernel, query.device, blockwise, query.dtype)
         if extra_check is not None:
             extra_check(cp_size)
     except ValueError as exc:

@@ -5,11 +5,9 @@ Measured on 2 and 4 gloo ranks at small shapes, every rank:
   counter exactly, for every form and LAGA option x cp_algo x layout;
 - activation bytes saved for backward (saved-tensor hooks, each storage once,
   kv_up_weight excluded) are within 5% of the model (they are in fact equal)
-  for every variant, kernels eager and sdpa, float32 and bfloat16. CPU SDPA
-  runs its flash kernel only when the q/k and v head dims are equal, so the
-  fused kind is measured at a shape with d_v = d_n + d_r (explicit, LAGA);
-  the absorbed form (576/512) and DeepSeek's 192/128 always take SDPA's math
-  path on CPU, which the model describes as ``sdpa_math``;
+  for every variant, kernels eager and sdpa, float32 and bfloat16. The sdpa
+  kernel runs the CPU flash op for any head dims (kernels/sdpa.py), which the
+  model describes as ``fused``, at d_v != d_n + d_r and d_v == d_n + d_r;
 - FLOPs equal ``FlopCounterMode``'s count of the matmuls the forms run
   (CPU flash SDPA has no FLOP formula: there only the rebuild is compared).
 """
@@ -110,21 +108,20 @@ def test_saved_activation_bytes_match_the_model(measured):
             [(t.name, t.bytes) for t in model.saved], got["saved"])
 
 
-def test_fused_kernel_is_measured_where_cpu_sdpa_fuses(measured):
-    """The flash shape's explicit/LAGA sdpa runs are modelled as the flash kernel, the
-    others as SDPA's math path: both kinds are covered by the measurements above."""
+def test_fused_kernel_is_measured_for_every_form(measured):
+    """Every form's sdpa runs, at both shapes, are modelled as the fused kernel and
+    covered by the measurements above."""
     kinds = {(run.case.shape == SHAPES["flash"], run.case.form, model.kernel)
              for run, _, _, model in _each(measured) if run.case.kernel == "sdpa"}
-    assert (True, "explicit", "sdpa_flash") in kinds and (True, "laga", "sdpa_flash") in kinds
-    assert (False, "explicit", "sdpa_math") in kinds and (True, "absorbed", "sdpa_math") in kinds
-    assert all(kind == "sdpa_math" for flash, form, kind in kinds if not flash or form == "absorbed")
+    assert {(f, form, "fused") for f in (True, False) for form in ("explicit", "absorbed", "laga")} <= kinds
+    assert all(kind == "fused" for _, _, kind in kinds)
 
 
 def test_flops_match_flop_counter(measured):
     for run, rank, got, model in _each(measured):
         f = model.flops
         rebuild = f["rebuild_fwd"] + f["rebuild_bwd"]
-        if model.kernel == "sdpa_flash":  # torch has no FLOP formula for CPU flash SDPA
+        if model.kernel == "fused":  # torch has no FLOP formula for the CPU flash op
             expected = rebuild
         else:
             expected = rebuild + f["attention_fwd"] + f["attention_bwd"]

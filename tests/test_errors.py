@@ -115,7 +115,6 @@ OPTION_ERRORS = [
     (dict(recompute_kv=True, kv_block_size=2.5), "kv_block_size must be a positive int"),
     (dict(recompute_kv="yes"), "recompute_kv must be True or False"),
     (dict(trim_causal_prefix=1), "trim_causal_prefix must be True or False"),
-    (dict(recompute_kv=True, kernel="sdpa"), "use kernel='eager', 'npu' or 'auto'"),
     (dict(latent_gather=object()), "latent_gather must come from start_latent_gather"),
 ]
 

@@ -55,7 +55,7 @@ def add_parser(sub):
                    help="comma-separated full sequence lengths (default 128,256,512)")
     p.add_argument("--kernel", choices=("eager", "sdpa", "npu", "auto"), default="sdpa",
                    help="attention kernel of the non-recomputing variants (default sdpa); "
-                        "recompute variants use 'auto' (eager on CPU/GPU, npu on NPU)")
+                        "recompute variants use 'auto' (fused block ops on CPU/CUDA, npu on NPU)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--kv-block-size", type=positive_int, default=None,
                    help="keys per block of the blockwise variants (default: S/4)")

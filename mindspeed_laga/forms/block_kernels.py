@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from .fused_block import FusedBlock
+
 
 def keep_mask(diagonal, rows: int, keys: int, device):
     """[rows, keys] bool, True = visible (key j for row i iff j <= i + diagonal); None = all."""
@@ -166,7 +168,7 @@ def _mask_kwargs(q, key, diagonal):
     return causal_kwargs(q.shape[2], key.shape[2], diagonal, q.device)
 
 
-BLOCK_KERNELS = {"eager": EagerBlock, "npu": NpuBlock}
+BLOCK_KERNELS = {"eager": EagerBlock, "npu": NpuBlock, "sdpa": FusedBlock}
 
 
 def block_kernel(name: str, pad_v: bool = False):

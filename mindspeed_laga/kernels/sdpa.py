@@ -1,13 +1,165 @@
-"""torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient / math)."""
+"""PyTorch's fused attention: torch.nn.functional.scaled_dot_product_attention and,
+where SDPA alone would fall back to its math path, the fused ops it wraps.
+
+On CPU SDPA runs its flash kernel only for equal q/k and v head dims; MLA's
+differ (d_qk = d_n + d_r > d_v), so SDPA would materialize and keep the score
+matrix. CPU segments therefore call ``_scaled_dot_product_flash_attention_for_cpu``
+(and its backward) directly through :class:`FusedSegment`: the narrower head
+dim is zero-padded for the call only (exact: zero query/key columns add
+nothing to the scores, zero value columns give zero output columns) and
+sliced back, so autograd keeps q, K, V, the output and the log-sum-exp at
+their own widths, no score matrix and no mask.
+
+A causal segment whose queries end at the key prefix end is bottom-right
+aligned, which SDPA's ``is_causal`` (top-left) is not. With ``o`` = keys -
+queries, key ``j`` is visible to row ``i`` iff ``j <= i + o``: keys ``[0, o)``
+are visible to every row and keys ``[o, S)`` follow a top-left causal mask,
+so a segment is two fused calls merged by log-sum-exp (no dense mask; about
+1.1x faster than the padded call with a mask, measured fwd+bwd on CPU).
+Backward runs the same calls with the final output and log-sum-exp, which
+makes each call's probabilities the global ones: dq adds up, dK/dV of the two
+key ranges are concatenated. The blockwise LAGA's block kernel
+(``forms/fused_block.py``) runs the same recipe per key block.
+"""
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
 import torch.nn.functional as F
 
 from .eager import expand_kv
 from .masks import causal_keep_mask, pieces_keep_mask
 
+_ATEN = torch.ops.aten
+
+
+def block_calls(offset: Optional[int], num_keys: int):
+    """(key slice, top-left causal) of the fused calls for keys visible iff
+    ``j <= i + offset`` (``offset`` None = all visible, else >= 0)."""
+    if offset is None or offset >= num_keys:
+        return [(slice(0, num_keys), False)]
+    if offset == 0:
+        return [(slice(0, num_keys), True)]
+    return [(slice(0, offset), False), (slice(offset, num_keys), True)]
+
+
+def merge_lse(parts):
+    """(out, lse) of disjoint key ranges -> one (out, lse), by log-sum-exp."""
+    out, lse = parts[0]
+    for o, l in parts[1:]:
+        new = torch.logaddexp(lse, l)
+        out = out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(l - new).unsqueeze(-1)
+        lse = new
+    return out, lse
+
+
+def _pad_last(x, width):
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _cpu_lse_dtype(dtype):
+    """The CPU op keeps float64's log-sum-exp in float64 and any other's in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class CpuFlash:
+    """``_scaled_dot_product_flash_attention_for_cpu`` (+ backward) on [b, h, s, d];
+    any head dims (padded for the call), float64, float32, bfloat16, float16."""
+
+    @staticmethod
+    def forward(q, key, value, causal, scale):
+        d = max(q.shape[-1], value.shape[-1])
+        out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(
+            _pad_last(q, d), _pad_last(key, d), _pad_last(value, d), 0.0, causal, scale=scale)
+        # a copy, so what autograd keeps of the output is its own width, not the padded one
+        return (out if d == value.shape[-1] else out[..., :value.shape[-1]].contiguous()), lse
+
+    @staticmethod
+    def backward(q, key, value, causal, scale, d_out, out, lse):
+        d = max(q.shape[-1], value.shape[-1])
+        dq, dk, dv = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+            _pad_last(d_out, d), _pad_last(q, d), _pad_last(key, d), _pad_last(value, d),
+            _pad_last(out, d), lse.to(_cpu_lse_dtype(q.dtype)), 0.0, causal, scale=scale)
+        return dq[..., :q.shape[-1]], dk[..., :key.shape[-1]], dv[..., :value.shape[-1]]
+
+
+_LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp rows to this
+
+
+class CudaEfficient:
+    """``_efficient_attention_forward`` / ``_backward`` (any d_qk, d_v; custom_mask_type
+    1 = top-left causal) on [b, s, h, d] views of [b, h, s, d]."""
+
+    @staticmethod
+    def forward(q, key, value, causal, scale):
+        bshd = [x.transpose(1, 2) for x in (q, key, value)]
+        out, lse = _ATEN._efficient_attention_forward(
+            *bshd, None, None, None, None, None, 0.0, int(causal), True, scale=scale)[:2]
+        return out.transpose(1, 2), lse[..., :q.shape[2]]
+
+    @staticmethod
+    def backward(q, key, value, causal, scale, d_out, out, lse):
+        rows = q.shape[2]
+        lse_rows = lse.float().new_zeros(*lse.shape[:-1], -(-rows // _LSE_ALIGN) * _LSE_ALIGN)
+        lse_rows[..., :rows] = lse
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        grads = _ATEN._efficient_attention_backward(
+            d_out.transpose(1, 2), q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            None, out.transpose(1, 2), None, None, rows, key.shape[2], lse_rows, 0.0, seed, seed,
+            int(causal), False, scale=scale)
+        return tuple(g.transpose(1, 2) for g in grads[:3])
+
+
+def fused_forward(ops, q, key, value, offset, scale):
+    """-> (out, lse) in the op's dtypes, one or two fused calls merged by lse."""
+    parts = [ops.forward(q, key[:, :, keys], value[:, :, keys], causal, scale)
+             for keys, causal in block_calls(offset, key.shape[2])]
+    if len(parts) == 1:
+        return parts[0]
+    out, lse = merge_lse([(o.float(), l.float()) for o, l in parts])
+    return out, lse
+
+
+def fused_backward(ops, q, key, value, offset, scale, d_out, out, lse):
+    """-> float32 (dq, dk, dv) from the final out and lse."""
+    dq, dks, dvs = None, [], []
+    for keys, causal in block_calls(offset, key.shape[2]):
+        g_q, g_k, g_v = ops.backward(q, key[:, :, keys], value[:, :, keys], causal, scale,
+                                     d_out, out, lse)
+        dq = g_q.float() if dq is None else dq + g_q.float()
+        dks.append(g_k.float())
+        dvs.append(g_v.float())
+    return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
+
+
+class FusedSegment(torch.autograd.Function):
+    """One query segment on the CPU flash op; keeps q, K, V, output, lse."""
+
+    @staticmethod
+    def forward(ctx, q, key, value, scale, offset):
+        out, lse = fused_forward(CpuFlash, q, key, value, offset, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, key, value, out, lse)
+        ctx.scale, ctx.offset = scale, offset
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, key, value, out, lse = ctx.saved_tensors
+        dq, dk, dv = fused_backward(CpuFlash, q, key, value, ctx.offset, ctx.scale,
+                                    d_out.to(q.dtype), out, lse)
+        # K/V broadcast to all heads (absorbed form) come in expanded: autograd sums their grads
+        return dq.to(q.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None
+
 
 def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None):
+    if q.device.type == "cpu" and pieces is None:
+        # keys - queries: the bottom-right causal diagonal of a segment ending at the prefix end
+        offset = k.shape[2] - q.shape[2] if causal else None
+        return FusedSegment.apply(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), scale,
+                                  offset)
+    # Documents (a block-diagonal mask per segment) and other devices: SDPA with a mask.
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     mask = None
     if pieces is not None:
