@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.precision import acc_dtype
+
 from .fused_block import FusedBlock
 
 
@@ -43,11 +45,6 @@ def keep_mask(diagonal, rows: int, keys: int, device):
         return None
     return (torch.arange(keys, device=device).unsqueeze(0)
             <= torch.arange(rows, device=device).unsqueeze(1) + diagonal)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulate half precision in float32; float32 and float64 stay as they are."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _scores(q, key, keep, scale):

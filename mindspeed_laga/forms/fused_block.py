@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from ..kernels.precision import acc_dtype
+
 from ..kernels.sdpa import CpuFlash, CudaEfficient, fused_backward, fused_forward
 
 # Which op pair runs a block, by device type (scripts/cuda_block_kernels.py swaps the
@@ -55,7 +57,8 @@ class FusedBlock:
     def forward(q, key, value, visibility, scale):
         out, lse = fused_forward(backend_for(q.device), q, key, value, diagonal_offset(visibility),
                                  scale)
-        return out.float(), lse.float()
+        acc = acc_dtype(q.dtype)
+        return out.to(acc), lse.to(acc)
 
     @staticmethod
     def backward(q, key, value, visibility, scale, d_out, out, lse):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .eager import expand_kv
 from .masks import causal_keep_mask, pieces_keep_mask
+from .precision import acc_dtype
 
 _ATEN = torch.ops.aten
 
@@ -117,19 +118,21 @@ def fused_forward(ops, q, key, value, offset, scale):
              for keys, causal in block_calls(offset, key.shape[2])]
     if len(parts) == 1:
         return parts[0]
-    out, lse = merge_lse([(o.float(), l.float()) for o, l in parts])
+    acc = acc_dtype(q.dtype)
+    out, lse = merge_lse([(o.to(acc), l.to(acc)) for o, l in parts])
     return out, lse
 
 
 def fused_backward(ops, q, key, value, offset, scale, d_out, out, lse):
-    """-> float32 (dq, dk, dv) from the final out and lse."""
+    """-> (dq, dk, dv) in the accumulation dtype from the final out and lse."""
+    acc = acc_dtype(q.dtype)
     dq, dks, dvs = None, [], []
     for keys, causal in block_calls(offset, key.shape[2]):
         g_q, g_k, g_v = ops.backward(q, key[:, :, keys], value[:, :, keys], causal, scale,
                                      d_out, out, lse)
-        dq = g_q.float() if dq is None else dq + g_q.float()
-        dks.append(g_k.float())
-        dvs.append(g_v.float())
+        dq = g_q.to(acc) if dq is None else dq + g_q.to(acc)
+        dks.append(g_k.to(acc))
+        dvs.append(g_v.to(acc))
     return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
 
 
