@@ -172,7 +172,8 @@ def _forward(fn, local, case: eq.Case, cp_group, proj, saved: SavedBytes):
     with saved:
         return fn(query, local["kv_latent"], local["k_pos_emb"], local["kv_up_weight"],
                   softmax_scale=case.shape.softmax_scale, cp_group=cp_group, cp_algo=case.cp_algo,
-                  layout=case.layout, causal=case.causal, kernel=case.kernel, **kwargs)
+                  layout=case.layout, causal=case.causal, kernel=case.kernel,
+                  qk_head_dim=case.shape.qk_head_dim, v_head_dim=case.shape.v_head_dim, **kwargs)
 
 
 def _comm_seconds(counter) -> Dict[str, float]:
