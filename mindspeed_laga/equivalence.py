@@ -13,9 +13,13 @@ from __future__ import annotations
 from typing import Dict, List
 
 from . import layout as layouts
-from .cases import DTYPES, INPUTS, Case, MLAShape, full_inputs, shard  # noqa: F401 (re-exported)
+from .cases import DTYPES, INPUTS, Case, MLAShape, full_inputs, shard
 from .measure import worker as _run_worker
 from .reference import mla_attention_reference
+
+# Cases and their inputs live in ``cases`` (shared with ``measure``); re-exported here.
+__all__ = ["DTYPES", "INPUTS", "Case", "MLAShape", "full_inputs", "shard", "worker", "assemble",
+           "reference", "relative_errors"]
 
 
 def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: int = 0) -> List[dict]:

@@ -87,7 +87,7 @@ def configs_from_args(args) -> List[cm.Config]:
     if (args.device_memory is None) != (args.num_layers is None):
         raise ValueError("--device-memory and --num-layers go together (the fit check needs both)")
     dims = dims_from_args(args)
-    algos = ("allgather", "ulysses") if args.cp_algo == "both" else (args.cp_algo,)
+    algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
     out = []
     for algo in algos:
         cfg = cm.Config(dims=dims, seq_len=args.seq_len, micro_batch=args.micro_batch,

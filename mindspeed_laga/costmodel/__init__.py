@@ -66,3 +66,21 @@ KERNELS = MODEL_KERNELS
 def standard_variants(block_size=None):
     """The three forms and LAGA's options as ``plan`` tabulates them."""
     return standard_runs(block_size)
+
+
+__all__ = [
+    # variants and vocabulary
+    "RunSpec", "standard_runs", "standard_variants", "CP_ALGOS", "DEFAULT_LAYOUT", "FORMS", "LAYOUTS",
+    "ModelDims",
+    # what is asked
+    "Config", "Sizes", "PRESETS", "preset", "validate", "with_", "DTYPE_BYTES", "HALF", "INDEX_BYTES",
+    "NPU_MASK_BYTES", "KERNELS", "MODEL_KERNELS", "RECOMPUTING_KINDS", "EAGER", "FUSED", "NPU", "SDPA",
+    "SDPA_FLASH", "SDPA_MATH", "BLOCKWISE", "model_kernel_kind",
+    # geometry
+    "QuerySegment", "Pairs", "query_segments", "visible_keys", "rebuilt_keys", "block_keys",
+    "attention_pairs", "segment_visible_pairs", "blockwise_pairs",
+    # costs
+    "Collective", "EXCHANGES", "collectives", "wire_bytes", "Term", "saved_terms", "Flops", "flops",
+    "query_projection_flops", "FormCost", "RankSummary", "form_cost", "kernel_kind", "summarize",
+    "rank_summary", "config_summary", "Machine", "MACHINES", "TimeEstimate", "estimate_seconds",
+]

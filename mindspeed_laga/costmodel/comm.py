@@ -27,23 +27,38 @@ class Collective:
     design: float
 
 
-# (kind, tag, values per local token) of one forward pass; n = heads per TP rank.
-Exchange = List[Tuple[str, str, int]]
-EXCHANGES: Dict[Tuple[str, str], Callable[[ModelDims, int], Exchange]] = {
-    ("explicit", "allgather"): lambda d, n: [("all_gather", "key", n * d.qk_dim),
-                                             ("all_gather", "value", n * d.v_head_dim)],
-    ("explicit", "ulysses"): lambda d, n: [("all_to_all", "query", n * d.qk_dim),
-                                           ("all_to_all", "key", n * d.qk_dim),
-                                           ("all_to_all", "value", n * d.v_head_dim),
-                                           ("all_to_all", "output", n * d.v_head_dim)],
-    ("laga", "allgather"): lambda d, n: [("all_gather", "latent", d.latent_dim)],
-    ("laga", "ulysses"): lambda d, n: [("all_to_all", "query", n * d.qk_dim),
-                                       ("all_gather", "latent", d.latent_dim),
-                                       ("all_to_all", "output", n * d.v_head_dim)],
-    ("absorbed", "allgather"): lambda d, n: [("all_gather", "latent", d.latent_dim)],
-    ("absorbed", "ulysses"): lambda d, n: [("all_to_all", "query", n * d.latent_dim),
-                                           ("all_gather", "latent", d.latent_dim),
-                                           ("all_to_all", "output", n * d.v_head_dim)],
+# (kind, tag, values per local token, group size) of one forward pass. A new algorithm
+# (e.g. heads split inside a node, latent gathered over the whole CP group) is one entry.
+Exchange = List[Tuple[str, str, int, int]]
+
+
+def _explicit_allgather(d: ModelDims, n: int, P: int) -> Exchange:
+    return [("all_gather", "key", n * d.qk_dim, P), ("all_gather", "value", n * d.v_head_dim, P)]
+
+
+def _explicit_ulysses(d: ModelDims, n: int, P: int) -> Exchange:
+    return [("all_to_all", "query", n * d.qk_dim, P), ("all_to_all", "key", n * d.qk_dim, P),
+            ("all_to_all", "value", n * d.v_head_dim, P), ("all_to_all", "output", n * d.v_head_dim, P)]
+
+
+def _latent_allgather(d: ModelDims, n: int, P: int) -> Exchange:
+    return [("all_gather", "latent", d.latent_dim, P)]
+
+
+def _latent_ulysses(query_width: int):
+    def exchange(d: ModelDims, n: int, P: int) -> Exchange:
+        return [("all_to_all", "query", n * query_width(d), P), ("all_gather", "latent", d.latent_dim, P),
+                ("all_to_all", "output", n * d.v_head_dim, P)]
+    return exchange
+
+
+EXCHANGES: Dict[Tuple[str, str], Callable[[ModelDims, int, int], Exchange]] = {
+    ("explicit", "allgather"): _explicit_allgather,
+    ("explicit", "ulysses"): _explicit_ulysses,
+    ("laga", "allgather"): _latent_allgather,
+    ("laga", "ulysses"): _latent_ulysses(lambda d: d.qk_dim),
+    ("absorbed", "allgather"): _latent_allgather,
+    ("absorbed", "ulysses"): _latent_ulysses(lambda d: d.latent_dim),   # q_abs is latent-wide
 }
 BACKWARD_KIND = {"all_gather": "reduce_scatter", "all_to_all": "all_to_all"}
 
@@ -60,13 +75,13 @@ def collectives(cfg: Config, form: str) -> List[Collective]:
     if P == 1:
         return []
     tokens = cfg.local_len * cfg.micro_batch
-    parts = EXCHANGES[(form, cfg.cp_algo)](cfg.dims, cfg.tp_heads)
+    parts = EXCHANGES[(form, cfg.cp_algo)](cfg.dims, cfg.tp_heads, P)
     out = []
     for direction in ("forward", "backward"):
-        for kind, tag, width in parts:
+        for kind, tag, width, group in parts:
             if direction == "backward":
                 kind = BACKWARD_KIND[kind]
             payload = tokens * width * cfg.elem
-            out.append(Collective(kind, direction, tag, payload, wire_bytes(kind, payload, P),
-                                  payload * (P - 1) / P))
+            out.append(Collective(kind, direction, tag, payload, wire_bytes(kind, payload, group),
+                                  payload * (group - 1) / group))
     return out

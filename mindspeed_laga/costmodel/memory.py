@@ -134,7 +134,7 @@ def _kernel_saved(saved: _Saved, kind: str, cfg: Config, segs, h: int, qk_dim: i
 def _query(cfg: Config, width: int, name: str = "query") -> _Operand:
     """The kernel's q: the input (allgather, no CP) or the all-to-all output (ulysses)."""
     z = cfg.sizes
-    d, e, b, s, S, n, h = z.dims, z.elem, z.batch, z.local_len, z.seq_len, z.tp_heads, z.heads
+    e, b, s, S, n, h = z.elem, z.batch, z.local_len, z.seq_len, z.tp_heads, z.heads
     if cfg.heads_split:
         return _Operand(f"{name}_a2a", f"{name} after all-to-all [S, b, {h}, {width}]", S * b * h * width * e)
     return _Operand(name, f"{name} [s, b, {n}, {width}]", s * b * n * width * e)
@@ -142,7 +142,7 @@ def _query(cfg: Config, width: int, name: str = "query") -> _Operand:
 
 def _gathered_latent(cfg: Config, fresh_without_cp: bool) -> _Operand:
     z = cfg.sizes
-    d, e, b, s, S, n, h = z.dims, z.elem, z.batch, z.local_len, z.seq_len, z.tp_heads, z.heads
+    d, e, b, s, S = z.dims, z.elem, z.batch, z.local_len, z.seq_len
     if cfg.cp_size == 1:
         if fresh_without_cp:
             return _Operand("latent", "[kv_latent, k_pos_emb] [s, b, d_c+d_r] (concatenated)",
@@ -179,7 +179,7 @@ def _explicit_saved(cfg: Config, rank: int, kind: str) -> _Saved:
 
 def _laga_saved(cfg: Config, rank: int, kind: str, v: RunSpec) -> _Saved:
     z = cfg.sizes
-    d, e, b, s, S, n, h = z.dims, z.elem, z.batch, z.local_len, z.seq_len, z.tp_heads, z.heads
+    d, e, b, s, S, h = z.dims, z.elem, z.batch, z.local_len, z.seq_len, z.heads
     saved = _Saved()
     q = _query(cfg, d.qk_dim)
     if v.recompute_kv:  # BlockwiseLAGA saves q, the gathered latent, the output and the lse
