@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import api, comm
-from . import cases as eq
+from .cases import DTYPES, INPUTS, Case, full_inputs, shard
 
 
 class SavedBytes:
@@ -99,7 +99,7 @@ def _memory_api(device):
     return None
 
 
-def _projection_weight(case: eq.Case, device, dtype):
+def _projection_weight(case: Case, device, dtype):
     """A stand-in query projection: [s, b, r] -> [s, b, n*(d_n+d_r)], r = 2*d_c."""
     s = case.shape
     g = torch.Generator().manual_seed(case.seed + 1)
@@ -108,21 +108,21 @@ def _projection_weight(case: eq.Case, device, dtype):
     return w.to(device, dtype).requires_grad_(), width
 
 
-def run_on_rank(case: eq.Case, rank: int, cp_size: int, group, repeat: int = 1, warmup: int = 0,
+def run_on_rank(case: Case, rank: int, cp_size: int, group, repeat: int = 1, warmup: int = 0,
                 count_flops: bool = False) -> dict:
     """Forward+backward of one case on this rank, ``warmup + repeat`` times."""
     device = _device()
-    dtype = eq.DTYPES[case.dtype]
-    full = eq.full_inputs(case.shape, case.seed)
-    grad_out = eq.shard(full["grad_out"], case, rank, cp_size).to(device, dtype)
+    dtype = DTYPES[case.dtype]
+    full = full_inputs(case.shape, case.seed)
+    grad_out = shard(full["grad_out"], case, rank, cp_size).to(device, dtype)
     fn = api.FORMS[case.form]
     cp_group = group if cp_size > 1 else None
     proj = _projection_weight(case, device, dtype) if case.spec.query_projection else None
     mem = _memory_api(device)
     times, result = [], None
     for i in range(warmup + repeat):
-        local = {k: eq.shard(full[k], case, rank, cp_size).to(device, dtype).requires_grad_()
-                 for k in eq.INPUTS}
+        local = {k: shard(full[k], case, rank, cp_size).to(device, dtype).requires_grad_()
+                 for k in INPUTS}
         flops = _flop_counter() if count_flops and i == warmup + repeat - 1 else contextlib.nullcontext()
         if mem is not None:
             mem.synchronize()
@@ -152,7 +152,7 @@ def run_on_rank(case: eq.Case, rank: int, cp_size: int, group, repeat: int = 1, 
     return result
 
 
-def _forward(fn, local, case: eq.Case, cp_group, proj, saved: SavedBytes):
+def _forward(fn, local, case: Case, cp_group, proj, saved: SavedBytes):
     """The attention call (saved tensors counted inside it only), optionally after a
     stand-in query projection, with the latent gather started before it (overlap)."""
     query = local["query"]
@@ -196,7 +196,7 @@ def _flop_totals(mode) -> dict:
     return {"total": mode.get_total_flops(), "by_op": {str(k): v for k, v in counts.items()}}
 
 
-def worker(rank: int, cp_size: int, cases: List[eq.Case], repeat: int = 1, warmup: int = 0,
+def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: int = 0,
            count_flops: bool = False, progress: bool = False) -> List[dict]:
     """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`: every run, in order.
 
