@@ -320,3 +320,20 @@ def test_model_rejects_bad_configs():
         cm.preset("deepseek-v9")
     with pytest.raises(ValueError, match="kv_block_size"):
         RunSpec("laga+blockwise", "laga", recompute_kv=True, kv_block_size=0)
+
+
+def test_one_record_of_a_variant_for_model_and_runs():
+    """A case built from a RunSpec and one built from laga_attention keywords agree."""
+    spec = RunSpec("laga+all", "laga", trim_causal_prefix=True, recompute_kv=True, kv_block_size=8,
+                   overlap=True)
+    case = eq.Case(spec=spec, cp_algo="ulysses", layout="contiguous")
+    assert case.form == "laga"
+    assert case.options == (("trim_causal_prefix", True), ("recompute_kv", True), ("kv_block_size", 8),
+                            ("overlap", True))
+    again = eq.Case(form="laga", options=case.options).spec
+    assert (again.options(), again.overlap) == ({"trim_causal_prefix": True, "recompute_kv": True,
+                                                 "kv_block_size": 8}, True)
+    with pytest.raises(ValueError, match="unknown"):
+        eq.Case(form="laga", options=(("latent_gather", True),))
+    with pytest.raises(ValueError, match="form"):
+        RunSpec("x", "mla")
