@@ -8,10 +8,6 @@ from typing import List, Optional
 from .commands import SUBCOMMANDS
 
 
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit status 2."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mindspeed-laga",
@@ -26,7 +22,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return SUBCOMMANDS[args.command].run(args) or 0
-    except (UsageError, ValueError) as exc:
+    except (ValueError, OSError) as exc:  # bad input, or an output that cannot be written
         print(f"mindspeed-laga {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

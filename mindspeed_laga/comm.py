@@ -58,12 +58,6 @@ class CommCounter:
         return sum(getattr(r, measure) for r in self.records
                    if r.kind in kinds and (direction is None or r.direction == direction))
 
-    def seconds(self, kind: Optional[str] = None, direction: Optional[str] = None) -> float:
-        """Time callers were blocked in matching collectives (sync calls and async waits)."""
-        kinds = DATA_KINDS if kind is None else (kind,)
-        return sum(r.seconds for r in self.records
-                   if r.kind in kinds and (direction is None or r.direction == direction))
-
     def design_bytes(self, direction: Optional[str] = None) -> float:
         """DESIGN.md section 2 convention: payload * (P-1)/P, summed."""
         return sum(r.payload * (r.group_size - 1) / r.group_size for r in self.records

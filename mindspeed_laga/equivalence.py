@@ -10,84 +10,22 @@ run in float64 on the full sequence.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, List
 
-import torch
-
 from . import layout as layouts
+from .cases import DTYPES, INPUTS, Case, MLAShape, full_inputs, shard
+from .measure import worker as _run_worker
 from .reference import mla_attention_reference
 
-INPUTS = ("query", "kv_latent", "k_pos_emb", "kv_up_weight")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
-
-
-@dataclass(frozen=True)
-class MLAShape:
-    """Full-sequence MLA sizes. The default is DeepSeek-shaped but tiny."""
-
-    seq_len: int = 64
-    batch: int = 2
-    heads: int = 8
-    qk_head_dim: int = 16
-    rope_dim: int = 8
-    v_head_dim: int = 16
-    kv_lora_rank: int = 32
-
-    @property
-    def softmax_scale(self) -> float:
-        return (self.qk_head_dim + self.rope_dim) ** -0.5
-
-
-@dataclass(frozen=True)
-class Case:
-    form: str = "laga"
-    cp_algo: str = "allgather"
-    layout: str = "zigzag"
-    kernel: str = "eager"
-    dtype: str = "float32"
-    causal: bool = True
-    shape: MLAShape = MLAShape()
-    seed: int = 1234
-    options: tuple = ()  # form keywords as ((name, value), ...); ("overlap", True) starts
-                         # the latent gather before the call (CP > 1)
-
-    def label(self) -> str:
-        opts = "".join(f",{k}={v}" for k, v in self.options)
-        return f"{self.form}/{self.cp_algo}/{self.layout}/{self.kernel}/{self.dtype}{opts}"
-
-
-def full_inputs(shape: MLAShape, seed: int) -> Dict[str, torch.Tensor]:
-    """Float64 full-sequence inputs and an output gradient, identical on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    S, b, n = shape.seq_len, shape.batch, shape.heads
-    d_n, d_r, d_v, d_c = shape.qk_head_dim, shape.rope_dim, shape.v_head_dim, shape.kv_lora_rank
-
-    def randn(*size, scale=1.0):
-        return torch.randn(*size, generator=g, dtype=torch.float64) * scale
-
-    return {
-        "query": randn(S, b, n, d_n + d_r),
-        "kv_latent": randn(S, b, d_c),
-        "k_pos_emb": randn(S, b, d_r),
-        "kv_up_weight": randn(n * (d_n + d_v), d_c, scale=d_c ** -0.5),
-        "grad_out": randn(S, b, n * d_v),
-    }
-
-
-def shard(t: torch.Tensor, case: Case, rank: int, cp_size: int) -> torch.Tensor:
-    """This rank's part of a full input; ``kv_up_weight`` is replicated over CP."""
-    if t.dim() == 2:
-        return t.clone()
-    return layouts.shard(t, case.layout, cp_size, rank)
+# Cases and their inputs live in ``cases`` (shared with ``measure``); re-exported here.
+__all__ = ["DTYPES", "INPUTS", "Case", "MLAShape", "full_inputs", "shard", "worker", "assemble",
+           "reference", "relative_errors"]
 
 
 def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: int = 0) -> List[dict]:
     """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`: forward + backward of
     each case on this rank (``measure.run_on_rank``); shards and partial grads back."""
-    from .measure import Run, worker as run_worker
-    return run_worker(rank, cp_size, [Run(c, c.label()) for c in cases], repeat, warmup)
+    return _run_worker(rank, cp_size, cases, repeat, warmup)
 
 
 def assemble(per_rank: List[dict], case: Case) -> dict:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
-from . import api, comm, equivalence as eq
+from . import api, comm
+from .cases import DTYPES, INPUTS, Case, full_inputs, shard
 
 
 class SavedBytes:
@@ -59,22 +59,36 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
-@dataclass(frozen=True)
-class Run:
-    """One variant to run: a case of the core plus LAGA options."""
-
-    case: eq.Case                # its options are laga_attention keywords, plus
-    variant: str                 # ("overlap", True): start the latent gather first
-    query_projection: bool = False  # run the stand-in query projection (overlap pairs)
-
-
 def _device():
+    """Where this rank computes: the accelerator its process group drives, else the CPU."""
     if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     npu = getattr(torch, "npu", None)
     if npu is not None and dist.is_initialized() and dist.get_backend() == "hccl":
         return torch.device("npu", npu.current_device())
     return torch.device("cpu")
+
+
+def device_type(backend=None) -> str:
+    """The device a rank launched with ``backend`` (None: the best available) will use."""
+    if backend in (None, "nccl") and torch.cuda.is_available():
+        return "cuda"
+    if backend in (None, "hccl") and getattr(torch, "npu", None) is not None:
+        return "npu"
+    return "cpu"
+
+
+def default_backend() -> str:
+    """The process-group backend of the best available device."""
+    return {"cuda": "nccl", "npu": "hccl"}.get(device_type(), "gloo")
+
+
+def set_local_device(backend: str, local_rank: int) -> None:
+    """Bind this process to its accelerator before the process group starts."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    elif backend == "hccl":
+        torch.npu.set_device(local_rank)
 
 
 def _memory_api(device):
@@ -85,7 +99,7 @@ def _memory_api(device):
     return None
 
 
-def _projection_weight(case: eq.Case, device, dtype):
+def _projection_weight(case: Case, device, dtype):
     """A stand-in query projection: [s, b, r] -> [s, b, n*(d_n+d_r)], r = 2*d_c."""
     s = case.shape
     g = torch.Generator().manual_seed(case.seed + 1)
@@ -94,22 +108,21 @@ def _projection_weight(case: eq.Case, device, dtype):
     return w.to(device, dtype).requires_grad_(), width
 
 
-def run_on_rank(run: Run, rank: int, cp_size: int, group, repeat: int = 1, warmup: int = 0,
+def run_on_rank(case: Case, rank: int, cp_size: int, group, repeat: int = 1, warmup: int = 0,
                 count_flops: bool = False) -> dict:
-    """Forward+backward of one variant on this rank, ``warmup + repeat`` times."""
-    case = run.case
+    """Forward+backward of one case on this rank, ``warmup + repeat`` times."""
     device = _device()
-    dtype = eq.DTYPES[case.dtype]
-    full = eq.full_inputs(case.shape, case.seed)
-    grad_out = eq.shard(full["grad_out"], case, rank, cp_size).to(device, dtype)
+    dtype = DTYPES[case.dtype]
+    full = full_inputs(case.shape, case.seed)
+    grad_out = shard(full["grad_out"], case, rank, cp_size).to(device, dtype)
     fn = api.FORMS[case.form]
     cp_group = group if cp_size > 1 else None
-    proj = _projection_weight(case, device, dtype) if run.query_projection else None
+    proj = _projection_weight(case, device, dtype) if case.spec.query_projection else None
     mem = _memory_api(device)
     times, result = [], None
     for i in range(warmup + repeat):
-        local = {k: eq.shard(full[k], case, rank, cp_size).to(device, dtype).requires_grad_()
-                 for k in eq.INPUTS}
+        local = {k: shard(full[k], case, rank, cp_size).to(device, dtype).requires_grad_()
+                 for k in INPUTS}
         flops = _flop_counter() if count_flops and i == warmup + repeat - 1 else contextlib.nullcontext()
         if mem is not None:
             mem.synchronize()
@@ -120,7 +133,7 @@ def run_on_rank(run: Run, rank: int, cp_size: int, group, repeat: int = 1, warmu
             if dist.is_initialized() and cp_size > 1:
                 dist.barrier(group=group)
             start = time.perf_counter()
-            out = _forward(run, fn, local, case, cp_group, proj, saved)
+            out = _forward(fn, local, case, cp_group, proj, saved)
             out.backward(grad_out)
             if mem is not None:
                 mem.synchronize()
@@ -139,13 +152,13 @@ def run_on_rank(run: Run, rank: int, cp_size: int, group, repeat: int = 1, warmu
     return result
 
 
-def _forward(run: Run, fn, local, case: eq.Case, cp_group, proj, saved: SavedBytes):
+def _forward(fn, local, case: Case, cp_group, proj, saved: SavedBytes):
     """The attention call (saved tensors counted inside it only), optionally after a
     stand-in query projection, with the latent gather started before it (overlap)."""
     query = local["query"]
-    kwargs = dict(case.options)
+    kwargs = case.spec.options()
     # Without CP there is no gather to overlap: the case runs plain.
-    if kwargs.pop("overlap", False) and cp_group is not None:
+    if case.spec.overlap and cp_group is not None:
         from .overlap import start_latent_gather
         kwargs["latent_gather"] = start_latent_gather(local["kv_latent"], local["k_pos_emb"],
                                                       cp_group=cp_group)
@@ -183,7 +196,7 @@ def _flop_totals(mode) -> dict:
     return {"total": mode.get_total_flops(), "by_op": {str(k): v for k, v in counts.items()}}
 
 
-def worker(rank: int, cp_size: int, runs: List[Run], repeat: int = 1, warmup: int = 0,
+def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: int = 0,
            count_flops: bool = False, progress: bool = False) -> List[dict]:
     """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`: every run, in order.
 
@@ -191,9 +204,9 @@ def worker(rank: int, cp_size: int, runs: List[Run], repeat: int = 1, warmup: in
     tests all measure through it."""
     group = dist.group.WORLD if dist.is_initialized() else None
     out = []
-    for i, run in enumerate(runs):
-        out.append(run_on_rank(run, rank, cp_size, group, repeat, warmup, count_flops))
+    for i, case in enumerate(cases):
+        out.append(run_on_rank(case, rank, cp_size, group, repeat, warmup, count_flops))
         if progress and rank == 0:
-            print(f"  [{i + 1}/{len(runs)}] {run.variant} S={run.case.shape.seq_len} "
-                  f"{run.case.cp_algo}", flush=True)
+            print(f"  [{i + 1}/{len(cases)}] {case.spec.name} S={case.shape.seq_len} "
+                  f"{case.cp_algo}", flush=True)
     return out

@@ -74,9 +74,14 @@ def test_bench_plot_written_or_skipped_with_a_note(tiny_bench):
     (["--cp", "0"], "must be positive"),
     (["--heads", "-2"], "must be positive"),
     (["--warmup", "-1"], "warmup"),
+    (["--json", "dir-that-does-not-exist/b.json"], "--json"),
+    (["--plot", "dir-that-does-not-exist/b.png"], "--plot"),
+    (["--kernel", "cuda"], "invalid choice"),
 ])
 def test_bad_input_is_one_line_error(capsys, argv, word):
+    """Rejected before any rank starts (the bench itself would take seconds)."""
     code, out, err = run_cli(capsys, *argv)
+    assert "runs (" not in out  # the line printed once the runs are built
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and word in lines[0] and lines[0].startswith("mindspeed-laga bench: error:")

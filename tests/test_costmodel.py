@@ -18,8 +18,10 @@ import pytest
 from mindspeed_laga import costmodel as cm
 from mindspeed_laga import equivalence as eq
 from mindspeed_laga import layout as layouts
-from mindspeed_laga.measure import Run, worker
+from mindspeed_laga.measure import worker
+from mindspeed_laga.runspec import RunSpec
 from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.vocab import ModelDims
 
 # d_v != d_n + d_r (MLA-like: CPU SDPA takes its math path) and d_v == d_n + d_r (flash).
 SHAPES = {
@@ -35,11 +37,12 @@ DTYPES = ("float32", "bfloat16")
 
 
 def _variants():
-    return [cm.Variant("explicit", "explicit"), cm.Variant("absorbed", "absorbed"),
-            cm.Variant("laga", "laga"), cm.Variant("laga+trim", "laga", trim=True),
-            cm.Variant("laga+recompute", "laga", recompute=True),
-            cm.Variant("laga+blockwise", "laga", recompute=True, block_size=6),
-            cm.Variant("laga+blockwise+trim", "laga", trim=True, recompute=True, block_size=4)]
+    return [RunSpec("explicit", "explicit"), RunSpec("absorbed", "absorbed"),
+            RunSpec("laga", "laga"), RunSpec("laga+trim", "laga", trim_causal_prefix=True),
+            RunSpec("laga+recompute", "laga", recompute_kv=True),
+            RunSpec("laga+blockwise", "laga", recompute_kv=True, kv_block_size=6),
+            RunSpec("laga+blockwise+trim", "laga", trim_causal_prefix=True, recompute_kv=True,
+                    kv_block_size=4)]
 
 
 VARIANTS = {v.name: v for v in _variants()}
@@ -49,14 +52,13 @@ def _runs():
     runs = []
     for shape_name, (algo, lay), kernel, dtype, v in itertools.product(
             SHAPES, ALGO_LAYOUTS, KERNELS, DTYPES, VARIANTS.values()):
-        if v.recompute and kernel != "eager":  # the blockwise path has its own kernels
+        if v.recompute_kv and kernel != "eager":  # the blockwise path has its own kernels
             continue
         # The flash shape is there for CPU SDPA's fused kernel: its default layouts suffice.
         if shape_name == "flash" and (kernel != "sdpa" or (algo, lay) not in ALGO_LAYOUTS[:2]):
             continue
-        case = eq.Case(form=v.form, cp_algo=algo, layout=lay, kernel=kernel, dtype=dtype,
-                       shape=SHAPES[shape_name], options=tuple(v.options().items()))
-        runs.append(Run(case=case, variant=v.name))
+        runs.append(eq.Case(spec=v, cp_algo=algo, layout=lay, kernel=kernel, dtype=dtype,
+                            shape=SHAPES[shape_name]))
     return runs
 
 
@@ -65,7 +67,7 @@ RUNS = _runs()
 
 def model_config(case: eq.Case, cp_size: int) -> cm.Config:
     s = case.shape
-    dims = cm.MLADims(s.heads, s.qk_head_dim, s.rope_dim, s.v_head_dim, s.kv_lora_rank)
+    dims = ModelDims(s.heads, s.qk_head_dim, s.rope_dim, s.v_head_dim, s.kv_lora_rank)
     return cm.Config(dims, s.seq_len, s.batch, cp_size, 1, case.cp_algo, case.layout, case.dtype,
                      case.kernel, case.causal)
 
@@ -78,10 +80,10 @@ def measured(request):
 
 def _each(measured):
     cp_size, per_rank = measured
-    for i, run in enumerate(RUNS):
-        cfg = model_config(run.case, cp_size)
+    for i, case in enumerate(RUNS):
+        cfg = model_config(case, cp_size)
         for rank in range(cp_size):
-            yield run, rank, per_rank[rank][i], cm.form_cost(cfg, VARIANTS[run.variant], rank)
+            yield case, rank, per_rank[rank][i], cm.form_cost(cfg, case.spec, rank)
 
 
 def _counter_bytes(result, direction, measure):
@@ -90,55 +92,110 @@ def _counter_bytes(result, direction, measure):
 
 def test_comm_bytes_equal_the_counter(measured):
     checked = 0
-    for run, rank, got, model in _each(measured):
+    for case, rank, got, model in _each(measured):
         for direction in ("forward", "backward"):
             for measure in ("payload", "wire"):
                 assert model.comm_bytes(direction, measure) == _counter_bytes(got, direction, measure), \
-                    (run.variant, run.case.label(), rank, direction, measure)
+                    (case.spec.name, case.label(), rank, direction, measure)
             assert model.comm_bytes(direction, "design") == got["design_bytes"][direction]
         checked += 1
     assert checked == len(RUNS) * measured[0]
 
 
 def test_saved_activation_bytes_match_the_model(measured):
-    for run, rank, got, model in _each(measured):
+    for case, rank, got, model in _each(measured):
         assert got["saved_bytes"] > 0
         assert abs(got["saved_bytes"] - model.saved_bytes) <= 0.05 * got["saved_bytes"], (
-            run.variant, run.case.label(), rank, got["saved_bytes"], model.saved_bytes,
+            case.spec.name, case.label(), rank, got["saved_bytes"], model.saved_bytes,
             [(t.name, t.bytes) for t in model.saved], got["saved"])
 
 
 def test_fused_kernel_is_measured_for_every_form(measured):
     """Every form's sdpa runs, at both shapes, are modelled as the fused kernel and
     covered by the measurements above."""
-    kinds = {(run.case.shape == SHAPES["flash"], run.case.form, model.kernel)
-             for run, _, _, model in _each(measured) if run.case.kernel == "sdpa"}
+    kinds = {(case.shape == SHAPES["flash"], case.form, model.kernel)
+             for case, _, _, model in _each(measured) if case.kernel == "sdpa"}
     assert {(f, form, "fused") for f in (True, False) for form in ("explicit", "absorbed", "laga")} <= kinds
     assert all(kind == "fused" for _, _, kind in kinds)
 
 
 def test_flops_match_flop_counter(measured):
-    for run, rank, got, model in _each(measured):
+    for case, rank, got, model in _each(measured):
         f = model.flops
         rebuild = f["rebuild_fwd"] + f["rebuild_bwd"]
         if model.kernel == "fused":  # torch has no FLOP formula for the CPU flash op
             expected = rebuild
         else:
             expected = rebuild + f["attention_fwd"] + f["attention_bwd"]
-        assert got["flops"]["total"] == expected, (run.variant, run.case.label(), rank,
+        assert got["flops"]["total"] == expected, (case.spec.name, case.label(), rank,
                                                    got["flops"], f)
 
 
 def test_model_segments_follow_layout_module():
     for lay, P in itertools.product(layouts.LAYOUTS, (1, 2, 4)):
-        cfg = cm.Config(cm.MLADims(8, 16, 8, 16, 32), 64, 1, P, 1, "allgather", lay)
+        cfg = cm.Config(ModelDims(8, 16, 8, 16, 32), 64, 1, P, 1, "allgather", lay)
         for rank in range(P):
-            got = [(n, g) for n, g, _ in cm.query_segments(cfg, rank)]
+            got = [(q.length, q.start) for q in cm.query_segments(cfg, rank)]
             want = [(n, g) for _, n, g in layouts.segments(lay, P, rank, 64 // P)]
             assert got == want
 
 
+# ---------------------------------------------------------------- closed forms
+
+def _blockwise_pairs_by_loop(length, start, block, last, causal):
+    """What laga_blockwise computes, pair by pair: for each key block [k0, k1), each query
+    at position p (causal: p >= k0, the rows before the block are cut) against the keys
+    of the block it may see (causal: k <= p is masked inside the rectangle, but the
+    rectangle runs to the segment's last position)."""
+    pairs = 0
+    size = block or last
+    for k0 in range(0, last, size):
+        k1 = min(k0 + size, last)
+        rows = [p for p in range(start, start + length) if not causal or p >= k0]
+        cols = [k for k in range(k0, k1) if not causal or k < start + length]
+        pairs += len(rows) * len(cols)
+    return pairs
+
+
+def test_blockwise_pairs_closed_form_equals_the_loop():
+    checked = 0
+    for length, start, block, extra, causal in itertools.product(
+            (1, 2, 3, 5, 8), (0, 1, 4, 7, 9), (None, 1, 2, 3, 4, 6, 16), (0, 1, 5), (True, False)):
+        last = start + length + extra  # the keys rebuilt reach at least the segment's end
+        want = _blockwise_pairs_by_loop(length, start, block, last, causal)
+        assert cm.blockwise_pairs(length, start, block, last, causal) == want, \
+            (length, start, block, last, causal)
+        checked += 1
+    assert checked == 5 * 5 * 7 * 3 * 2
+
+
+def test_visible_pairs_closed_form_equals_the_loop():
+    for length, start, total in itertools.product((1, 3, 8), (0, 2, 5), (16, 20)):
+        want = sum(p + 1 for p in range(start, start + length))  # query p sees keys 0..p
+        assert cm.segment_visible_pairs(length, start, True, total) == want
+        assert cm.segment_visible_pairs(length, start, False, total) == length * total
+
+
+def test_model_is_constant_time_in_sequence_length():
+    """S = 2^31 with one-key blocks: a loop over blocks would run ~2^31 times per rank."""
+    import time
+    cfg = cm.Config(cm.preset("deepseek-v3"), seq_len=2 ** 31, cp_size=8, cp_algo="allgather")
+    spec = RunSpec("laga+blockwise+trim", "laga", trim_causal_prefix=True, recompute_kv=True,
+                   kv_block_size=1)
+    start = time.perf_counter()
+    s = cm.summarize(cfg, spec)
+    assert time.perf_counter() - start < 1.0
+    # One-key blocks: every visible pair, nothing masked, is computed. Rank 0 (zigzag)
+    # holds positions [0, c) and [15c, 16c), c = S/16: c(c+1)/2 + (c*15c + c(c+1)/2) pairs.
+    c = 2 ** 31 // 16
+    pairs = c * (c + 1) // 2 + c * 15 * c + c * (c + 1) // 2
+    h, qk, v = 128, 192, 128
+    assert s.rank0.flops["attention_fwd"] == 2 * h * pairs * (qk + v)
+
+
 # ---------------------------------------------------------------- DeepSeek-V3 scale
+# Figures derived by hand from DeepSeek-V3's config.json: n=128 heads, d_n=128,
+# d_r=64, d_v=128, d_c=512; S=16384 over CP=8 (s=2048 tokens a rank), bf16 (2 bytes).
 
 V3 = cm.preset("deepseek-v3")
 
@@ -150,26 +207,32 @@ def v3(algo, kernel="fused", **kw):
 
 def summary(cfg, name, **kw):
     form = name.split("+")[0]
-    return cm.rank_summary(cfg, cm.Variant(name, form, **kw))
+    return cm.rank_summary(cfg, RunSpec(name, form, **kw))
 
 
 def comm(s, measure="design"):
     return s["comm"]["forward"][measure] + s["comm"]["backward"][measure]
 
 
-def test_v3_comm_ratios():
-    for algo, floor in (("ulysses", 1.9), ("allgather", 60)):
-        ex, la = summary(v3(algo), "explicit"), summary(v3(algo), "laga")
-        assert comm(ex) / comm(la) >= floor, (algo, comm(ex) / comm(la))
-    # DESIGN.md section 2's per-token values, exactly (payload convention).
-    d, tokens, P = V3, 16384 // 8, 8
-    ulysses_laga = summary(v3("ulysses"), "laga")
-    per_token = d.heads * (d.qk_dim + d.v_head_dim) + d.latent_dim
-    assert comm(ulysses_laga) == 2 * per_token * tokens * 2 * (P - 1) / P
-    # On the wire a ring all-gather sends (P-1) shards: P times its design cost.
-    latent = [c for c in cm.form_cost(v3("ulysses"), cm.Variant("laga", "laga")).comm if c.tag == "latent"]
-    assert latent and all(c.wire == P * c.design for c in latent)
-    assert comm(ulysses_laga, "wire") > comm(ulysses_laga, "design")
+def test_v3_comm_bytes_by_hand():
+    # Per token: explicit all-gathers K and V of every head, 128 * (192 + 128) = 40,960
+    # values; LAGA all-gathers the latent, 512 + 64 = 576 values. Per direction a rank
+    # hands 2048 tokens x 2 bytes to the collective; DESIGN counts 7/8 of it.
+    ex, la = summary(v3("allgather"), "explicit"), summary(v3("allgather"), "laga")
+    assert ex["comm"]["forward"]["payload"] == 40_960 * 2048 * 2 == 167_772_160
+    assert la["comm"]["forward"]["payload"] == 576 * 2048 * 2 == 2_359_296
+    assert comm(ex) == 2 * 167_772_160 * 7 / 8
+    assert comm(la) == 2 * 2_359_296 * 7 / 8
+    assert comm(ex) / comm(la) == pytest.approx(40_960 / 576)  # 71.1x
+    # A ring all-gather sends its shard to 7 peers: 7 x the payload on the wire.
+    assert la["comm"]["forward"]["wire"] == 7 * 2_359_296
+    # Ulysses: explicit moves q, K (192 each), V, O (128 each) per head by all-to-all:
+    # 128 * 640 = 81,920 values; LAGA q and O (40,960) by all-to-all plus the latent (576).
+    ul_ex, ul_la = summary(v3("ulysses"), "explicit"), summary(v3("ulysses"), "laga")
+    assert comm(ul_ex) == 2 * 81_920 * 2048 * 2 * 7 / 8
+    assert comm(ul_la) == 2 * (40_960 + 576) * 2048 * 2 * 7 / 8
+    # On the wire the all-to-all sends 7/8 of its input, the all-gather 7 shards.
+    assert comm(ul_la, "wire") == 2 * (40_960 * 2048 * 2 * 7 // 8 + 7 * 576 * 2048 * 2)
 
 
 def test_v3_ulysses_memory_laga_near_explicit_absorbed_above():
@@ -181,13 +244,12 @@ def test_v3_ulysses_memory_laga_near_explicit_absorbed_above():
     eager = [summary(v3("ulysses", "eager"), n)["saved_bytes"]["worst"] for n in ("explicit", "laga")]
     assert eager[1] / eager[0] < 1.01  # the score matrix dominates both
     # Fused: LAGA keeps exactly what explicit keeps, plus the gathered latent (the input
-    # of the rebuild), minus the local latent (the input of explicit's up-projection).
+    # of the rebuild, 16384 x 576 bf16), minus the local latent (the input of explicit's
+    # up-projection, 2048 x 512 bf16).
     cfg = v3("ulysses")
-    ex = cm.form_cost(cfg, cm.Variant("explicit", "explicit"))
-    la = cm.form_cost(cfg, cm.Variant("laga", "laga"))
-    S, s, e = 16384, 16384 // 8, 2
-    extra = S * V3.latent_dim * e - s * V3.kv_lora_rank * e
-    assert la.saved_bytes - ex.saved_bytes == extra
+    ex = cm.form_cost(cfg, RunSpec("explicit", "explicit"))
+    la = cm.form_cost(cfg, RunSpec("laga", "laga"))
+    assert la.saved_bytes - ex.saved_bytes == 16384 * 576 * 2 - 2048 * 512 * 2 == 16_777_216
     assert la.saved_bytes / ex.saved_bytes < 1.06
 
 
@@ -195,19 +257,21 @@ def test_v3_allgather_trade_offs():
     cfg = v3("allgather")
     ex, ab, la = (summary(cfg, n) for n in ("explicit", "absorbed", "laga"))
     assert ab["saved_bytes"]["worst"] < ex["saved_bytes"]["worst"] < la["saved_bytes"]["worst"]
-    # Absorbed attends with (d_c+d_r) keys and d_c values instead of (d_n+d_r) and d_v.
+    # Absorbed attends with 576-wide keys and 512-wide values instead of 192 and 128.
     ratio = ab["flops"]["attention_fwd"]["worst"] / ex["flops"]["attention_fwd"]["worst"]
-    assert ratio == pytest.approx((V3.latent_dim + V3.kv_lora_rank) / (V3.qk_dim + V3.v_head_dim))
-    assert ratio > 3.3
-    # LAGA rebuilds every head for every key: P times explicit's up-projection.
+    assert ratio == pytest.approx((576 + 512) / (192 + 128)) == 3.4
+    # Explicit up-projects its 2048 tokens, LAGA all 16384 keys: 8 times the work.
     assert la["flops"]["rebuild_fwd"]["worst"] == 8 * ex["flops"]["rebuild_fwd"]["worst"]
+    # 2 * tokens * d_c * n * (d_n + d_v) multiply-adds for explicit's up-projection.
+    assert ex["flops"]["rebuild_fwd"]["worst"] == 2 * 2048 * 512 * 128 * 256
     ul = [summary(v3("ulysses"), n)["flops"]["rebuild_fwd"]["worst"] for n in ("explicit", "laga")]
-    assert ul[0] == ul[1]
+    assert ul[0] == ul[1]  # ulysses: 16384 keys x 16 heads = 2048 tokens x 128 heads
 
 
 def test_v3_prefix_trimming_helps_the_average_not_rank_0():
     cfg = v3("allgather")
-    la, tr = summary(cfg, "laga"), summary(cfg, "laga+trim", trim=True)
+    la = summary(cfg, "laga")
+    tr = summary(cfg, "laga+trim", trim_causal_prefix=True)
     assert tr["flops"]["rebuild_fwd"]["average"] < la["flops"]["rebuild_fwd"]["average"]
     assert tr["flops"]["rebuild_fwd"]["worst"] == la["flops"]["rebuild_fwd"]["worst"]
     # zigzag rank r rebuilds keys [0, (2P-r)*S/(2P)); rank 0 sees everything.
@@ -219,13 +283,25 @@ def test_v3_blockwise_recompute_below_explicit_and_absorbed():
     for algo, ceiling in (("allgather", 0.2), ("ulysses", 0.6)):
         cfg = v3(algo)
         ex, ab, la = (summary(cfg, n) for n in ("explicit", "absorbed", "laga"))
-        bw = summary(cfg, "laga+blockwise", recompute=True, block_size=2048)
+        bw = summary(cfg, "laga+blockwise", recompute_kv=True, kv_block_size=2048)
         assert bw["saved_bytes"]["worst"] <= ceiling * ex["saved_bytes"]["worst"], algo
         assert bw["saved_bytes"]["worst"] < ab["saved_bytes"]["worst"], algo
         # What it costs: the rebuild runs again in backward (4 rebuilds' worth instead of 3).
         rebuild = {k: s["flops"]["rebuild_fwd"]["worst"] + s["flops"]["rebuild_bwd"]["worst"]
                    for k, s in (("laga", la), ("blockwise", bw))}
         assert rebuild["blockwise"] * 3 == rebuild["laga"] * 4
+
+
+def test_time_estimate_is_typed_and_adds_up():
+    cfg = v3("allgather")
+    machine = cm.MACHINES["910b-intra-node"]
+    plain = cm.estimate_seconds(cfg, cm.summarize(cfg, RunSpec("laga", "laga")), machine)
+    over = cm.estimate_seconds(cfg, cm.summarize(cfg, RunSpec("laga+overlap", "laga", overlap=True)),
+                               machine)
+    # The latent's wire bytes: 7 shards of 2048 x 576 bf16, forward and backward, at 196 GB/s.
+    assert plain.comm_s == pytest.approx(2 * 7 * 2048 * 576 * 2 / 196e9)
+    assert plain.hidden_s == 0 and over.hidden_s > 0
+    assert over.total_s == pytest.approx(plain.total_s - over.hidden_s)
 
 
 def test_model_rejects_bad_configs():
@@ -239,3 +315,22 @@ def test_model_rejects_bad_configs():
             cm.validate(bad)
     with pytest.raises(ValueError, match="unknown preset"):
         cm.preset("deepseek-v9")
+    with pytest.raises(ValueError, match="kv_block_size"):
+        RunSpec("laga+blockwise", "laga", recompute_kv=True, kv_block_size=0)
+
+
+def test_one_record_of_a_variant_for_model_and_runs():
+    """A case built from a RunSpec and one built from laga_attention keywords agree."""
+    spec = RunSpec("laga+all", "laga", trim_causal_prefix=True, recompute_kv=True, kv_block_size=8,
+                   overlap=True)
+    case = eq.Case(spec=spec, cp_algo="ulysses", layout="contiguous")
+    assert case.form == "laga"
+    assert case.options == (("trim_causal_prefix", True), ("recompute_kv", True), ("kv_block_size", 8),
+                            ("overlap", True))
+    again = eq.Case(form="laga", options=case.options).spec
+    assert (again.options(), again.overlap) == ({"trim_causal_prefix": True, "recompute_kv": True,
+                                                 "kv_block_size": 8}, True)
+    with pytest.raises(ValueError, match="unknown"):
+        eq.Case(form="laga", options=(("latent_gather", True),))
+    with pytest.raises(ValueError, match="form"):
+        RunSpec("x", "mla")

@@ -15,22 +15,22 @@ import itertools
 import pytest
 
 from mindspeed_laga import equivalence as eq
+from mindspeed_laga.runspec import standard_runs
 from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.vocab import CP_ALGOS, LAYOUTS
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
-FORMS = ("explicit", "absorbed", "laga")
-CP_ALGOS = ("allgather", "ulysses")
-LAYOUTS = ("zigzag", "contiguous")
+FORMS = standard_runs(forms_only=True)  # explicit, absorbed, LAGA without options
 KERNELS = ("eager", "sdpa")
 DTYPES = ("float32", "bfloat16")
 
 # The float64 reference depends on the case alone: computed once, checked against every CP size.
 reference = functools.lru_cache(maxsize=None)(eq.reference)
 
-CASES = [eq.Case(form=f, cp_algo=a, layout=l, kernel=k, dtype=d)
+CASES = [eq.Case(spec=f, cp_algo=a, layout=l, kernel=k, dtype=d)
          for f, a, l, k, d in itertools.product(FORMS, CP_ALGOS, LAYOUTS, KERNELS, DTYPES)]
 # Non-causal attention (every key visible) is supported with both layouts too.
-CASES += [eq.Case(form=f, cp_algo=a, layout=l, kernel=k, causal=False)
+CASES += [eq.Case(spec=f, cp_algo=a, layout=l, kernel=k, causal=False)
           for f, a, l, k in itertools.product(FORMS, CP_ALGOS, LAYOUTS, KERNELS)]
 
 

@@ -17,15 +17,14 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from .. import costmodel as cm
-from .plan import one_line_errors
+from ..runspec import RunSpec, standard_runs
+from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, KERNELS, ModelDims
+from .output import MiB, check_output_path, one_line_errors, pad as _pad, ratio as _ratio
+from .plot import write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
-
-FORMS = ("explicit", "absorbed", "laga")
-DEFAULT_LAYOUT = {"allgather": "zigzag", "ulysses": "contiguous"}
-MiB = 2 ** 20
 
 # The table: (header, JSON key, format). Every cell is a key of the row's JSON.
 COLUMNS = (
@@ -50,10 +49,10 @@ def add_parser(sub):
     one_line_errors(p, "bench")
     p.add_argument("--cp", type=positive_int, default=4,
                    help="CP size: gloo processes to spawn (default 4); under torchrun the world size")
-    p.add_argument("--cp-algo", choices=("allgather", "ulysses", "both"), default="both")
+    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="both")
     p.add_argument("--seq-lens", default="128,256,512",
                    help="comma-separated full sequence lengths (default 128,256,512)")
-    p.add_argument("--kernel", choices=("eager", "sdpa", "npu", "auto"), default="sdpa",
+    p.add_argument("--kernel", choices=KERNELS, default="sdpa",
                    help="attention kernel of the non-recomputing variants (default sdpa); "
                         "recompute variants use 'auto' (fused block ops on CPU/CUDA, npu on NPU)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -84,38 +83,27 @@ def parse_seq_lens(text: str) -> List[int]:
     return values
 
 
-def variants_for(args, seq_len: int, cp_size: int) -> List[cm.Variant]:
-    """The three forms plus every LAGA option (overlap only with CP)."""
-    out = [cm.Variant(f, f) for f in FORMS]
-    if args.forms_only:
-        return out
-    block = args.kv_block_size or max(seq_len // 4, 1)
-    out += [cm.Variant("laga+trim", "laga", trim=True),
-            cm.Variant("laga+recompute", "laga", recompute=True),
-            cm.Variant("laga+blockwise", "laga", recompute=True, block_size=block),
-            cm.Variant("laga+blockwise+trim", "laga", trim=True, recompute=True, block_size=block)]
-    if cp_size > 1:
-        # A pair with the same stand-in query projection; only the second overlaps it.
-        out.append(cm.Variant("laga+qproj", "laga"))
-        out.append(cm.Variant("laga+overlap", "laga", overlap=True))
-    return out
+def variants_for(args, seq_len: int, cp_size: int) -> List[RunSpec]:
+    """The three forms plus every LAGA option (overlap only with CP, beside a twin
+    without it that runs the same stand-in query projection)."""
+    return standard_runs(args.kv_block_size or max(seq_len // 4, 1), overlap=cp_size > 1,
+                         query_projection_pair=True, forms_only=args.forms_only)
 
 
 def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type: str) -> cm.Config:
-    dims = cm.MLADims(shape.heads, shape.qk_head_dim, shape.rope_dim, shape.v_head_dim, shape.kv_lora_rank)
+    dims = ModelDims(shape.heads, shape.qk_head_dim, shape.rope_dim, shape.v_head_dim, shape.kv_lora_rank)
     # torch SDPA's CPU dispatch is what the model's "sdpa" describes; on an accelerator
     # its kernels keep no score matrix: model them as "fused".
     if kernel == "auto":
-        kernel = {"cpu": "sdpa", "npu": "npu"}.get(device_type, "fused")
-    model_kernel = "fused" if kernel == "sdpa" and device_type != "cpu" else kernel
+        kernel = {"cpu": cm.SDPA, "npu": cm.NPU}.get(device_type, cm.FUSED)
+    model_kernel = cm.FUSED if kernel == cm.SDPA and device_type != "cpu" else kernel
     return cm.Config(dims, shape.seq_len, shape.batch, cp_size, 1, algo, DEFAULT_LAYOUT[algo],
                      args.dtype, model_kernel, True)
 
 
 def build_runs(args, cp_size: int, device_type: str):
-    from .. import equivalence as eq
-    from ..measure import Run
-    algos = ("allgather", "ulysses") if args.cp_algo == "both" else (args.cp_algo,)
+    from ..cases import Case
+    algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
     runs, models = [], []
     for seq_len in parse_seq_lens(args.seq_lens):
         shape = shape_from_args(args, seq_len)
@@ -124,13 +112,10 @@ def build_runs(args, cp_size: int, device_type: str):
             variants = variants_for(args, seq_len, cp_size)
             cm.validate(cfg, variants)
             for v in variants:
-                kernel = "auto" if v.recompute else args.kernel
-                options = dict(v.options(), **({"overlap": True} if v.overlap else {}))
-                case = eq.Case(form=v.form, cp_algo=algo, layout=DEFAULT_LAYOUT[algo], kernel=kernel,
-                               dtype=args.dtype, shape=shape, options=tuple(options.items()))
-                runs.append(Run(case=case, variant=v.name,
-                                query_projection=v.name in ("laga+qproj", "laga+overlap")))
-                mcfg = cfg if not v.recompute else replace(cfg, kernel="eager")
+                kernel = "auto" if v.recompute_kv else args.kernel
+                runs.append(Case(spec=v, cp_algo=algo, layout=DEFAULT_LAYOUT[algo], kernel=kernel,
+                                 dtype=args.dtype, shape=shape))
+                mcfg = cfg if not v.recompute_kv else replace(cfg, kernel=cm.EAGER)
                 models.append(cm.form_cost(mcfg, v, 0))
     return runs, models
 
@@ -142,9 +127,8 @@ def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
     from .. import equivalence as eq
     rows = []
     refs: Dict[tuple, dict] = {}
-    for i, (run, model) in enumerate(zip(runs, models)):
+    for i, (case, model) in enumerate(zip(runs, models)):
         ranks = [r[i] for r in per_rank]
-        case = run.case
         key = (case.shape, case.dtype, case.seed, case.causal)
         if key not in refs:
             refs[key] = eq.reference(case)
@@ -156,7 +140,7 @@ def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
         peak = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
         rows.append({
             "seq_len": case.shape.seq_len, "cp_algo": case.cp_algo, "layout": case.layout,
-            "variant": run.variant, "form": case.form, "kernel": case.kernel,
+            "variant": case.spec.name, "form": case.form, "kernel": case.kernel,
             "model_kernel": model.kernel, "options": dict(case.options),
             "comm_forward_bytes": fwd, "comm_backward_bytes": bwd, "comm_wire_bytes": wire,
             "comm_design_bytes": sum(r0["design_bytes"].values()),
@@ -180,10 +164,6 @@ def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
 
 def _comm(result, direction, measure) -> int:
     return sum(v[measure] for k, v in result["comm"].get(direction, {}).items() if k != "handshake")
-
-
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}x" if b else "-"
 
 
 def _add_relative(rows: List[dict]) -> None:
@@ -227,44 +207,6 @@ def print_table(rows: List[dict], out=None) -> None:
                   f"({100 * r['latent_comm_hidden_share']:.0f}% hidden)", file=out)
 
 
-def _pad(header: str, fmt: str) -> str:
-    width = int("".join(ch for ch in fmt.split(":")[1] if ch.isdigit() or ch == ".").split(".")[0] or 0)
-    return header.ljust(width) if "<" in fmt else header.rjust(width)
-
-
-def write_plot(rows: List[dict], path: str) -> Optional[str]:
-    """Bytes and saved activations vs sequence length, one line per variant; None if no matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    algos = sorted({r["cp_algo"] for r in rows})
-    fig, axes = plt.subplots(2, len(algos), figsize=(6 * len(algos), 8), squeeze=False)
-    for col, algo in enumerate(algos):
-        names = list(dict.fromkeys(r["variant"] for r in rows if r["cp_algo"] == algo))
-        for name in names:
-            pts = sorted((r["seq_len"], r) for r in rows if r["cp_algo"] == algo and r["variant"] == name)
-            xs = [x for x, _ in pts]
-            axes[0][col].plot(xs, [r["comm_forward_bytes"] + r["comm_backward_bytes"] for _, r in pts],
-                              marker="o", label=name)
-            axes[1][col].plot(xs, [r["saved_bytes"] for _, r in pts], marker="o", label=name)
-        axes[0][col].set_title(f"{algo}: collective bytes per rank (fwd+bwd)")
-        axes[1][col].set_title(f"{algo}: activations saved for backward per rank")
-        for ax in (axes[0][col], axes[1][col]):
-            ax.set_xlabel("sequence length")
-            ax.set_ylabel("bytes")
-            ax.set_xscale("log", base=2)
-            if all(y > 0 for line in ax.get_lines() for y in line.get_ydata()):
-                ax.set_yscale("log")  # no CP: zero bytes would break a log axis
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
 # ---------------------------------------------------------------- running
 
 def _torchrun() -> bool:
@@ -273,22 +215,10 @@ def _torchrun() -> bool:
 
 def _run_torchrun(args, runs, repeat, warmup):
     """This process is one rank: run every variant, gather all ranks' results on every rank."""
-    import torch
     import torch.distributed as dist
-    from ..measure import worker
-    backend = args.backend
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend is None:
-        if torch.cuda.is_available():
-            backend = "nccl"
-        elif getattr(torch, "npu", None) is not None:
-            backend = "hccl"
-        else:
-            backend = "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local)
-    elif backend == "hccl":
-        torch.npu.set_device(local)
+    from ..measure import default_backend, set_local_device, worker
+    backend = args.backend or default_backend()
+    set_local_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     try:
         mine = worker(dist.get_rank(), dist.get_world_size(), runs, repeat, warmup, False, True)
@@ -301,15 +231,17 @@ def _run_torchrun(args, runs, repeat, warmup):
 
 def run(args) -> int:
     from ..spawn import run_on_ranks
-    from ..measure import worker
+    from ..measure import device_type as measure_device_type, worker
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    check_output_path("--json", args.json)
+    check_output_path("--plot", args.plot)
     torchrun = _torchrun()
     cp_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.cp
-    device_type = _device_type(args) if torchrun else "cpu"
+    device_type = measure_device_type(args.backend) if torchrun else "cpu"
     runs, models = build_runs(args, cp_size, device_type)
     where = f"torchrun, world size {cp_size}" if torchrun else f"{cp_size} spawned gloo CPU ranks"
-    s = runs[0].case.shape
+    s = runs[0].shape
     print(f"bench: {where}; {len(runs)} runs ({args.warmup} warm-up + {args.repeat} timed each); "
           f"b={s.batch}, n={s.heads}, d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, "
           f"d_c={s.kv_lora_rank}, {args.dtype}, kernel={args.kernel}", flush=True)
@@ -329,15 +261,6 @@ def run(args) -> int:
           f"{time.perf_counter() - start:.1f} s.")
     _write_outputs(args, rows, cp_size, where)
     return 0
-
-
-def _device_type(args) -> str:
-    import torch
-    if args.backend in (None, "nccl") and torch.cuda.is_available():
-        return "cuda"
-    if args.backend in (None, "hccl") and getattr(torch, "npu", None) is not None:
-        return "npu"
-    return "cpu"
 
 
 def _write_outputs(args, rows, cp_size, where) -> None:

@@ -11,30 +11,21 @@ every form and cp_algo, the fastest named. Nothing runs; see
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import replace
 from typing import Dict, List
 
 from .. import costmodel as cm
+from ..runspec import standard_runs
+from ..vocab import CP_ALGOS, LAYOUTS, ModelDims
+from .output import GiB, MiB, finite_float, fmt_bytes as _fmt_bytes, one_line_errors, ratio as _ratio
 
-GiB = 2 ** 30
-MiB = 2 ** 20
-KERNEL_CHOICES = ("eager", "fused", "npu", "both")
+KERNEL_CHOICES = (cm.EAGER, cm.FUSED, cm.NPU, "both")
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
 DIM_FLAGS = (("heads", "heads"), ("qk_head_dim", "qk_head_dim"), ("qk_pos_emb_head_dim", "rope_dim"),
              ("v_head_dim", "v_head_dim"), ("kv_lora_rank", "kv_lora_rank"),
              ("hidden_size", "hidden_size"), ("q_lora_rank", "q_lora_rank"))
-
-
-def one_line_errors(parser: argparse.ArgumentParser, prog: str):
-    """Argument errors as one line and exit 2 (argparse would add a usage block)."""
-    def error(message):
-        print(f"mindspeed-laga {prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-    parser.error = error
 
 
 def add_parser(sub):
@@ -51,8 +42,8 @@ def add_parser(sub):
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--cp", type=int, default=8, help="context-parallel size (default 8)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: heads per rank = n/TP")
-    p.add_argument("--cp-algo", choices=("allgather", "ulysses", "both"), default="ulysses")
-    p.add_argument("--layout", choices=cm.LAYOUTS, default=None,
+    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="ulysses")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="default: zigzag for allgather, contiguous for ulysses")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--kernel", choices=KERNEL_CHOICES, default="both",
@@ -60,14 +51,14 @@ def add_parser(sub):
                         "both = eager and fused (default)")
     p.add_argument("--kv-block-size", type=int, default=2048,
                    help="keys per rebuilt block for the blockwise LAGA rows (default 2048)")
-    p.add_argument("--device-memory", type=float, default=None, metavar="GiB",
+    p.add_argument("--device-memory", type=finite_float, default=None, metavar="GiB",
                    help="device memory for the fit check (with --num-layers)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="attention layers held by one device (fit check)")
-    p.add_argument("--link-bandwidth", type=float, default=None, metavar="GB/s",
+    p.add_argument("--link-bandwidth", type=finite_float, default=None, metavar="GB/s",
                    help="bytes per second a rank can send (default: 910B intra-node 196 and "
                         "cross-node 25, both shown)")
-    p.add_argument("--device-tflops", type=float, default=None,
+    p.add_argument("--device-tflops", type=finite_float, default=None,
                    help="effective matmul throughput per device (default 160: ~50%% of 910B bf16 peak)")
     p.add_argument("--terms", action="store_true",
                    help="also list every saved tensor of every variant (rank 0, last kernel)")
@@ -76,7 +67,7 @@ def add_parser(sub):
 
 # ---------------------------------------------------------------- config
 
-def dims_from_args(args) -> cm.MLADims:
+def dims_from_args(args) -> ModelDims:
     dims = cm.preset(args.preset)
     changes = {field: getattr(args, flag) for flag, field in DIM_FLAGS if getattr(args, flag) is not None}
     return replace(dims, **changes)
@@ -96,13 +87,13 @@ def configs_from_args(args) -> List[cm.Config]:
     if (args.device_memory is None) != (args.num_layers is None):
         raise ValueError("--device-memory and --num-layers go together (the fit check needs both)")
     dims = dims_from_args(args)
-    algos = ("allgather", "ulysses") if args.cp_algo == "both" else (args.cp_algo,)
+    algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
     out = []
     for algo in algos:
         cfg = cm.Config(dims=dims, seq_len=args.seq_len, micro_batch=args.micro_batch,
                         cp_size=args.cp, tp_size=args.tp, cp_algo=algo, layout=args.layout,
-                        dtype=DTYPES[args.dtype], kernel="fused")
-        cm.validate(cfg, cm.standard_variants(args.kv_block_size))
+                        dtype=DTYPES[args.dtype], kernel=cm.FUSED)
+        cm.validate(cfg, standard_runs(args.kv_block_size))
         out.append(cfg)
     return out
 
@@ -117,13 +108,13 @@ def machines_from_args(args) -> List[cm.Machine]:
 # ---------------------------------------------------------------- the plan
 
 def kernels_from_args(args) -> List[str]:
-    return ["eager", "fused"] if args.kernel == "both" else [args.kernel]
+    return [cm.EAGER, cm.FUSED] if args.kernel == "both" else [args.kernel]
 
 
 def build_plan(args) -> dict:
     """Everything the tables show, as one JSON-able dict."""
     configs = configs_from_args(args)
-    variants = cm.standard_variants(min(args.kv_block_size, args.seq_len))
+    variants = standard_runs(min(args.kv_block_size, args.seq_len))
     kernels = kernels_from_args(args)
     plan = {"config": cm.config_summary(configs[0]), "units": {
         "bytes": "per layer, per CP rank", "flops": "per layer, per CP rank (worst rank)",
@@ -201,14 +192,15 @@ def time_estimates(cfg: cm.Config, variants, machines) -> dict:
     out = {}
     for machine in machines:
         rows = {}
-        for algo in cm.CP_ALGOS:
-            c = replace(cfg, cp_algo=algo, layout=None, kernel="fused")
+        for algo in CP_ALGOS:
+            c = replace(cfg, cp_algo=algo, layout=None, kernel=cm.FUSED)
             try:
                 cm.validate(c)
             except ValueError as exc:
                 rows[algo] = {"error": str(exc)}
                 continue
-            rows[algo] = {v.name: cm.estimate_seconds(c, cm.rank_summary(c, v), machine) for v in variants}
+            rows[algo] = {v.name: cm.estimate_seconds(c, cm.summarize(c, v), machine).as_dict()
+                          for v in variants}
         timed = [(t["total_s"], algo, name) for algo, r in rows.items() if "error" not in r
                  for name, t in r.items()]
         best = min(timed) if timed else None
@@ -219,14 +211,6 @@ def time_estimates(cfg: cm.Config, variants, machines) -> dict:
 
 
 # ---------------------------------------------------------------- printing
-
-def _fmt_bytes(n: float) -> str:
-    return f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / MiB:.2f} MiB"
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else "-"
-
 
 def print_plan(plan: dict) -> None:
     c = plan["config"]

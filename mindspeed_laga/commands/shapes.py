@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..equivalence import MLAShape
+from ..cases import MLAShape
 
 
 def positive_int(text: str) -> int:

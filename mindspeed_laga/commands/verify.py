@@ -9,21 +9,20 @@ median fwd+bwd wall time. Exits 1 if any error is above the tolerance.
 from __future__ import annotations
 
 from .. import equivalence as eq
+from ..runspec import standard_runs
 from ..spawn import run_on_ranks
+from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS, check_seq_len
 from .shapes import add_shape_args, positive_int, shape_from_args
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
-FORMS = ("explicit", "absorbed", "laga")
-# The batch layout each algorithm gets from MindSpeed (see docs/INTEGRATION.md).
-DEFAULT_LAYOUT = {"allgather": "zigzag", "ulysses": "contiguous"}
 
 
 def add_parser(sub):
     p = sub.add_parser("verify", help="run the three forms on P gloo ranks and check them",
                        description=__doc__.split("\n\n")[1])
     p.add_argument("--cp", type=positive_int, default=4, help="CP size (gloo processes), default 4")
-    p.add_argument("--cp-algo", choices=("allgather", "ulysses", "both"), default="both")
-    p.add_argument("--layout", choices=("zigzag", "contiguous"), default=None,
+    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="both")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="default: zigzag for allgather, contiguous for ulysses")
     p.add_argument("--kernel", choices=("eager", "sdpa"), default="sdpa")
     p.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
@@ -33,15 +32,15 @@ def add_parser(sub):
 
 def cases_from_args(args):
     shape = shape_from_args(args)
-    algos = ("allgather", "ulysses") if args.cp_algo == "both" else (args.cp_algo,)
-    return [eq.Case(form=f, cp_algo=a, layout=args.layout or DEFAULT_LAYOUT[a], kernel=args.kernel,
-                    dtype=args.dtype, shape=shape) for a in algos for f in FORMS]
+    algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
+    return [eq.Case(spec=v, cp_algo=a, layout=args.layout or DEFAULT_LAYOUT[a], kernel=args.kernel,
+                    dtype=args.dtype, shape=shape) for a in algos for v in standard_runs(forms_only=True)]
 
 
 def run(args) -> int:
     cases = cases_from_args(args)
-    from ..layout import check_seq_len
-    check_seq_len(args.seq_len, cases[0].layout, args.cp)
+    for layout in dict.fromkeys(c.layout for c in cases):
+        check_seq_len(args.seq_len, layout, args.cp)
     if any(c.cp_algo == "ulysses" for c in cases) and args.heads % args.cp:
         raise ValueError(f"--heads {args.heads} is not divisible by --cp {args.cp} (ulysses splits heads)")
     s = cases[0].shape
