@@ -26,6 +26,7 @@ class RunSpec:
     kv_block_size: Optional[int] = None   # with recompute_kv; None = one block of every key
     overlap: bool = False                 # latent gather started before the query projection
     query_projection: bool = False        # bench: run a stand-in query projection first
+    pad_v: bool = False                   # kernel npu: V zero-padded to the q/k head dim
 
     def __post_init__(self):
         if self.form not in FORMS:
@@ -43,6 +44,8 @@ class RunSpec:
             opts["recompute_kv"] = True
         if self.kv_block_size:
             opts["kv_block_size"] = self.kv_block_size
+        if self.pad_v:
+            opts["pad_v"] = True
         return opts
 
     def option_items(self) -> Tuple[tuple, ...]:
@@ -53,12 +56,13 @@ class RunSpec:
     def from_options(cls, name: str, form: str, options: Iterable[tuple]) -> "RunSpec":
         """From ``((keyword, value), ...)`` (an ``("overlap", True)`` item included)."""
         opts = dict(options)
-        unknown = sorted(set(opts) - set(OPTION_NAMES) - {"overlap"})
+        unknown = sorted(set(opts) - set(OPTION_NAMES) - {"overlap", "pad_v"})
         if unknown:
-            raise ValueError(f"options {unknown} are unknown; use {OPTION_NAMES} or 'overlap'")
+            raise ValueError(f"options {unknown} are unknown; use {OPTION_NAMES}, 'overlap' or 'pad_v'")
         return cls(name, form, trim_causal_prefix=bool(opts.get("trim_causal_prefix", False)),
                    recompute_kv=bool(opts.get("recompute_kv", False)),
-                   kv_block_size=opts.get("kv_block_size"), overlap=bool(opts.get("overlap", False)))
+                   kv_block_size=opts.get("kv_block_size"), overlap=bool(opts.get("overlap", False)),
+                   pad_v=bool(opts.get("pad_v", False)))
 
 
 def standard_runs(block_size: Optional[int] = None, *, overlap: bool = True,
