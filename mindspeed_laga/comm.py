@@ -219,7 +219,8 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_raw(grad, ctx.group, "backward", ctx.tag, label=ctx.label), None, None, None
+        local = reduce_scatter_raw(grad, ctx.group, "backward", ctx.tag, label=ctx.label)
+        return local, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -232,7 +233,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all_raw(grad, ctx.group, "backward", ctx.tag, label=ctx.label), None, None, None
+        exchanged = all_to_all_raw(grad, ctx.group, "backward", ctx.tag, label=ctx.label)
+        return exchanged, None, None, None
 
 
 def gather_seq(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> torch.Tensor:
