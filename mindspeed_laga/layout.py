@@ -26,51 +26,53 @@ from .vocab import (LAYOUTS, Segment, check_seq_len, num_chunks, rank_segments, 
 segments = rank_segments
 
 
-def positions(layout: str, cp_size: int, rank: int, local_len: int,
+def positions(layout: str, cp_size: int, rank: int, local_len: int, *,
               ulysses_degree: int = 1) -> torch.Tensor:
     """Global position of each local token, shape [local_len]."""
-    parts = [torch.arange(g, g + n)
-             for _, n, g in segments(layout, cp_size, rank, local_len, ulysses_degree)]
+    parts = [torch.arange(g, g + n) for _, n, g in
+             segments(layout, cp_size, rank, local_len, ulysses_degree=ulysses_degree)]
     return torch.cat(parts)
 
 
-def gathered_positions(layout: str, cp_size: int, local_len: int,
+def gathered_positions(layout: str, cp_size: int, local_len: int, *,
                        ulysses_degree: int = 1) -> torch.Tensor:
     """Global positions of a rank-order all-gather of every rank's tokens."""
-    return torch.cat([positions(layout, cp_size, r, local_len, ulysses_degree)
+    return torch.cat([positions(layout, cp_size, r, local_len, ulysses_degree=ulysses_degree)
                       for r in range(cp_size)])
 
 
-def to_position_order(layout: str, cp_size: int, local_len: int,
+def to_position_order(layout: str, cp_size: int, local_len: int, *,
                       ulysses_degree: int = 1) -> torch.Tensor:
     """Index ``idx`` with ``gathered[idx]`` in global position order.
 
     Identity for ``contiguous``; a permutation of chunks for ``zigzag``.
     """
-    return torch.argsort(gathered_positions(layout, cp_size, local_len, ulysses_degree))
+    return torch.argsort(gathered_positions(layout, cp_size, local_len,
+                                            ulysses_degree=ulysses_degree))
 
 
 def is_identity(layout: str, cp_size: int) -> bool:
     return cp_size == 1 or layout == "contiguous"
 
 
-def shard(full: torch.Tensor, layout: str, cp_size: int, rank: int, dim: int = 0,
+def shard(full: torch.Tensor, layout: str, cp_size: int, rank: int, dim: int = 0, *,
           ulysses_degree: int = 1) -> torch.Tensor:
     """Rank ``rank``'s part of a full-sequence tensor (for tests, data loaders, the CLI).
 
     ``ulysses_degree``: hybrid CP's U (1: not hybrid).
     """
-    check_seq_len(full.shape[dim], layout, cp_size, ulysses_degree)
+    check_seq_len(full.shape[dim], layout, cp_size, ulysses_degree=ulysses_degree)
     local_len = full.shape[dim] // cp_size
-    idx = positions(layout, cp_size, rank, local_len, ulysses_degree).to(full.device)
+    idx = positions(layout, cp_size, rank, local_len, ulysses_degree=ulysses_degree).to(full.device)
     return full.index_select(dim, idx)
 
 
-def unshard(parts: List[torch.Tensor], layout: str, dim: int = 0,
+def unshard(parts: List[torch.Tensor], layout: str, dim: int = 0, *,
             ulysses_degree: int = 1) -> torch.Tensor:
     """Inverse of :func:`shard`: every rank's part, in rank order -> full sequence."""
     cp_size = len(parts)
     local_len = parts[0].shape[dim]
     gathered = torch.cat(parts, dim=dim)
-    idx = to_position_order(layout, cp_size, local_len, ulysses_degree).to(gathered.device)
+    idx = to_position_order(layout, cp_size, local_len,
+                            ulysses_degree=ulysses_degree).to(gathered.device)
     return gathered.index_select(dim, idx)

@@ -142,7 +142,7 @@ class AttnSetup:
     def query_segments(self) -> List[Segment]:
         """Segments of the queries the attention sees on this rank."""
         return query_segments(self.layout, self.cp_size, self.cp_rank, self.local_len,
-                              self.heads_split, self.ulysses_degree)
+                              self.heads_split, ulysses_degree=self.ulysses_degree)
 
     def visible_keys(self) -> int:
         """Keys (from position 0) that at least one of this rank's queries sees."""
@@ -168,7 +168,7 @@ def seq_multiple(layout: str, cp_size: int, ulysses_degree: int = 1) -> int:
     return 2 * ring * cp_size // math.gcd(2 * ring, cp_size)
 
 
-def check_seq_len(seq_len: int, layout: str, cp_size: int, ulysses_degree: int = 1) -> None:
+def check_seq_len(seq_len: int, layout: str, cp_size: int, *, ulysses_degree: int = 1) -> None:
     """The full sequence must cut into equal chunks (ValueError naming the padding)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
@@ -184,7 +184,7 @@ def check_seq_len(seq_len: int, layout: str, cp_size: int, ulysses_degree: int =
             f"({why} for layout={layout!r}, CP={cp_size}); pad it to a multiple of {multiple}")
 
 
-def rank_segments(layout: str, cp_size: int, rank: int, local_len: int,
+def rank_segments(layout: str, cp_size: int, rank: int, local_len: int, *,
                   ulysses_degree: int = 1) -> List[Segment]:
     """The consecutive-position runs of rank ``rank``'s ``local_len`` tokens.
 
@@ -217,7 +217,7 @@ def _cut(segments: List[Segment], start: int, length: int) -> List[Segment]:
 
 
 def query_segments(layout: str, cp_size: int, rank: int, local_len: int,
-                   split_heads: bool, ulysses_degree: int = 1) -> List[Segment]:
+                   split_heads: bool, *, ulysses_degree: int = 1) -> List[Segment]:
     """Segments of the queries a rank attends.
 
     Local queries: this rank's own tokens. Heads split: the tokens of every
@@ -226,14 +226,15 @@ def query_segments(layout: str, cp_size: int, rank: int, local_len: int,
     consecutive ranks holding ``rank``).
     """
     if not split_heads:
-        return rank_segments(layout, cp_size, rank, local_len, ulysses_degree)
+        return rank_segments(layout, cp_size, rank, local_len, ulysses_degree=ulysses_degree)
     s = local_len
     if ulysses_degree > 1:
         first, members = rank - rank % ulysses_degree, ulysses_degree
     else:
         first, members = 0, cp_size
     return [(i * s + ls, n, g) for i in range(members)
-            for ls, n, g in rank_segments(layout, cp_size, first + i, s, ulysses_degree)]
+            for ls, n, g in rank_segments(layout, cp_size, first + i, s,
+                                          ulysses_degree=ulysses_degree)]
 
 
 # ---------------------------------------------------------------- keys a query sees

@@ -225,9 +225,10 @@ def test_layouts_match_the_host_split(world, degree, seq):
         first = r - r % degree
         group_tokens = torch.cat(parts[first:first + degree])
         got = torch.cat([torch.arange(g, g + n) for _, n, g in
-                         query_segments("zigzag", world, r, s, True, degree)])
+                         query_segments("zigzag", world, r, s, True, ulysses_degree=degree)])
         assert torch.equal(got, group_tokens)
-        assert sum(n for _, n, _ in rank_segments("zigzag", world, r, s, degree)) == s
+        assert sum(n for _, n, _ in rank_segments("zigzag", world, r, s,
+                                                  ulysses_degree=degree)) == s
 
 
 def test_shard_rejects_a_sequence_the_hybrid_split_cannot_cut():

@@ -87,9 +87,10 @@ def flatten_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _order_index(layout: str, cp_size: int, local_len: int, device: str,
+def _order_index(layout: str, cp_size: int, local_len: int, device: str, *,
                  ulysses_degree: int = 1) -> torch.Tensor:
-    return layouts.to_position_order(layout, cp_size, local_len, ulysses_degree).to(device)
+    return layouts.to_position_order(layout, cp_size, local_len,
+                                     ulysses_degree=ulysses_degree).to(device)
 
 
 def to_position_order(x: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
@@ -97,7 +98,7 @@ def to_position_order(x: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
     if layouts.is_identity(setup.layout, setup.cp_size):
         return x
     idx = _order_index(setup.layout, setup.cp_size, setup.local_len, str(x.device),
-                       setup.ulysses_degree)
+                       ulysses_degree=setup.ulysses_degree)
     return x.index_select(0, idx)
 
 
