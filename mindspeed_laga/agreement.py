@@ -41,7 +41,8 @@ LABELS = {"local_len": "the local sequence length", "micro_batch": "the micro-ba
           "heads": "the heads", "rope_dim": "the qk_pos_emb_head_dim",
           "qk_head_dim": "the qk_head_dim", "v_head_dim": "the v_head_dim",
           "kv_lora_rank": "the kv_lora_rank", "dtype": "the dtype",
-          "requires_grad": "whether grads are needed (requires_grad under grad mode)"}
+          "requires_grad": "whether grads are needed (requires_grad under grad mode)",
+          "ulysses_degree": "the size of ulysses_group"}
 UNKNOWN = -1
 
 _SKIP = {}  # cp_group -> True once every rank agreed on check_ranks=False

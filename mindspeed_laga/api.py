@@ -12,8 +12,11 @@ token's global position) and return the input of ``linear_proj``:
 - returns          [s, b, n*v_head_dim]
 
 Keywords: ``softmax_scale``; ``cp_group`` (None or size 1: no CP);
-``cp_algo`` "allgather" (local queries, all heads) or "ulysses" (heads split
-over the group); ``layout`` "zigzag" or "contiguous"; ``causal``;
+``cp_algo`` "allgather" (local queries, all heads), "ulysses" (heads split
+over the group) or "hybrid" (heads split inside ``ulysses_group``, the U
+consecutive CP ranks holding this rank, CP rank c = r*U + u; the latent or
+K/V cross the rest: docs/DESIGN.md "Hybrid CP"); ``ulysses_group``: hybrid
+only; ``layout`` "zigzag" or "contiguous"; ``causal``;
 ``kernel`` "eager" | "sdpa" | "npu" | "auto" (npu on NPU tensors, else sdpa);
 ``cu_seqlens``: packed documents, the global boundaries 0 ... S (local
 length x CP) in position order, the same on every rank (micro-batch 1): a
@@ -46,12 +49,13 @@ from .forms.laga import laga_forward
 
 def _setup(form, query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
            layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim, cu_seqlens, pad_v,
-           blockwise=False, options=None, extra_check=None):
+           blockwise=False, options=None, extra_check=None, ulysses_group=None):
     return validate.check(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale=softmax_scale,
                           cp_group=cp_group, cp_algo=cp_algo, layout=layout, causal=causal,
                           kernel=kernel, form=form, check_ranks=check_ranks, blockwise=blockwise,
                           qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, options=options,
-                          cu_seqlens=cu_seqlens, pad_v=pad_v, extra_check=extra_check)
+                          cu_seqlens=cu_seqlens, pad_v=pad_v, extra_check=extra_check,
+                          ulysses_group=ulysses_group)
 
 
 def _flag(value) -> int:
@@ -64,7 +68,8 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
                    check_ranks: bool = True, trim_causal_prefix: bool = False,
                    recompute_kv: bool = False, kv_block_size: Optional[int] = None,
                    latent_gather=None, qk_head_dim: Optional[int] = None,
-                   v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False):
+                   v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False,
+                   ulysses_group=None):
     """LAGA: gather the latent (d_c + d_r per token), rebuild K/V locally, attend.
 
     Options beyond the paper (all exact; see docs/BEYOND.md):
@@ -90,7 +95,7 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
     setup = _setup("laga", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
                    cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim,
                    cu_seqlens, pad_v, blockwise=recompute_kv is True, options=options,
-                   extra_check=check_options)
+                   extra_check=check_options, ulysses_group=ulysses_group)
     return laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup,
                         trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
                         kv_block_size=kv_block_size, latent_gather=latent_gather)
@@ -122,22 +127,24 @@ def _check_laga_options(kv_latent, k_pos_emb, cp_group, cp_size, recompute_kv, k
 def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
                        cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
                        kernel="auto", check_ranks: bool = True, qk_head_dim: Optional[int] = None,
-                       v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False):
+                       v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False,
+                       ulysses_group=None):
     """Explicit MLA: per-head K/V (allgather) or Q/K/V/O (ulysses) cross the wire."""
     setup = _setup("explicit", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
                    cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim,
-                   cu_seqlens, pad_v)
+                   cu_seqlens, pad_v, ulysses_group=ulysses_group)
     return explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 
 def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
                        cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
                        kernel="auto", check_ranks: bool = True, qk_head_dim: Optional[int] = None,
-                       v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False):
+                       v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False,
+                       ulysses_group=None):
     """Absorbed MLA: latent-space attention with q . W_UK and o . W_UV^T (the memory trap)."""
     setup = _setup("absorbed", query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group,
                    cp_algo, layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim,
-                   cu_seqlens, pad_v)
+                   cu_seqlens, pad_v, ulysses_group=ulysses_group)
     return absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 

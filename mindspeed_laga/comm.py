@@ -13,6 +13,11 @@ exact sizes, both read off the tensors handed to the collective:
 - ``wire``: the bytes this rank sends to other ranks under the standard
   algorithms (ring all-gather / reduce-scatter: ``(P-1) * shard``; all-to-all:
   ``(P-1)/P`` of the input). This is what a link actually carries.
+
+Each record also names the group it ran over (``group``): "cp" (the whole CP
+group), "ulysses" (hybrid CP's group of U ranks, inside a node) or "ring"
+(hybrid CP's R ranks with the same Ulysses rank, across nodes), so intra-node
+and cross-node traffic are counted apart.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
+GROUPS = ("cp", "ulysses", "ring")
 
 
 @dataclass
@@ -37,6 +43,7 @@ class CommRecord:
     group_size: int
     tag: str = ""
     seconds: float = 0.0  # time the caller was blocked: the call, or the wait of an async op
+    group: str = "cp"     # which group it ran over (GROUPS)
 
 
 @dataclass
@@ -46,17 +53,21 @@ class CommCounter:
     records: List[CommRecord] = field(default_factory=list)
 
     def bytes(self, kind: Optional[str] = None, direction: Optional[str] = None,
-              measure: str = "payload") -> int:
+              measure: str = "payload", group: Optional[str] = None) -> int:
         """Total bytes of ``measure`` ("payload" or "wire") over matching records.
 
         ``kind=None`` sums the data collectives only (not the small rank
-        handshake, kind "handshake").
+        handshake, kind "handshake"); ``group`` keeps one group's records
+        ("cp", "ulysses" or "ring"; None: all).
         """
         if measure not in ("payload", "wire"):
             raise ValueError(f"measure must be 'payload' or 'wire', got {measure!r}")
+        if group is not None and group not in GROUPS:
+            raise ValueError(f"group must be one of {GROUPS} or None, got {group!r}")
         kinds = DATA_KINDS if kind is None else (kind,)
         return sum(getattr(r, measure) for r in self.records
-                   if r.kind in kinds and (direction is None or r.direction == direction))
+                   if r.kind in kinds and (direction is None or r.direction == direction)
+                   and (group is None or r.group == group))
 
     def design_bytes(self, direction: Optional[str] = None) -> float:
         """DESIGN.md section 2 convention: payload * (P-1)/P, summed."""
@@ -89,9 +100,11 @@ def count_bytes():
         _OPEN_COUNTERS.remove(counter)
 
 
-def _record(kind: str, direction: str, payload: int, wire: int, size: int, tag: str = ""):
+def _record(kind: str, direction: str, payload: int, wire: int, size: int, tag: str = "",
+            label: str = "cp"):
     """Log a collective in every open counter; returns the records to time."""
-    records = [CommRecord(kind, direction, payload, wire, size, tag) for _ in _OPEN_COUNTERS]
+    records = [CommRecord(kind, direction, payload, wire, size, tag, group=label)
+               for _ in _OPEN_COUNTERS]
     for counter, record in zip(_OPEN_COUNTERS, records):
         counter.records.append(record)
     return records
@@ -141,33 +154,39 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 # ---------------------------------------------------------------- raw collectives
 
-def all_gather_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_op: bool = False):
-    """Concatenate every rank's ``x`` along dim 0, in rank order."""
+def all_gather_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_op: bool = False,
+                   label: str = "cp"):
+    """Concatenate every rank's ``x`` along dim 0, in rank order (``label``: GROUPS)."""
     size = group_size(group)
     x = x.contiguous()
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    records = _record("all_gather", direction, _nbytes(x), (size - 1) * _nbytes(x), size, tag)
+    records = _record("all_gather", direction, _nbytes(x), (size - 1) * _nbytes(x), size, tag,
+                      label)
     pending = _run(lambda a: _all_gather_tensor(out, x, group=group, async_op=a), records, async_op)
     return (out, pending) if async_op else out
 
 
-def reduce_scatter_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_op: bool = False):
+def reduce_scatter_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_op: bool = False,
+                       label: str = "cp"):
     """Sum ``x`` over ranks and keep this rank's dim-0 shard."""
     size = group_size(group)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    records = _record("reduce_scatter", direction, _nbytes(out), (size - 1) * _nbytes(out), size, tag)
+    records = _record("reduce_scatter", direction, _nbytes(out), (size - 1) * _nbytes(out), size, tag,
+                      label)
     pending = _run(lambda a: _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group,
                                                     async_op=a), records, async_op)
     return (out, pending) if async_op else out
 
 
-def all_to_all_raw(x: torch.Tensor, group, direction: str, tag: str = "") -> torch.Tensor:
+def all_to_all_raw(x: torch.Tensor, group, direction: str, tag: str = "",
+                   label: str = "cp") -> torch.Tensor:
     """Dim 0 of ``x`` is split in P equal parts; part j goes to rank j."""
     size = group_size(group)
     x = x.contiguous()
     out = torch.empty_like(x)
-    records = _record("all_to_all", direction, _nbytes(x), _nbytes(x) * (size - 1) // size, size, tag)
+    records = _record("all_to_all", direction, _nbytes(x), _nbytes(x) * (size - 1) // size, size, tag,
+                      label)
     _run(lambda a: dist.all_to_all_single(out, x, group=group, async_op=a), records, False)
     return out
 
@@ -188,36 +207,38 @@ class _GatherSeq(torch.autograd.Function):
     """All-gather along dim 0 forward; reduce-scatter the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group, tag):
-        ctx.group, ctx.tag = group, tag
-        return all_gather_raw(x, group, "forward", tag)
+    def forward(ctx, x, group, tag, label):
+        ctx.group, ctx.tag, ctx.label = group, tag, label
+        return all_gather_raw(x, group, "forward", tag, label=label)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_raw(grad, ctx.group, "backward", ctx.tag), None, None
+        local = reduce_scatter_raw(grad, ctx.group, "backward", ctx.tag, label=ctx.label)
+        return local, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single forward; the same exchange of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group, tag):
-        ctx.group, ctx.tag = group, tag
-        return all_to_all_raw(x, group, "forward", tag)
+    def forward(ctx, x, group, tag, label):
+        ctx.group, ctx.tag, ctx.label = group, tag, label
+        return all_to_all_raw(x, group, "forward", tag, label=label)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all_raw(grad, ctx.group, "backward", ctx.tag), None, None
+        exchanged = all_to_all_raw(grad, ctx.group, "backward", ctx.tag, label=ctx.label)
+        return exchanged, None, None, None
 
 
-def gather_seq(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+def gather_seq(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> torch.Tensor:
     """[s, ...] on each rank -> [P*s, ...] in rank order; grads reduce-scattered."""
     if group_size(group) == 1:
         return x
-    return _GatherSeq.apply(x, group, tag)
+    return _GatherSeq.apply(x, group, tag, label)
 
 
-def seq_to_heads(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> torch.Tensor:
     """Ulysses: [s, b, n, d] sequence-split -> [P*s, b, n/P, d] head-split (rank order)."""
     size = group_size(group)
     if size == 1:
@@ -225,11 +246,11 @@ def seq_to_heads(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
     s, b, n, d = x.shape
     # dim 0 of the send buffer must be the destination rank: its head group.
     send = x.reshape(s, b, size, n // size, d).permute(2, 0, 1, 3, 4)
-    recv = _AllToAll.apply(send, group, tag)  # [P(source rank), s, b, n/P, d]
+    recv = _AllToAll.apply(send, group, tag, label)  # [P(source rank), s, b, n/P, d]
     return recv.reshape(size * s, b, n // size, d)
 
 
-def heads_to_seq(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> torch.Tensor:
     """Ulysses: [P*s, b, n/P, d] head-split (rank order) -> [s, b, n, d] sequence-split."""
     size = group_size(group)
     if size == 1:
@@ -237,5 +258,31 @@ def heads_to_seq(x: torch.Tensor, group, tag: str = "") -> torch.Tensor:
     total, b, h, d = x.shape
     s = total // size
     send = x.reshape(size, s, b, h, d)  # dim 0: the rank that owns those tokens
-    recv = _AllToAll.apply(send, group, tag)  # [P(source rank = head group), s, b, h, d]
+    recv = _AllToAll.apply(send, group, tag, label)  # [P(source rank = head group), s, b, h, d]
     return recv.permute(1, 2, 0, 3, 4).reshape(s, b, size * h, d)
+
+
+# ---------------------------------------------------------------- hybrid CP groups
+
+_RING_GROUPS: Dict[tuple, object] = {}
+
+
+def hybrid_ring_group(cp_group, ulysses_group):
+    """The ring group of hybrid CP: the R = P/U ranks of ``cp_group`` with this
+    rank's Ulysses rank (CP ranks u, U+u, 2U+u, ...), in ring-rank order.
+
+    Collective over those R ranks: each builds it on its first call for a
+    (cp_group, ulysses_group) pair and caches it. It is created with
+    ``use_local_synchronization=True``, so only its R members take part (no
+    rank outside it, and no other ring group, has to call in the same order);
+    the explicit form calls it right after the handshake, which every rank of
+    cp_group passes together, so the members always meet.
+    """
+    key = (cp_group, ulysses_group)
+    if key not in _RING_GROUPS:
+        cp_ranks = dist.get_process_group_ranks(cp_group)
+        degree = group_size(ulysses_group)
+        u = group_rank(cp_group) % degree
+        ranks = cp_ranks[u::degree]
+        _RING_GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return _RING_GROUPS[key]

@@ -17,8 +17,8 @@ from typing import Dict, Optional
 import torch
 
 from . import agreement, comm
-from .vocab import (CP_ALGOS, FORMS, KERNELS, LAYOUTS, AttnSetup, MLADims, check_documents,
-                    heads_split)
+from .vocab import (ATTN_CP_ALGOS, CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS,  # noqa: F401
+                    AttnSetup, MLADims, check_documents, heads_split, seq_multiple)
 
 
 def _dims(query, kv_latent, k_pos_emb, kv_up_weight, qk_head_dim=None, v_head_dim=None) -> MLADims:
@@ -93,8 +93,8 @@ def _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight):
 
 
 def _check_choices(cp_algo, layout, kernel, causal, softmax_scale):
-    if cp_algo not in CP_ALGOS:
-        raise ValueError(f"cp_algo={cp_algo!r} is unknown; use one of {CP_ALGOS}")
+    if cp_algo not in ATTN_CP_ALGOS:
+        raise ValueError(f"cp_algo={cp_algo!r} is unknown; use one of {ATTN_CP_ALGOS}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
     if kernel not in KERNELS:
@@ -107,10 +107,13 @@ def _check_choices(cp_algo, layout, kernel, causal, softmax_scale):
                          f"1/sqrt(qk_head_dim + qk_pos_emb_head_dim)), got {softmax_scale!r}")
 
 
-def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layout: str):
+def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layout: str,
+                 ulysses_degree: int = 1):
     if cp_size == 1:
         return
-    if layout in ("zigzag",) and local_len % 2:
+    if ulysses_degree > 1:
+        _check_hybrid_split(local_len, cp_size, layout, ulysses_degree)
+    elif layout == "zigzag" and local_len % 2:
         raise ValueError(
             f"layout='zigzag' needs the sequence divisible by 2*CP={2 * cp_size}: each rank "
             f"holds 2 equal chunks, but this rank holds {local_len} tokens; pad the sequence "
@@ -121,8 +124,79 @@ def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layo
             f"divisible by CP={cp_size}; use cp_algo='allgather' or a CP size dividing the heads")
 
 
-def _documents(cu_seqlens, query, cp_size: int, layout: str):
+def _check_hybrid_split(local_len: int, cp_size: int, layout: str, degree: int):
+    multiple = seq_multiple(layout, cp_size, degree)
+    if (local_len * cp_size) % multiple:
+        raise ValueError(
+            f"layout={layout!r} with cp_algo='hybrid' (CP={cp_size}, ulysses_group of {degree}) "
+            f"needs the sequence divisible by {multiple} (2R={2 * cp_size // degree} chunks, each "
+            f"ring pair cut into {degree} pieces), but it is {local_len * cp_size} tokens "
+            f"({local_len} on this rank); pad the sequence to a multiple of {multiple} or use "
+            "layout='contiguous'")
+
+
+def _check_ulysses_group(cp_algo, ulysses_group, cp_group, cp_size: int, heads: int) -> int:
+    """Hybrid CP's Ulysses group: U consecutive CP ranks holding this rank -> U (1: not hybrid)."""
+    if cp_algo != HYBRID:
+        if ulysses_group is not None:
+            raise ValueError(f"ulysses_group is given but cp_algo={cp_algo!r}; pass "
+                             "cp_algo='hybrid' to split heads inside ulysses_group, or drop "
+                             "ulysses_group")
+        return 1
+    if ulysses_group is None:
+        raise ValueError("cp_algo='hybrid' needs ulysses_group=: the process group of the U "
+                         "consecutive CP ranks that holds this rank (CP rank c = r*U + u, as "
+                         "MindSpeed's hybrid Ulysses group); or use cp_algo='allgather' or "
+                         "'ulysses'")
+    members, cp_members = _group_ranks(ulysses_group, "ulysses_group"), _cp_ranks(cp_group)
+    degree = len(members)
+    if cp_size % degree:
+        raise ValueError(f"ulysses_group has {degree} ranks, which does not divide CP={cp_size}; "
+                         "its size U must divide the CP size (R = CP/U ring ranks)")
+    first = comm.group_rank(cp_group) // degree * degree
+    expected = cp_members[first:first + degree]
+    if members != expected:
+        raise ValueError(
+            f"ulysses_group must be the {degree} consecutive ranks of cp_group that hold this "
+            f"rank (CP ranks {first}..{first + degree - 1}, global ranks {expected}), in CP rank "
+            f"order; got global ranks {members}. Build it as MindSpeed's hybrid groups: CP rank "
+            "c = r*U + u")
+    if heads % degree:
+        raise ValueError(f"cp_algo='hybrid' splits heads over ulysses_group: {heads} heads (per "
+                         f"TP rank) are not divisible by its size U={degree}; use a "
+                         "ulysses_group whose size divides the heads")
+    return degree
+
+
+def _group_ranks(group, name: str):
+    try:
+        return list(torch.distributed.get_process_group_ranks(group))
+    except Exception as exc:  # not a process group, or no process group initialized
+        raise ValueError(f"{name} must be a torch.distributed process group, got "
+                         f"{type(group).__name__} ({exc})") from None
+
+
+def _cp_ranks(cp_group):
+    if cp_group is None:
+        return [torch.distributed.get_rank() if torch.distributed.is_initialized() else 0]
+    return _group_ranks(cp_group, "cp_group")
+
+
+def _ulysses_degree_value(cp_algo, ulysses_group) -> int:
+    """U for the handshake (-1 when unknown), so ranks that differ on it raise alike."""
+    if cp_algo != HYBRID and ulysses_group is None:
+        return 1
+    try:
+        return comm.group_size(ulysses_group)
+    except Exception:
+        return agreement.UNKNOWN
+
+
+def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
     """cu_seqlens -> a tuple of global document boundaries (or None), checked."""
+    if layout == "doc_zigzag" and degree > 1:
+        raise ValueError("layout='doc_zigzag' has no hybrid form: with cp_algo='hybrid' use "
+                         "layout='zigzag' or 'contiguous' (cu_seqlens still applies)")
     if cu_seqlens is None:
         if layout == "doc_zigzag":
             raise ValueError("layout='doc_zigzag' needs cu_seqlens= (the global document "
@@ -179,15 +253,17 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
           layout, causal, kernel, form: str, check_ranks: bool = True, blockwise: bool = False,
           qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
           options: Optional[Dict[str, int]] = None, cu_seqlens=None, pad_v: bool = False,
-          extra_check=None) -> AttnSetup:
+          extra_check=None, ulysses_group=None) -> AttnSetup:
     """Validate the arguments of a form and agree on them across the CP group.
 
     ``options``: the form's options as integers (field names of
-    agreement.FIELDS); ``extra_check(cp_size)`` runs with the local checks.
+    agreement.FIELDS); ``extra_check(cp_size)`` runs with the local checks;
+    ``ulysses_group``: hybrid CP's Ulysses group (cp_algo='hybrid' only).
     """
     cp_size = comm.group_size(cp_group)
     error: Optional[str] = None
     dims = documents = None
+    degree = 1
     try:
         if not isinstance(check_ranks, bool):
             raise ValueError(f"check_ranks must be True or False, got {check_ranks!r}")
@@ -196,8 +272,9 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
             raise ValueError(f"pad_v must be True or False, got {pad_v!r}")
         dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight, qk_head_dim, v_head_dim)
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
-        _check_split(dims, query.shape[0], cp_size, cp_algo, layout)
-        documents = _documents(cu_seqlens, query, cp_size, layout)
+        degree = _check_ulysses_group(cp_algo, ulysses_group, cp_group, cp_size, dims.heads)
+        _check_split(dims, query.shape[0], cp_size, cp_algo, layout, degree)
+        documents = _documents(cu_seqlens, query, cp_size, layout, degree)
         kernel = resolve_kernel(kernel, query.device, blockwise, query.dtype)
         if extra_check is not None:
             extra_check(cp_size)
@@ -207,6 +284,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
         error = str(exc)
     values = _agreed_values(form, cp_algo, layout, causal, softmax_scale, check_ranks, query,
                             (query, kv_latent, k_pos_emb, kv_up_weight), dims, options)
+    values["ulysses_degree"] = _ulysses_degree_value(cp_algo, ulysses_group)
     if error is None:
         values["documents"] = documents_code(documents)
     agreement.agree(values, error, cp_group, query.device if isinstance(query, torch.Tensor) else "cpu",
@@ -214,11 +292,13 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
     return AttnSetup(dims=dims, local_len=query.shape[0], batch=query.shape[1],
                      cp_group=cp_group, cp_size=cp_size, cp_rank=comm.group_rank(cp_group),
                      cp_algo=cp_algo, layout=layout, causal=causal, kernel=kernel,
-                     softmax_scale=float(softmax_scale), documents=documents, pad_v=pad_v)
+                     softmax_scale=float(softmax_scale), documents=documents, pad_v=pad_v,
+                     ulysses_group=ulysses_group if cp_algo == HYBRID else None,
+                     ulysses_degree=degree)
 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-_NAMES = {"form": FORMS, "cp_algo": CP_ALGOS, "layout": LAYOUTS, "stage": agreement.STAGES,
+_NAMES = {"form": FORMS, "cp_algo": ATTN_CP_ALGOS, "layout": LAYOUTS, "stage": agreement.STAGES,
           "dtype": tuple(str(d) for d in _DTYPES)}
 
 
@@ -230,7 +310,7 @@ def _agreed_values(form, cp_algo, layout, causal, softmax_scale, check_ranks, qu
                    dims: Optional[MLADims], options) -> Dict[str, int]:
     """What every rank must agree on, as integers (unknown values stay out)."""
     values = {"stage": 0, "check_ranks": int(bool(check_ranks)), "form": _code(FORMS, form),
-              "cp_algo": _code(CP_ALGOS, cp_algo), "layout": _code(LAYOUTS, layout)}
+              "cp_algo": _code(ATTN_CP_ALGOS, cp_algo), "layout": _code(LAYOUTS, layout)}
     if isinstance(causal, bool):
         values["causal"] = int(causal)
     if isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool):

@@ -15,15 +15,21 @@ See docs/DESIGN.md, sections "Layouts" and "Causal masks".
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
 FORMS = ("explicit", "absorbed", "laga")
 CP_ALGOS = ("allgather", "ulysses")
+# Hybrid CP (Ulysses inside a group of U ranks, the latent across the CP group):
+# an algorithm of the attention core only, so it stays out of CP_ALGOS, which
+# the cost model and the CLI enumerate.
+HYBRID = "hybrid"
+ATTN_CP_ALGOS = CP_ALGOS + (HYBRID,)
 LAYOUTS = ("zigzag", "contiguous", "doc_zigzag")
 KERNELS = ("auto", "eager", "sdpa", "npu")
 # The split each algorithm's host data pipeline produces when a caller names none.
-DEFAULT_LAYOUT = {"allgather": "zigzag", "ulysses": "contiguous"}
+DEFAULT_LAYOUT = {"allgather": "zigzag", "ulysses": "contiguous", HYBRID: "zigzag"}
 
 Segment = Tuple[int, int, int]  # (local_start, length, global_start)
 Documents = Optional[Tuple[int, ...]]  # cu_seqlens: global document boundaries, 0 ... S
@@ -76,8 +82,11 @@ class ModelDims:
                        self.kv_lora_rank)
 
 
-def heads_split(cp_algo: str, cp_size: int) -> bool:
-    """Whether the CP group splits heads (ulysses) rather than keeping all of them."""
+def heads_split(cp_algo: str, cp_size: int, ulysses_degree: int = 1) -> bool:
+    """Whether heads are split (ulysses: over the CP group; hybrid: over its Ulysses
+    group of ``ulysses_degree`` ranks) rather than all kept."""
+    if cp_algo == HYBRID:
+        return ulysses_degree > 1
     return cp_algo == "ulysses" and cp_size > 1
 
 
@@ -98,11 +107,28 @@ class AttnSetup:
     softmax_scale: float
     documents: Documents = None   # cu_seqlens (global), or None: one sequence
     pad_v: bool = False           # kernel "npu": zero-pad V to the q/k head dim for the fused op
+    # Hybrid CP only: the Ulysses group (U consecutive CP ranks holding this one) and U.
+    # U also names the hybrid layout (docs/DESIGN.md "Hybrid CP"); 1 everywhere else.
+    ulysses_group: object = None
+    ulysses_degree: int = 1
 
     @property
     def heads_split(self) -> bool:
-        """Heads split over the CP group (ulysses): Q goes out and O comes back by all-to-all."""
-        return heads_split(self.cp_algo, self.cp_size)
+        """Heads split over the split group: Q goes out and O comes back by all-to-all."""
+        return heads_split(self.cp_algo, self.cp_size, self.ulysses_degree)
+
+    @property
+    def split_group(self):
+        """The group the head all-to-alls run over: the Ulysses group (hybrid) or cp_group."""
+        return self.ulysses_group if self.cp_algo == HYBRID else self.cp_group
+
+    @property
+    def split_size(self) -> int:
+        return self.ulysses_degree if self.cp_algo == HYBRID else self.cp_size
+
+    @property
+    def split_rank(self) -> int:
+        return self.cp_rank % self.ulysses_degree if self.cp_algo == HYBRID else self.cp_rank
 
     @property
     def seq_len(self) -> int:
@@ -114,13 +140,14 @@ class AttnSetup:
         n = self.dims.heads
         if not self.heads_split:
             return 0, n
-        h = n // self.cp_size
-        return self.cp_rank * h, h
+        h = n // self.split_size
+        return self.split_rank * h, h
 
     def query_segments(self) -> List[Segment]:
         """Segments of the queries the attention sees on this rank."""
         return query_segments(self.layout, self.cp_size, self.cp_rank, self.local_len,
-                              self.heads_split, self.documents)
+                              self.heads_split, self.documents,
+                              ulysses_degree=self.ulysses_degree)
 
     def key_ranges(self) -> List[Tuple[int, int]]:
         """Position ranges of the keys this rank's queries see (what trimming rebuilds)."""
@@ -135,27 +162,55 @@ def num_chunks(layout: str, cp_size: int) -> int:
     return 2 * cp_size if layout in ("zigzag", "doc_zigzag") and cp_size > 1 else cp_size
 
 
-def check_seq_len(seq_len: int, layout: str, cp_size: int) -> None:
+def seq_multiple(layout: str, cp_size: int, ulysses_degree: int = 1) -> int:
+    """The full sequence length must be a multiple of this.
+
+    Hybrid zigzag (``ulysses_degree`` U > 1): 2R chunks (R = P/U) whose pairs
+    are cut into U equal pieces, i.e. a multiple of lcm(2R, P).
+    """
+    if ulysses_degree == 1 or layout != "zigzag":
+        return num_chunks(layout, cp_size)
+    ring = cp_size // ulysses_degree
+    return 2 * ring * cp_size // math.gcd(2 * ring, cp_size)
+
+
+def check_seq_len(seq_len: int, layout: str, cp_size: int, *, ulysses_degree: int = 1) -> None:
     """The full sequence must cut into equal chunks (ValueError naming the padding)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
-    chunks = num_chunks(layout, cp_size)
-    if seq_len % chunks:
+    if ulysses_degree < 1 or cp_size % ulysses_degree:
+        raise ValueError(f"ulysses_degree={ulysses_degree} must be a positive divisor of "
+                         f"CP={cp_size}")
+    multiple = seq_multiple(layout, cp_size, ulysses_degree)
+    if seq_len % multiple:
+        why = ("2*CP" if multiple == 2 * cp_size else "CP") if ulysses_degree == 1 else \
+            f"hybrid zigzag, CP={cp_size}, ulysses_degree={ulysses_degree}"
         raise ValueError(
-            f"sequence length {seq_len} is not divisible by {chunks} "
-            f"({'2*CP' if chunks != cp_size else 'CP'} for layout={layout!r}, CP={cp_size}); "
-            f"pad it to a multiple of {chunks}")
+            f"sequence length {seq_len} is not divisible by {multiple} "
+            f"({why} for layout={layout!r}, CP={cp_size}); pad it to a multiple of {multiple}")
 
 
 def rank_segments(layout: str, cp_size: int, rank: int, local_len: int,
-                  documents: Documents = None) -> List[Segment]:
-    """The consecutive-position runs of rank ``rank``'s ``local_len`` tokens."""
+                  documents: Documents = None, *, ulysses_degree: int = 1) -> List[Segment]:
+    """The consecutive-position runs of rank ``rank``'s ``local_len`` tokens.
+
+    ``documents`` (cu_seqlens) is needed by ``doc_zigzag`` only.
+    ``ulysses_degree`` U > 1: hybrid CP, rank = r*U + u (r: ring rank, u:
+    Ulysses rank). ``contiguous`` is unchanged (MindSpeed's general hybrid
+    split); ``zigzag`` cuts the sequence into 2R chunks (R = P/U), ring rank r
+    takes chunks r and 2R-1-r, and that pair is cut contiguously into U
+    pieces, piece u on Ulysses rank u (MindSpeed's hybrid_cp_algo batch).
+    """
     if cp_size == 1:
         return [(0, local_len, 0)]
     if layout == "contiguous":
         return [(0, local_len, rank * local_len)]
     if layout == "doc_zigzag":
         return _doc_zigzag_segments(cp_size, rank, documents)
+    if ulysses_degree > 1:
+        ring, u = divmod(rank, ulysses_degree)
+        pair = rank_segments(layout, cp_size // ulysses_degree, ring, ulysses_degree * local_len)
+        return _cut(pair, u * local_len, local_len)
     c = local_len // 2
     return [(0, c, rank * c), (c, c, (2 * cp_size - 1 - rank) * c)]
 
@@ -174,18 +229,37 @@ def _doc_zigzag_segments(cp_size: int, rank: int, documents: Documents) -> List[
     return out
 
 
+def _cut(segments: List[Segment], start: int, length: int) -> List[Segment]:
+    """The segments of local tokens [start, start + length), renumbered from 0."""
+    out = []
+    for ls, n, g in segments:
+        lo, hi = max(ls, start), min(ls + n, start + length)
+        if lo < hi:
+            out.append((lo - start, hi - lo, g + lo - ls))
+    return out
+
+
 def query_segments(layout: str, cp_size: int, rank: int, local_len: int,
-                   split_heads: bool, documents: Documents = None) -> List[Segment]:
+                   split_heads: bool, documents: Documents = None, *,
+                   ulysses_degree: int = 1) -> List[Segment]:
     """Segments of the queries a rank attends.
 
-    Local queries: this rank's own tokens. Heads split (ulysses): every rank's
-    tokens in rank order, as the all-to-all delivers them.
+    Local queries: this rank's own tokens. Heads split: the tokens of every
+    rank of the split group in rank order, as the all-to-all delivers them
+    (ulysses: the CP group; hybrid, ``ulysses_degree`` U > 1: the U
+    consecutive ranks holding ``rank``).
     """
     if not split_heads:
-        return rank_segments(layout, cp_size, rank, local_len, documents)
+        return rank_segments(layout, cp_size, rank, local_len, documents,
+                             ulysses_degree=ulysses_degree)
     s = local_len
-    return [(r * s + ls, n, g) for r in range(cp_size)
-            for ls, n, g in rank_segments(layout, cp_size, r, s, documents)]
+    if ulysses_degree > 1:
+        first, members = rank - rank % ulysses_degree, ulysses_degree
+    else:
+        first, members = 0, cp_size
+    return [(i * s + ls, n, g) for i in range(members)
+            for ls, n, g in rank_segments(layout, cp_size, first + i, s, documents,
+                                          ulysses_degree=ulysses_degree)]
 
 
 # ---------------------------------------------------------------- documents

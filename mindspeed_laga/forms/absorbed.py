@@ -10,15 +10,17 @@ backward, which is the memory trap this form exists to measure.
 
 ulysses: q_abs is all-to-all'd to head-split (as in the paper), the latent is
 all-gathered, W_UV is applied on the head-split side and O all-to-all'd back.
+hybrid: the same, the all-to-alls inside the Ulysses group, the latent
+gathered over the whole CP group.
 """
 from __future__ import annotations
 
 import torch
 
-from .. import comm
 from ..kernels import attend
 from ..vocab import AttnSetup
-from .common import all_heads, flatten_heads, from_bnsd, split_up_weight, to_bnsd
+from .common import (all_heads, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads,
+                     split_up_weight, to_bnsd)
 from .latent_source import SyncLatent
 
 
@@ -29,7 +31,7 @@ def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
     q_nope, q_pe = torch.split(query, [d.qk_head_dim, d.rope_dim], dim=-1)
     q_abs = torch.cat([torch.einsum("sbnd,ndc->sbnc", q_nope, w_uk), q_pe], dim=-1)
     if not full:
-        q_abs = comm.seq_to_heads(q_abs, setup.cp_group, "query")
+        q_abs = seq_to_heads(q_abs, setup, "query")
     kv_all, k_pe_all = SyncLatent(kv_latent, k_pos_emb).parts(setup)
     key = torch.cat([kv_all, k_pe_all], dim=-1).unsqueeze(2)  # [S, b, 1, d_c+d_r]
     value = kv_all.unsqueeze(2)                                 # [S, b, 1, d_c]
@@ -43,5 +45,5 @@ def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
                  epilogue=lambda o_latent: torch.einsum("bnsc,nvc->bnsv", o_latent, w_uv))
     out = from_bnsd(out)
     if not full:
-        out = comm.heads_to_seq(out, setup.cp_group, "output")
+        out = heads_to_seq(out, setup, "output")
     return flatten_heads(out)

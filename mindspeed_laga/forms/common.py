@@ -8,12 +8,27 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm, layout as layouts
-from ..vocab import AttnSetup
+from ..vocab import HYBRID, AttnSetup
 
 
 def all_heads(setup: AttnSetup) -> AttnSetup:
     """The same setup seen from a rank that keeps every head (before a ulysses all-to-all)."""
     return replace(setup, cp_algo="allgather")
+
+
+def split_label(setup: AttnSetup) -> str:
+    """The byte counter's name of the group heads are split over."""
+    return "ulysses" if setup.cp_algo == HYBRID else "cp"
+
+
+def seq_to_heads(x: torch.Tensor, setup: AttnSetup, tag: str) -> torch.Tensor:
+    """All-to-all to head-split over the split group (ulysses: CP group; hybrid: Ulysses group)."""
+    return comm.seq_to_heads(x, setup.split_group, tag, split_label(setup))
+
+
+def heads_to_seq(x: torch.Tensor, setup: AttnSetup, tag: str) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads`."""
+    return comm.heads_to_seq(x, setup.split_group, tag, split_label(setup))
 
 
 def up_weight_rows(kv_up_weight: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
@@ -81,16 +96,18 @@ def flatten_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _order_index(layout: str, cp_size: int, local_len: int, documents, device: str) -> torch.Tensor:
-    return layouts.to_position_order(layout, cp_size, local_len, documents).to(device)
+def _order_index(layout: str, cp_size: int, local_len: int, documents, device: str, *,
+                 ulysses_degree: int = 1) -> torch.Tensor:
+    return layouts.to_position_order(layout, cp_size, local_len, documents,
+                                     ulysses_degree=ulysses_degree).to(device)
 
 
 def to_position_order(x: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
-    """A rank-order gather ([P*s, ...]) -> global position order."""
+    """A rank-order gather ([P*s, ...], CP rank order) -> global position order."""
     if layouts.is_identity(setup.layout, setup.cp_size):
         return x
     idx = _order_index(setup.layout, setup.cp_size, setup.local_len, setup.documents,
-                       str(x.device))
+                       str(x.device), ulysses_degree=setup.ulysses_degree)
     return x.index_select(0, idx)
 
 

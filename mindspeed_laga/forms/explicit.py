@@ -4,13 +4,17 @@ allgather: up-project the local latent, all-gather K and V (backward
 reduce-scatters dK, dV), attend the local queries.
 ulysses: all-to-all Q, K, V from sequence-split to head-split, attend the
 whole sequence for n/P heads, all-to-all O back.
+hybrid: all-to-all Q, K, V inside the Ulysses group (U ranks) to n/U heads,
+all-gather those heads' K/V over the ring group (the R = P/U ranks with the
+same Ulysses rank), attend, all-to-all O back inside the Ulysses group.
 """
 from __future__ import annotations
 
 from .. import comm
 from ..kernels import attend
-from ..vocab import AttnSetup
-from .common import all_heads, flatten_heads, from_bnsd, to_bnsd, to_position_order, up_project
+from ..vocab import HYBRID, AttnSetup
+from .common import (all_heads, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, to_bnsd,
+                     to_position_order, up_project)
 
 
 def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup):
@@ -23,13 +27,26 @@ def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
         key = to_position_order(comm.gather_seq(key, group, "key"), setup)
         value = to_position_order(comm.gather_seq(value, group, "value"), setup)
     else:
-        query = comm.seq_to_heads(query, group, "query")
-        key = to_position_order(comm.seq_to_heads(key, group, "key"), setup)
-        value = to_position_order(comm.seq_to_heads(value, group, "value"), setup)
+        query = seq_to_heads(query, setup, "query")
+        key = to_position_order(_every_token(seq_to_heads(key, setup, "key"), setup, "key"), setup)
+        value = to_position_order(_every_token(seq_to_heads(value, setup, "value"), setup,
+                                               "value"), setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
                  documents=setup.documents, pad_v=setup.pad_v)
     out = from_bnsd(out)
     if not full:
-        out = comm.heads_to_seq(out, group, "output")
+        out = heads_to_seq(out, setup, "output")
     return flatten_heads(out)
+
+
+def _every_token(x, setup: AttnSetup, tag: str):
+    """Head-split K or V of the split group's tokens -> of every token, in CP rank order.
+
+    ulysses: the all-to-all already delivered them. hybrid: [U*s, ...] of this
+    Ulysses group -> all-gather over the ring group -> [P*s, ...] (c = r*U + u).
+    """
+    if setup.cp_algo != HYBRID:
+        return x
+    ring = comm.hybrid_ring_group(setup.cp_group, setup.ulysses_group)
+    return comm.gather_seq(x, ring, tag, "ring")

@@ -6,6 +6,8 @@ per-head K/V for every head, attend the local queries.
 ulysses: all-to-all Q to head-split, all-gather the latent, rebuild K/V for
 this rank's n/P heads only (their rows of ``kv_up_weight``), attend the whole
 sequence, all-to-all O back.
+hybrid: as ulysses, but Q and O cross only the Ulysses group (U ranks); the
+latent is still gathered over the whole CP group and K/V rebuilt for n/U heads.
 
 By default this is the paper's form: K/V are rebuilt in full and kept by
 autograd for backward. Options:
@@ -20,10 +22,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import comm
 from ..kernels import attend
 from ..vocab import AttnSetup
-from .common import flatten_heads, from_bnsd, take_ranges, to_bnsd, up_project, up_weight_rows
+from .common import (flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
+                     up_project, up_weight_rows)
 from .laga_blockwise import BlockPlan, BlockwiseLAGA
 from .latent_source import SyncLatent
 
@@ -33,7 +35,7 @@ def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup, *,
                  kv_block_size: Optional[int] = None, latent_gather=None):
     source = latent_gather or SyncLatent(kv_latent, k_pos_emb)
     if setup.heads_split:
-        query = comm.seq_to_heads(query, setup.cp_group, "query")
+        query = seq_to_heads(query, setup, "query")
     if recompute_kv:
         out = _attend_blockwise(query, source.latent(setup), kv_up_weight, setup,
                                 trim_causal_prefix, kv_block_size)
@@ -41,7 +43,7 @@ def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup, *,
         kv_all, k_pe_all = source.parts(setup)
         out = _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix)
     if setup.heads_split:
-        out = comm.heads_to_seq(out, setup.cp_group, "output")
+        out = heads_to_seq(out, setup, "output")
     return flatten_heads(out)
 
 
