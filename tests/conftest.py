@@ -1,0 +1,2 @@
+"""Fixtures shared by the tests."""
+from thirdparty import host_sources  # noqa: F401  (session fixture: the real host sources)
