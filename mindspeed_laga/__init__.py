@@ -1,4 +1,8 @@
 """mindspeed-laga: Latent All-Gather Attention for MLA under context parallelism."""
+from ._versions import check_torch
+
+check_torch()  # before the modules below meet an untested torch
+
 from .api import FORMS, absorbed_attention, explicit_attention, laga_attention
 from .comm import CommCounter, count_bytes
 from .overlap import LatentGather, start_latent_gather

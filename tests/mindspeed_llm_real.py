@@ -1,6 +1,7 @@
 """LAGA against MindSpeed-LLM's *real* ``CustomMLASelfAttention`` and argument pipeline, on CPU.
 
-Run by tests/test_mindspeed_llm_patch.py when ``MINDSPEED_LLM_SRC`` is set, or directly:
+Run by tests/test_mindspeed_llm_patch.py with the sources of the ``host_sources``
+fixture (tests/thirdparty.py), or directly:
 
     MINDSPEED_LLM_SRC=/src/MindSpeed-LLM MINDSPEED_SRC=/src/MindSpeed \\
     MEGATRON_SRC=/src/Megatron-LM  # checked out at tag core_v0.12.1
@@ -127,9 +128,10 @@ class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def prepare() -> None:
+def prepare(register_laga: bool = True) -> None:
     """Sources first on sys.path, stubs for what is missing, the launcher's feature
-    registration, CPU shims (idempotent)."""
+    registration (unless the script runs under ``python -m mindspeed_laga.launch``,
+    which did it already), CPU shims (idempotent)."""
     for key in ("MEGATRON_SRC", "MINDSPEED_SRC", "MINDSPEED_LLM_SRC"):
         if os.environ[key] not in sys.path:
             sys.path.insert(0, os.environ[key])
@@ -138,8 +140,9 @@ def prepare() -> None:
     if not any(isinstance(f, StubFinder) for f in sys.meta_path):
         missing = {r for r in STUBBED if importlib.util.find_spec(r) is None}
         sys.meta_path.insert(0, StubFinder(missing))
-        from mindspeed_laga.launch import install_laga_feature
-        install_laga_feature()  # what `python -m mindspeed_laga.launch` does first
+        if register_laga:
+            from mindspeed_laga.launch import install_laga_feature
+            install_laga_feature()  # what `python -m mindspeed_laga.launch` does first
     torch.cuda.current_device = lambda: torch.device("cpu")
     from megatron.core import tensor_parallel
     import megatron.core.fusions.fused_softmax as fused_softmax

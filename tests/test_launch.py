@@ -151,3 +151,63 @@ def test_missing_mindspeed_is_a_clear_error(standin):
 def test_missing_script_is_a_clear_error(standin):
     proc, _ = run(standin, ["-m", "mindspeed_laga.launch", "no_such_script.py"])
     assert proc.returncode != 0 and "not found" in proc.stderr
+
+
+# --- against the real MindSpeed, MindSpeed-LLM and Megatron sources --------------------------
+
+REAL_TRAIN = """
+    # What pretrain_gpt.py does up to its arguments, on the real sources: Megatron's
+    # strict parse_args with MindSpeed-LLM's features (their list reset included).
+    import json, os, sys
+    report = {"name": __name__, "mindspeed_imported_before_script": "mindspeed" in sys.modules}
+    sys.path.insert(0, os.environ["LAGA_TESTS_DIR"])
+    import mindspeed_llm_real as real
+    real.prepare(register_laga=False)  # sources, stubs, CPU shims; no registration of LAGA
+    args = real.megatron_args([a for a in real.MODEL if a != "--mla-latent-all-gather"]
+                             + sys.argv[1:], world_size=2)
+    from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
+    report["features_at_parse"] = [type(f).__name__ for f in MindSpeedFeaturesManager.FEATURES_LIST]
+    report["args"] = {k: getattr(args, k) for k in (
+        "mla_latent_all_gather", "mla_laga_kernel", "context_parallel_size")}
+    with open(os.environ["LAUNCH_REPORT"], "w") as f:
+        json.dump(report, f)
+    """
+
+
+@pytest.fixture
+def real_train(tmp_path, host_sources):
+    (tmp_path / "train.py").write_text(textwrap.dedent(REAL_TRAIN))
+    # installed as a user has them: the launcher looks for MindSpeed before the script runs
+    path = [host_sources[k] for k in ("MEGATRON_SRC", "MINDSPEED_SRC", "MINDSPEED_LLM_SRC")]
+    env = dict(host_sources, LAGA_TESTS_DIR=os.path.dirname(os.path.abspath(__file__)),
+               PYTHONPATH=os.pathsep.join(path + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return tmp_path, env
+
+
+def run_real(cwd, env, argv):
+    env = dict(os.environ, **env, LAUNCH_REPORT=str(cwd / "report.json"))
+    proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+    report = cwd / "report.json"
+    return proc, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def test_real_mindspeed_launcher_registers_the_feature(real_train):
+    cwd, env = real_train
+    proc, report = run_real(cwd, env, ["-m", "mindspeed_laga.launch", "train.py",
+                                       "--mla-latent-all-gather", "--context-parallel-size", "2"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    assert report["name"] == "__main__"
+    assert report["mindspeed_imported_before_script"] is False
+    # MindSpeed-LLM's own features, then LAGA's, last, after its reset of the list
+    assert len(report["features_at_parse"]) > 1
+    assert report["features_at_parse"][-1] == "LAGAFeature"
+    assert report["args"] == {"mla_latent_all_gather": True, "mla_laga_kernel": "auto",
+                              "context_parallel_size": 2}
+
+
+def test_real_mindspeed_rejects_the_flag_without_the_launcher(real_train):
+    cwd, env = real_train
+    proc, report = run_real(cwd, env, ["train.py", "--mla-latent-all-gather"])
+    assert proc.returncode != 0 and report is None
+    assert "unrecognized arguments: --mla-latent-all-gather" in proc.stderr, proc.stderr[-6000:]

@@ -19,7 +19,8 @@ fused ``linear_kv_up_proj`` or ``--mla-mm-split``, ``--qk-layernorm``, the
 q/kv-lora scales, yarn's softmax mscale, all three mapped CP algorithms, and
 the ``--moe-fb-overlap`` all-to-all hooks.
 
-The real class: tests/mindspeed_llm_real.py (runs when MINDSPEED_LLM_SRC is set).
+The real class: tests/mindspeed_llm_real.py, on the real sources of the
+``host_sources`` fixture (tests/thirdparty.py).
 """
 import os
 import subprocess
@@ -254,14 +255,12 @@ def test_cp2_fb_overlap_all_to_all_is_launched_once_each_way(cp2):
 
 # --- the real class -------------------------------------------------------------------------
 
-@pytest.mark.skipif(not os.environ.get("MINDSPEED_LLM_SRC"),
-                    reason="set MINDSPEED_LLM_SRC, MINDSPEED_SRC and MEGATRON_SRC "
-                           "(see docs/INTEGRATION.md) to test the real CustomMLASelfAttention")
-def test_real_custom_mla_self_attention():
+def test_real_custom_mla_self_attention(host_sources):
     script = Path(__file__).with_name("mindspeed_llm_real.py")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=600)
+                          env=dict(os.environ, **host_sources), timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert "real CustomMLASelfAttention: ok" in proc.stdout, proc.stdout[-4000:]
 
 
 # --- host version guard ---------------------------------------------------------------------
