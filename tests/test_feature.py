@@ -222,16 +222,9 @@ def test_register_patches_wraps_the_mindspeed_llm_mla_forward():
     assert laga_mla_forward_wrapper.__name__.endswith("wrapper")
 
 
-def _source_tree(env):
-    root = os.environ.get(env)
-    if not root:
-        pytest.skip(f"{env} (an unpacked upstream source tree) is not set")
-    return Path(root)
-
-
-def test_patch_target_exists_in_mindspeed_llm_source():
+def test_patch_target_exists_in_mindspeed_llm_source(host_sources):
     """The dotted name resolves to a method in MindSpeed-LLM's own source."""
-    root = _source_tree("MINDSPEED_LLM_SRC")
+    root = Path(host_sources["MINDSPEED_LLM_SRC"])
     module, cls, method = MLA_FORWARD.rsplit(".", 2)
     tree = ast.parse((root / (module.replace(".", "/") + ".py")).read_text())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
@@ -239,9 +232,9 @@ def test_patch_target_exists_in_mindspeed_llm_source():
     assert method in {f.name for f in classes[cls].body if isinstance(f, ast.FunctionDef)}
 
 
-def test_parser_default_attention_dropout_is_megatrons():
+def test_parser_default_attention_dropout_is_megatrons(host_sources):
     """tests/laga_parser.py declares --attention-dropout with Megatron's own default."""
-    root = _source_tree("MEGATRON_SRC")
+    root = Path(host_sources["MEGATRON_SRC"])
     tree = ast.parse((root / "megatron" / "training" / "arguments.py").read_text())
     defaults = [kw.value.value for call in ast.walk(tree) if isinstance(call, ast.Call)
                 and call.args and isinstance(call.args[0], ast.Constant)
