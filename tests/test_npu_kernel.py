@@ -131,6 +131,10 @@ def mla_inputs(s=8, b=2, n=4, d_n=8, d_r=4, d_v=6, d_c=16, seed=0):
 
 def run_form(form, kernel, inputs, dy, **kwargs):
     leaves = [x.clone().requires_grad_() for x in inputs]
+    # mla_inputs' head dims (d_v != d_n here, so the core needs them stated)
+    d_n = inputs[0].shape[-1] - inputs[2].shape[-1]
+    kwargs.setdefault("qk_head_dim", d_n)
+    kwargs.setdefault("v_head_dim", inputs[3].shape[0] // inputs[0].shape[2] - d_n)
     out = FORMS[form](*leaves, softmax_scale=0.3, kernel=kernel, **kwargs)
     return (out.detach(),) + torch.autograd.grad(out, leaves, dy)
 
@@ -221,15 +225,18 @@ def test_block_walk_diagonals_follow_positions():
     """Every (block, segment) pair the walk yields: its diagonal describes exactly
     "key position <= query position", within the range the block kernels rely on."""
     from mindspeed_laga.forms.block_kernels import keep_mask
-    from mindspeed_laga.forms.laga_blockwise import BlockPlan, blocks, visible_rows
+    from mindspeed_laga.forms.laga_blockwise import BlockPlan, visible_rows
+    from mindspeed_laga.vocab import key_blocks
     for segments, total in SEGMENTS.values():
         for block_size in (1, 5, 7, 13, 37):
             plan = BlockPlan(qk_head_dim=2, rope_dim=1, v_head_dim=2, kv_lora_rank=2, scale=1.0,
                              causal=True, segments=tuple(segments), block_size=block_size)
             positions = torch.tensor([g + i for _, n, g in segments for i in range(n)])
             seen = torch.zeros(len(positions), total, dtype=torch.bool)
-            for k0, k1 in blocks(plan, total):
-                for rows, end, diagonal in visible_rows(plan, k0, k1):
+            for k0, k1 in key_blocks(total, block_size):
+                for rows, keys, diagonal in visible_rows(plan, k0, k1):
+                    assert keys.start == 0  # without documents a run's keys start the block
+                    end = keys.stop
                     q_pos = positions[rows]
                     want = torch.arange(k0, k0 + end).unsqueeze(0) <= q_pos.unsqueeze(1)
                     got = keep_mask(diagonal, len(q_pos), end, "cpu")
@@ -325,4 +332,4 @@ def test_npu_kernel_without_torch_npu_names_it(monkeypatch):
         attend(q, k, v, scale=0.3, segments=segments, causal=True, kernel="npu")
     for form in FORMS.values():
         with pytest.raises(ValueError, match="torch_npu"):
-            form(*mla_inputs(), softmax_scale=0.3, kernel="npu")
+            form(*mla_inputs(), softmax_scale=0.3, kernel="npu", qk_head_dim=8, v_head_dim=6)
