@@ -27,6 +27,8 @@ CP_ALGOS = ("allgather", "ulysses")
 HYBRID = "hybrid"
 ATTN_CP_ALGOS = CP_ALGOS + (HYBRID,)
 LAYOUTS = ("zigzag", "contiguous", "doc_zigzag")
+# The layouts of one unbroken sequence (doc_zigzag needs document boundaries).
+SEQUENCE_LAYOUTS = ("zigzag", "contiguous")
 KERNELS = ("auto", "eager", "sdpa", "npu")
 # The split each algorithm's host data pipeline produces when a caller names none.
 DEFAULT_LAYOUT = {"allgather": "zigzag", "ulysses": "contiguous", HYBRID: "zigzag"}

@@ -16,6 +16,7 @@ import itertools
 import pytest
 
 from mindspeed_laga import costmodel as cm
+from mindspeed_laga.vocab import SEQUENCE_LAYOUTS
 from mindspeed_laga import equivalence as eq
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.measure import worker
@@ -132,7 +133,7 @@ def test_flops_match_flop_counter(measured):
 
 
 def test_model_segments_follow_layout_module():
-    for lay, P in itertools.product(layouts.LAYOUTS, (1, 2, 4)):
+    for lay, P in itertools.product(SEQUENCE_LAYOUTS, (1, 2, 4)):
         cfg = cm.Config(ModelDims(8, 16, 8, 16, 32), 64, 1, P, 1, "allgather", lay)
         for rank in range(P):
             got = [(q.length, q.start) for q in cm.query_segments(cfg, rank)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from .. import equivalence as eq
 from ..runspec import standard_runs
 from ..spawn import run_on_ranks
-from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS, check_seq_len
+from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, SEQUENCE_LAYOUTS, check_seq_len
 from .shapes import add_shape_args, positive_int, shape_from_args
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
@@ -22,7 +22,7 @@ def add_parser(sub):
                        description=__doc__.split("\n\n")[1])
     p.add_argument("--cp", type=positive_int, default=4, help="CP size (gloo processes), default 4")
     p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="both")
-    p.add_argument("--layout", choices=LAYOUTS, default=None,
+    p.add_argument("--layout", choices=SEQUENCE_LAYOUTS, default=None,
                    help="default: zigzag for allgather, contiguous for ulysses")
     p.add_argument("--kernel", choices=("eager", "sdpa"), default="sdpa")
     p.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
