@@ -97,14 +97,24 @@ def test_ulysses_without_layout_takes_megatrons_zigzag_split(mla):
     # the split megatron's own get_batch_on_this_cp_rank produces: 2P chunks, r and 2P-1-r
     from megatron.core.utils import get_batch_on_this_cp_rank
     from mindspeed_laga import layout as layouts
+    import inspect
+    import unittest.mock as mock
     P, s = 2, 8
     tokens = torch.arange(2 * P * s).view(1, -1)
+    takes_group = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
     for r in range(P):
-        import unittest.mock as mock
-        with mock.patch("megatron.core.parallel_state.get_context_parallel_world_size",
-                        return_value=P), \
-                mock.patch("megatron.core.parallel_state.get_context_parallel_rank", return_value=r):
-            got = get_batch_on_this_cp_rank({"tokens": tokens.clone()})["tokens"].view(-1)
+        if takes_group:  # 0.19: the CP group is an argument, its size/rank from torch.distributed
+            sizes = (mock.patch("torch.distributed.get_world_size", return_value=P),
+                     mock.patch("torch.distributed.get_rank", return_value=r))
+            args = dict(is_hybrid_cp=False, cp_group=object())
+        else:  # 0.16.1: from parallel_state
+            sizes = (mock.patch("megatron.core.parallel_state.get_context_parallel_world_size",
+                                return_value=P),
+                     mock.patch("megatron.core.parallel_state.get_context_parallel_rank",
+                                return_value=r))
+            args = {}
+        with sizes[0], sizes[1]:
+            got = get_batch_on_this_cp_rank({"tokens": tokens.clone()}, **args)["tokens"].view(-1)
         expected = layouts.positions(settings.layout, P, r, got.numel())
         assert got.tolist() == expected.tolist()
 
