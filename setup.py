@@ -29,7 +29,8 @@ setup(
     install_requires=["torch>=2.1,<2.15"],
     extras_require={
         "test": ["pytest>=7", "numpy"],
-        "megatron": ["megatron-core==0.16.1"],
+        "megatron": ["megatron-core==0.16.1; python_version<'3.12'",
+                     "megatron-core==0.19.2; python_version>='3.12'"],
         "npu": ["torch_npu"],
         "plot": ["matplotlib"],
     },

@@ -1,4 +1,4 @@
-"""Real megatron-core 0.16.1 MLA on CPU: shims, a tiny MLA GPTModel, a CP baseline, a trainer.
+"""Real megatron-core (0.16.1, 0.19.2) MLA on CPU: shims, a tiny MLA GPTModel, a CP baseline, a trainer.
 
 Imported by scripts/train_tiny_cpu.py and by tests/test_megatron_e2e.py (which
 puts scripts/ on sys.path). Nothing in site-packages is edited: every gap of
@@ -88,7 +88,7 @@ _CPU_STREAM = _CPUStream()
 
 
 def install_cpu_shims():
-    """Bridge the CUDA-only spots of megatron-core 0.16.1 (idempotent).
+    """Bridge the CUDA-only spots of megatron-core 0.16.1 / 0.19.2 (idempotent).
 
     DESIGN 7 item 3 (the causal mask built on CUDA) is not needed: only the
     local DotProductAttention reads it, and MLA cannot use that (item 5).
