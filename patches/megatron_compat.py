@@ -4,10 +4,10 @@ The LAGA forward copies pieces of ``MLASelfAttention.get_query_key_value_tensors
 the pieces that moved between releases are chosen here, by what the installed
 release has (not by its version string), so the copied forward stays one text:
 
-- the q/kv down-projection: 0.19 moved it into ``_qkv_down_projection`` (which
+- the q/kv down-projection: 0.17 moved it into ``_qkv_down_projection`` (which
   ``FusedMLASelfAttention`` overrides with one fused ``linear_qkv_down_proj``);
   0.16.1 inlines it in the forward;
-- the MLA rope keyword of ``_apply_rotary_pos_emb_bshd``: 0.16.1's
+- the MLA rope keyword of ``_apply_rotary_pos_emb_bshd``: 0.16.1-0.18's
   ``multi_latent_attention`` became ``mla_rotary_interleaved`` in 0.19 (the old
   name still works there but warns on every call).
 """
@@ -26,7 +26,7 @@ def qkv_down_projection(module, hidden_states, tp_group):
     projection is column-parallel); the caller splits it as the original does.
     """
     own = getattr(module, "_qkv_down_projection", None)
-    if own is not None:  # megatron-core >= 0.19: the module's own (maybe fused) projection
+    if own is not None:  # megatron-core >= 0.17: the module's own (maybe fused) projection
         return own(hidden_states)
     return _qkv_down_projection_0_16(module, hidden_states, tp_group)
 

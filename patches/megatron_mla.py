@@ -1,4 +1,4 @@
-"""LAGA forward for megatron-core ``MLASelfAttention`` (0.16.1, 0.19.x; no MindSpeed).
+"""LAGA forward for megatron-core ``MLASelfAttention`` (0.16.1 to 0.19.2; no MindSpeed).
 
 Installed by :func:`mindspeed_laga.patch_megatron_mla` (``patches/megatron_patch.py``). A forward
 call the LAGA path covers (CP > 1, no inference context, no packed sequences,

@@ -125,7 +125,7 @@ def patch_megatron_mla(cp_algo="allgather", kernel="auto", form="laga", layout=N
     cls = _mla_class()
     saved = _our_saved(cls, "patch_megatron_mla")
     if saved is None:
-        # In 0.16.1 and 0.19.2 MLASelfAttention inherits forward from MultiLatentAttention.
+        # In 0.16.1 to 0.19.2 MLASelfAttention inherits forward from MultiLatentAttention.
         saved = ("forward" in cls.__dict__, cls.forward)
     installed = make_forward(saved[1], settings)
     cls.forward = installed

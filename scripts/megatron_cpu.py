@@ -1,4 +1,5 @@
-"""Real megatron-core (0.16.1, 0.19.2) MLA on CPU: shims, a tiny MLA GPTModel, a CP baseline, a trainer.
+"""Real megatron-core (0.16.1 to 0.19.2) MLA on CPU: shims, a tiny MLA GPTModel, a CP baseline,
+a trainer.
 
 Imported by scripts/train_tiny_cpu.py and by tests/test_megatron_e2e.py (which
 puts scripts/ on sys.path). Nothing in site-packages is edited: every gap of
@@ -88,7 +89,7 @@ _CPU_STREAM = _CPUStream()
 
 
 def install_cpu_shims():
-    """Bridge the CUDA-only spots of megatron-core 0.16.1 / 0.19.2 (idempotent).
+    """Bridge the CUDA-only spots of megatron-core 0.16.1 to 0.19.2 (idempotent).
 
     DESIGN 7 item 3 (the causal mask built on CUDA) is not needed: only the
     local DotProductAttention reads it, and MLA cannot use that (item 5).
@@ -104,7 +105,8 @@ def install_cpu_shims():
 
     torch.cuda.current_device = lambda: CPU  # item 1
     # item 1, megatron-core 0.19: DDP's grad sync waits on the current CUDA stream for
-    # CUDA-graph events; on CPU there is one stream and no event to wait for.
+    # CUDA-graph events (0.17/0.18 only with a communication stream); on CPU there is
+    # one stream and no event to wait for.
     torch.cuda.current_stream = lambda device=None: _CPU_STREAM
     _cpu_rng_shims(random_mod)  # item 2
     for mod in (rope_utils, rotary, yarn):  # item 4 (imported by name)
@@ -308,8 +310,8 @@ def shard_zigzag(batch):
 def megatron_cp_batch(batch, cp_group):
     """get_batch_on_this_cp_rank of the installed megatron-core, without packed sequences.
 
-    0.16.1 reads the CP group from parallel_state; 0.19 takes ``is_hybrid_cp``
-    and ``cp_group`` (without one it would split over the whole world).
+    0.16.1 and 0.17 read the CP group from parallel_state; 0.18 and 0.19 take
+    ``is_hybrid_cp`` and ``cp_group`` (without one they split over the whole world).
     """
     import inspect
     from megatron.core.utils import get_batch_on_this_cp_rank

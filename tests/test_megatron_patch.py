@@ -103,11 +103,11 @@ def test_ulysses_without_layout_takes_megatrons_zigzag_split(mla):
     tokens = torch.arange(2 * P * s).view(1, -1)
     takes_group = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
     for r in range(P):
-        if takes_group:  # 0.19: the CP group is an argument, its size/rank from torch.distributed
+        if takes_group:  # 0.18+: the CP group is an argument, its size/rank from torch.distributed
             sizes = (mock.patch("torch.distributed.get_world_size", return_value=P),
                      mock.patch("torch.distributed.get_rank", return_value=r))
             args = dict(is_hybrid_cp=False, cp_group=object())
-        else:  # 0.16.1: from parallel_state
+        else:  # 0.16.1, 0.17: from parallel_state
             sizes = (mock.patch("megatron.core.parallel_state.get_context_parallel_world_size",
                                 return_value=P),
                      mock.patch("megatron.core.parallel_state.get_context_parallel_rank",
@@ -285,7 +285,7 @@ def test_mla_rope_is_deinterleaved_rope_on_this_release():
 
 
 def test_down_projection_is_the_modules_own_where_it_has_one():
-    """0.19 (and its fused q/kv down-projection subclass) project in _qkv_down_projection;
+    """0.17+ (and its fused q/kv down-projection subclass) project in _qkv_down_projection;
     0.16.1 modules have none, and the inlined projection is used."""
     from mindspeed_laga.patches import megatron_compat
     hidden = torch.randn(3, 1, 8)
