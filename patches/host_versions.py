@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 
 # megatron-core releases the megatron-core patch (patches/megatron_mla.py) is tested with
-SUPPORTED_MEGATRON_CORE = ("0.16.1",)
+SUPPORTED_MEGATRON_CORE = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 # MindSpeed-LLM commits the MindSpeed-LLM patch (patches/mindspeed_llm_mla.py) is tested with
 SUPPORTED_MINDSPEED_LLM = ("c77308a1",)
 

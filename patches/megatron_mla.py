@@ -1,4 +1,4 @@
-"""LAGA forward for megatron-core 0.16.1 ``MLASelfAttention`` (no MindSpeed).
+"""LAGA forward for megatron-core ``MLASelfAttention`` (0.16.1 to 0.19.2; no MindSpeed).
 
 Installed by :func:`mindspeed_laga.patch_megatron_mla` (``patches/megatron_patch.py``). A forward
 call the LAGA path covers (CP > 1, no inference context, no packed sequences,
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from mindspeed_laga import layout as layouts
 
+from . import megatron_compat as compat
 from .common import first_call, start_gather
 
 
@@ -131,15 +132,7 @@ def _down_project(module, hidden_states):
         scatter_to_sequence_parallel_region)
     cfg = module.config
     tp_group = _tp_group(module)
-    if cfg.q_lora_rank is not None:
-        q_compressed, _ = module.linear_q_down_proj(hidden_states)
-        if q_compressed.size(-1) != cfg.q_lora_rank:
-            q_compressed = gather_from_tensor_model_parallel_region(q_compressed, group=tp_group)
-            if cfg.sequence_parallel:
-                q_compressed = scatter_to_sequence_parallel_region(q_compressed, group=tp_group)
-    else:
-        q_compressed = hidden_states
-    kv_combined, _ = module.linear_kv_down_proj(hidden_states)
+    q_compressed, kv_combined = compat.qkv_down_projection(module, hidden_states, tp_group)
     split = [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim]
     if kv_combined.size(-1) != sum(split):
         kv_combined = gather_from_tensor_model_parallel_region(kv_combined, group=tp_group)
@@ -228,10 +221,7 @@ def _rope_at_positions(module, local_len: int, settings: MegatronPatchSettings, 
 
 
 def _apply_rope(module, x, table, mscale):
-    # The unfused MLA rope of megatron (the fused kernels slice zigzag internally).
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-    return _apply_rotary_pos_emb_bshd(x, table, rotary_interleaved=module.config.rotary_interleaved,
-                                      multi_latent_attention=True, mscale=mscale)
+    return compat.apply_mla_rope(x, table, module.config.rotary_interleaved, mscale)
 
 
 def _core_options(module, settings: MegatronPatchSettings) -> Dict:

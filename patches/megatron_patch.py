@@ -28,7 +28,7 @@ from mindspeed_laga import layout as layouts
 from mindspeed_laga.api import explicit_attention, laga_attention
 from mindspeed_laga.vocab import CP_ALGOS, KERNELS
 
-from .host_versions import check_megatron_core
+from .host_versions import SUPPORTED_MEGATRON_CORE, check_megatron_core
 from .megatron_mla import MegatronPatchSettings, make_forward
 
 TRAINING_FORMS = {"laga": laga_attention, "explicit": explicit_attention}
@@ -47,7 +47,8 @@ def _mla_class(check_version=True):
         from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     except ImportError as exc:
         raise ImportError("patch_megatron_mla needs megatron-core (pip install "
-                          "'mindspeed-laga[megatron]', tested with megatron-core 0.16.1)") from exc
+                          "'mindspeed-laga[megatron]', tested with megatron-core "
+                          f"{', '.join(SUPPORTED_MEGATRON_CORE)})") from exc
     if check_version:
         check_megatron_core()
     return MLASelfAttention
@@ -124,7 +125,7 @@ def patch_megatron_mla(cp_algo="allgather", kernel="auto", form="laga", layout=N
     cls = _mla_class()
     saved = _our_saved(cls, "patch_megatron_mla")
     if saved is None:
-        # In 0.16.1 MLASelfAttention inherits forward from MultiLatentAttention.
+        # In 0.16.1 to 0.19.2 MLASelfAttention inherits forward from MultiLatentAttention.
         saved = ("forward" in cls.__dict__, cls.forward)
     installed = make_forward(saved[1], settings)
     cls.forward = installed

@@ -1,4 +1,5 @@
-"""Real megatron-core 0.16.1 MLA on CPU: shims, a tiny MLA GPTModel, a CP baseline, a trainer.
+"""Real megatron-core (0.16.1 to 0.19.2) MLA on CPU: shims, a tiny MLA GPTModel, a CP baseline,
+a trainer.
 
 Imported by scripts/train_tiny_cpu.py and by tests/test_megatron_e2e.py (which
 puts scripts/ on sys.path). Nothing in site-packages is edited: every gap of
@@ -71,8 +72,24 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
 
 
+class _CPUStream:
+    """What megatron asks of ``torch.cuda.current_stream()``; CPU work is already in order."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+_CPU_STREAM = _CPUStream()
+
+
 def install_cpu_shims():
-    """Bridge the CUDA-only spots of megatron-core 0.16.1 (idempotent).
+    """Bridge the CUDA-only spots of megatron-core 0.16.1 to 0.19.2 (idempotent).
 
     DESIGN 7 item 3 (the causal mask built on CUDA) is not needed: only the
     local DotProductAttention reads it, and MLA cannot use that (item 5).
@@ -87,6 +104,10 @@ def install_cpu_shims():
     import megatron.core.transformer.multi_latent_attention as mla
 
     torch.cuda.current_device = lambda: CPU  # item 1
+    # item 1, megatron-core 0.19: DDP's grad sync waits on the current CUDA stream for
+    # CUDA-graph events (0.17/0.18 only with a communication stream); on CPU there is
+    # one stream and no event to wait for.
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
     _cpu_rng_shims(random_mod)  # item 2
     for mod in (rope_utils, rotary, yarn):  # item 4 (imported by name)
         mod.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
@@ -169,6 +190,18 @@ class TinyMLA:
     rope_type: str = "yarn"  # "rope" or "yarn"
 
 
+def qk_layernorm(tiny: TinyMLA) -> bool:
+    """q/kv norms on, except without q_lora on megatron-core >= 0.19.
+
+    0.19 applies the Q norm of a model without q_lora inside a fused
+    norm+linear ``linear_q_proj`` (TE only; 0.16.1 applies none there), so the
+    local spec can build that model only without q/kv norms.
+    """
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    return tiny.q_lora_rank is not None or not hasattr(MLASelfAttention,
+                                                       "_resolve_qk_norm_config")
+
+
 def init_parallel(tp: int = 1, cp: int = 1, seed: int = 1234):
     """megatron parallel_state over the already-initialized gloo world, CPU RNG seeded."""
     from megatron.core import parallel_state
@@ -194,7 +227,7 @@ def mla_config(tiny: TinyMLA, tp: int = 1, cp: int = 1, **overrides):
         original_max_position_embeddings=max(1, tiny.seq_length // 4),
         # mscale != mscale_all_dim: both the rope factor and the softmax scale differ from 1.
         mscale=1.0, mscale_all_dim=0.5,
-        normalization="RMSNorm", qk_layernorm=True,
+        normalization="RMSNorm", qk_layernorm=qk_layernorm(tiny),
         tensor_model_parallel_size=tp, context_parallel_size=cp,
         params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=True,
         attention_dropout=0.0, hidden_dropout=0.0,
@@ -216,7 +249,7 @@ def build_tiny_mla_gpt(tiny: TinyMLA, tp: int = 1, cp: int = 1, **overrides):
     from megatron.core.models.gpt.gpt_model import GPTModel
     install_cpu_shims()
     config = mla_config(tiny, tp, cp, **overrides)
-    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True,
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=qk_layernorm(tiny),
                                     normalization="RMSNorm")
     # DESIGN 7 item 5: the local DotProductAttention cannot serve MLA.
     spec.submodules.self_attention.submodules.core_attention = CPBaselineAttention
@@ -270,7 +303,20 @@ def make_batches(tiny: TinyMLA, steps: int, seed: int = 7) -> List[Dict[str, tor
 
 def shard_zigzag(batch):
     """megatron's own get_batch_on_this_cp_rank (zigzag)."""
+    from megatron.core import parallel_state
+    return megatron_cp_batch(batch, parallel_state.get_context_parallel_group())
+
+
+def megatron_cp_batch(batch, cp_group):
+    """get_batch_on_this_cp_rank of the installed megatron-core, without packed sequences.
+
+    0.16.1 and 0.17 read the CP group from parallel_state; 0.18 and 0.19 take
+    ``is_hybrid_cp`` and ``cp_group`` (without one they split over the whole world).
+    """
+    import inspect
     from megatron.core.utils import get_batch_on_this_cp_rank
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=cp_group)
     return get_batch_on_this_cp_rank(dict(batch))
 
 

@@ -1,4 +1,4 @@
-"""Real megatron-core 0.16.1 MLA GPT trained on CPU with the LAGA patch, against CP=1.
+"""Real megatron-core (0.16.1 to 0.19.2) MLA GPT trained on CPU with the LAGA patch, against CP=1.
 
 Three spawned gloo worlds, each running several configurations:
 

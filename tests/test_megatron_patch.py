@@ -97,14 +97,24 @@ def test_ulysses_without_layout_takes_megatrons_zigzag_split(mla):
     # the split megatron's own get_batch_on_this_cp_rank produces: 2P chunks, r and 2P-1-r
     from megatron.core.utils import get_batch_on_this_cp_rank
     from mindspeed_laga import layout as layouts
+    import inspect
+    import unittest.mock as mock
     P, s = 2, 8
     tokens = torch.arange(2 * P * s).view(1, -1)
+    takes_group = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
     for r in range(P):
-        import unittest.mock as mock
-        with mock.patch("megatron.core.parallel_state.get_context_parallel_world_size",
-                        return_value=P), \
-                mock.patch("megatron.core.parallel_state.get_context_parallel_rank", return_value=r):
-            got = get_batch_on_this_cp_rank({"tokens": tokens.clone()})["tokens"].view(-1)
+        if takes_group:  # 0.18+: the CP group is an argument, its size/rank from torch.distributed
+            sizes = (mock.patch("torch.distributed.get_world_size", return_value=P),
+                     mock.patch("torch.distributed.get_rank", return_value=r))
+            args = dict(is_hybrid_cp=False, cp_group=object())
+        else:  # 0.16.1, 0.17: from parallel_state
+            sizes = (mock.patch("megatron.core.parallel_state.get_context_parallel_world_size",
+                                return_value=P),
+                     mock.patch("megatron.core.parallel_state.get_context_parallel_rank",
+                                return_value=r))
+            args = {}
+        with sizes[0], sizes[1]:
+            got = get_batch_on_this_cp_rank({"tokens": tokens.clone()}, **args)["tokens"].view(-1)
         expected = layouts.positions(settings.layout, P, r, got.numel())
         assert got.tolist() == expected.tolist()
 
@@ -251,3 +261,39 @@ def test_kv_norm_applies_te_fused_norm(normalization, zero_centered):
         expected = (x - mean) * torch.rsqrt(var + 1e-6) * gain + bias
     got = megatron_mla._kv_norm(_module(fused, normalization), x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------- what differs between releases
+
+def test_mla_rope_is_deinterleaved_rope_on_this_release():
+    """compat.apply_mla_rope with the installed release's keyword: MLA's rope is the
+    rotate-half rope on the de-interleaved channels (pairs 0,2,4.. then 1,3,5..), scaled by
+    mscale; and it does not warn (0.19 deprecates the 0.16.1 keyword)."""
+    import warnings
+    from mindspeed_laga.patches import megatron_compat
+    gen = torch.Generator().manual_seed(0)
+    s, b, n, d = 5, 2, 3, 4
+    x = torch.randn(s, b, n, d, generator=gen)
+    freqs = torch.randn(s, 1, 1, d, generator=gen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = megatron_compat.apply_mla_rope(x, freqs, rotary_interleaved=False, mscale=0.7)
+    t = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+    rotated = torch.cat([-t[..., d // 2:], t[..., :d // 2]], dim=-1)
+    expected = t * torch.cos(freqs) * 0.7 + rotated * torch.sin(freqs) * 0.7
+    torch.testing.assert_close(got, expected)
+
+
+def test_down_projection_is_the_modules_own_where_it_has_one():
+    """0.17+ (and its fused q/kv down-projection subclass) project in _qkv_down_projection;
+    0.16.1 modules have none, and the inlined projection is used."""
+    from mindspeed_laga.patches import megatron_compat
+    hidden = torch.randn(3, 1, 8)
+    fused = SimpleNamespace(_qkv_down_projection=lambda h: ("q", h * 2))
+    q, kv = megatron_compat.qkv_down_projection(fused, hidden, tp_group=None)
+    assert q == "q" and torch.equal(kv, hidden * 2)
+    weight = torch.randn(6, 8)
+    plain = SimpleNamespace(config=SimpleNamespace(q_lora_rank=None),
+                            linear_kv_down_proj=lambda h: (h @ weight.T, None))
+    q, kv = megatron_compat.qkv_down_projection(plain, hidden, tp_group=None)
+    assert q is hidden and torch.equal(kv, hidden @ weight.T)
