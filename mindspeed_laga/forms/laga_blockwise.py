@@ -15,7 +15,9 @@ log-sum-exp, and pushes dK/dV straight back through the up-projection to
 the latent and ``kv_up_weight``. Full-sequence K/V never exist, in forward
 or backward.
 
-Each (block, query rows) pair goes to a block kernel (``block_kernels``):
+Each (block, query rows) pair goes to a block kernel (``block_kernels``; with
+documents, all runs of one query segment in a block go at once to a kernel
+that offers the packed entry):
 eager math with one block's scores materialized, or ``npu_fusion_attention``
 and ``npu_fusion_attention_grad``, whose softmax statistics merge blocks the
 same way. Accumulation is float32 for half-precision inputs.
