@@ -1,6 +1,6 @@
 """Packed documents (``cu_seqlens``) on kernel="npu" through the CPU stand-in torch_npu:
-every form, both CP algos, the three layouts, LAGA's options, causal and not, on 1
-and 2 gloo ranks, outputs and all four grads against a float64 attention written
+every form, both CP algos, the three layouts, LAGA's options, causal and not, on 1, 2
+and 4 gloo ranks, outputs and all four grads against a float64 attention written
 here (the [S, S] document mask built from each position's document id).
 
 The stand-in's call record shows how the documents reached the op: layout TND
@@ -138,7 +138,7 @@ def case_id(case):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [1, 2, 4])
 def test_npu_documents_match_reference(cp):
     failures = []
     for case, per_rank in results(cp):
@@ -155,8 +155,15 @@ def _relative(got, want):
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
+def segment_length(layout, cp):
+    """Rows of one query segment: contiguous S/P, zigzag S/2P; doc_zigzag cuts per document."""
+    if cp == 1:
+        return S
+    return {"contiguous": S // cp, "zigzag": S // (2 * cp), "doc_zigzag": 0}[layout]
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [1, 2, 4])
 def test_npu_documents_use_tnd_and_small_masks(cp):
     for case, per_rank in results(cp):
         for r in per_rank:
@@ -168,9 +175,10 @@ def test_npu_documents_use_tnd_and_small_masks(cp):
             assert r["largest_mask"] <= 2048 * 2048, case_id(case)
             blockwise = case["options"].get("recompute_kv", False)
             # The segment kernel packs every segment's pieces; the block kernel packs when a
-            # segment meets several documents in one block (always with the short ones,
-            # except under doc_zigzag, whose segments never cross a document boundary).
-            packs = case["docs"] == "short" and case["layout"] != "doc_zigzag"
+            # segment meets several documents in one block: always with the short ones
+            # (length 2P) when a segment is longer than them (doc_zigzag segments never
+            # cross a document boundary).
+            packs = case["docs"] == "short" and segment_length(case["layout"], cp) > 2 * cp
             if packs or (case["docs"] != "one" and not blockwise):
                 assert "TND" in layouts_used, (case_id(case), layouts_used)
             # causal: mode 3 for causal pieces (and mode 0 for the blockwise kernel's
@@ -184,7 +192,7 @@ def test_npu_documents_use_tnd_and_small_masks(cp):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [1, 2, 4])
 def test_npu_calls_do_not_grow_with_documents(cp):
     """Forward calls per rank: the segment kernel makes one per query segment, the
     blockwise one at most two per (key block, segment), for 1, 8 or S/2P documents;
