@@ -40,8 +40,21 @@ Semantics, read from the public documentation (our own code, nothing copied):
 - MindSpeed ``docs/zh/ops/npu_ring_attention_update.md``: softmax_sum is
   ``sum(exp(score - softmax_max))``, so blocks merge with the max/sum pair.
 
-Deliberate limits: TND (varlen), pse, padding_mask, prefix, dropout
-(keep_prob < 1) and sparse modes 5-8 raise NotImplementedError. Modes 1-4
+TND (varlen), from the same op-plugin page and hicann ``FlashAttentionVarLenScore``:
+query [T, N, D], key/value [T_kv, N_kv, D] with no batch axis; both
+``actual_seq_qlen`` and ``actual_seq_kvlen`` are required host int lists of
+cumulative lengths (B in 1..2048 entries, T in 1..1M), never decreasing and
+ending at T, with trailing zeros for batches that take no part; a sequence may
+have no queries, but one with queries needs keys. Each sequence attends only
+its own keys, the sparse modes applied with that sequence's Sq/Skv (mode 3:
+causal from each sequence's lower-right vertex, the compressed 2048x2048
+mask); no row may be fully masked ("atten_mask does not support padding");
+mode 5 is rejected. softmax_max/softmax_sum are [T, N, 8] (the aclnn sample's
+shape and MindSpeed's TND ring attention).
+
+Deliberate limits: pse, padding_mask, prefix, dropout (keep_prob < 1), sparse
+modes 5-8 (dense layouts), and with TND modes 1, 6-8 and mode 0 with a mask
+raise NotImplementedError. Modes 1-4
 without a mask raise: the docs say the mask "must be correct" and that with
 no mask the op silently computes full attention, which would hide a missing
 mask from a test; this is the one place the stand-in is stricter than the
@@ -85,9 +98,14 @@ class FakeNpuError(RuntimeError):
 # ---------------------------------------------------------------- layouts
 
 def _check_layout(input_layout: str, actual_seq_qlen, actual_seq_kvlen):
-    if input_layout == "TND" or actual_seq_qlen is not None or actual_seq_kvlen is not None:
-        raise NotImplementedError("fake torch_npu: the TND (varlen) layout and actual_seq_qlen/"
-                                  "actual_seq_kvlen are not implemented; use BNSD/BSND/BSH/SBH")
+    if input_layout == "TND":
+        if actual_seq_qlen is None or actual_seq_kvlen is None:
+            raise FakeNpuError("input_layout='TND' (varlen) needs actual_seq_qlen and "
+                               "actual_seq_kvlen (cumulative sequence lengths)")
+        return
+    if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        raise FakeNpuError(f"actual_seq_qlen/actual_seq_kvlen belong to input_layout='TND', "
+                           f"not {input_layout!r}")
     if input_layout not in LAYOUTS:
         raise FakeNpuError(f"input_layout={input_layout!r} is not one of {LAYOUTS + ('TND',)}")
 
@@ -180,13 +198,24 @@ def reduce_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- masks
 
+_WANT_MASK = {}
+
+
 def _compressed_mask_ok(mask: torch.Tensor) -> bool:
     size = (COMPRESSED_MASK_SIZE,) * 2
     if tuple(mask.shape) != size or mask.dtype not in (torch.bool, torch.uint8):
         return False
-    want = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool,
-                      device=mask.device).triu(diagonal=1)
-    return torch.equal(mask.bool(), want)
+    seen = (mask.data_ptr(), mask._version, mask.dtype)
+    if _WANT_MASK.get("seen") == seen:  # the very tensor checked last time, unmodified
+        return True
+    key = str(mask.device)
+    if key not in _WANT_MASK:
+        _WANT_MASK[key] = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool,
+                                     device=mask.device).triu(diagonal=1)
+    ok = torch.equal(mask.bool(), _WANT_MASK[key])
+    if ok:
+        _WANT_MASK["seen"] = seen
+    return ok
 
 
 def _full_mask(mask: torch.Tensor, b: int, n: int, sq: int, skv: int) -> torch.Tensor:
@@ -243,13 +272,150 @@ def visible(atten_mask, sparse_mode: int, pre: int, nxt: int, b: int, n: int, sq
             f"sparse_mode={sparse_mode} takes the compressed mask: a bool/uint8 "
             f"[{COMPRESSED_MASK_SIZE}, {COMPRESSED_MASK_SIZE}] triu(diagonal=1) tensor; got "
             f"shape {tuple(atten_mask.shape)}, dtype {atten_mask.dtype}")
+    return _compressed_keep(sparse_mode, pre, nxt, sq, skv, device).view(1, 1, sq, skv)
+
+
+def _compressed_keep(sparse_mode: int, pre: int, nxt: int, sq: int, skv: int, device):
+    """[Sq, Skv] visibility of modes 2/3/4 (their compressed mask already checked)."""
     if sparse_mode == 2:
-        keep = _band(sq, skv, INT_MAX, 0, device)
-    elif sparse_mode == 3:
-        keep = _band(sq, skv, INT_MAX, skv - sq, device)
-    else:  # band counted from the lower-right vertex
-        keep = _band(sq, skv, pre - (skv - sq), nxt + (skv - sq), device)
-    return keep.view(1, 1, sq, skv)
+        return _band(sq, skv, INT_MAX, 0, device)
+    if sparse_mode == 3:
+        return _band(sq, skv, INT_MAX, skv - sq, device)
+    return _band(sq, skv, pre - (skv - sq), nxt + (skv - sq), device)  # from the lower-right vertex
+
+
+# ---------------------------------------------------------------- varlen (TND)
+
+MAX_VARLEN_BATCH = 2048   # B of the cumulative lists
+MAX_TOKENS = 1 << 20      # T
+
+
+def _cumulative(lengths, total: int, name: str):
+    """A host list of cumulative lengths -> its per-batch [start, end) ranges.
+
+    Trailing zeros mark batches that take no part; before them the list never
+    decreases (a zero-length sequence repeats the previous value) and ends at T.
+    """
+    if not isinstance(lengths, (list, tuple)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in lengths):
+        raise FakeNpuError(f"{name} must be a host list of ints (cumulative lengths), got "
+                           f"{type(lengths).__name__}")
+    if not 1 <= len(lengths) <= MAX_VARLEN_BATCH:
+        raise FakeNpuError(f"{name} has {len(lengths)} entries; B must be in [1, {MAX_VARLEN_BATCH}]")
+    used = len(lengths)
+    while used and lengths[used - 1] == 0:
+        used -= 1
+    ends = list(lengths[:used])
+    starts = [0] + ends[:-1]
+    if any(e < s for s, e in zip(starts, ends)):
+        raise FakeNpuError(f"{name}={list(lengths)} decreases: it holds cumulative lengths")
+    if not ends or ends[-1] != total:
+        raise FakeNpuError(f"{name}={list(lengths)} must end at the token count T={total}")
+    return list(zip(starts, ends)), len(lengths)
+
+
+def _tnd_inputs(query, key, value, head_num: int):
+    """[T, N, D] tensors -> [1, N, T, D] views, checked like the BNSD ones."""
+    for x, name in ((query, "query"), (key, "key"), (value, "value")):
+        if x.dim() != 3:
+            raise FakeNpuError(f"TND expects 3 dims [T, N, D] (no batch axis); {name} has shape "
+                               f"{tuple(x.shape)}")
+        if not 1 <= x.shape[0] <= MAX_TOKENS:
+            raise FakeNpuError(f"{name} has T={x.shape[0]} tokens; T must be in [1, {MAX_TOKENS}]")
+    if len({query.dtype, key.dtype, value.dtype}) != 1 or query.dtype not in DTYPES:
+        raise FakeNpuError(f"query/key/value must share one dtype of {DTYPES}; got "
+                           f"{query.dtype}, {key.dtype}, {value.dtype}")
+    if not 1 <= head_num <= MAX_HEADS or query.shape[1] != head_num:
+        raise FakeNpuError(f"head_num={head_num} must equal query's N axis (TND shape "
+                           f"{tuple(query.shape)}) and lie in [1, {MAX_HEADS}]")
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+    _check_shapes(q, k, v)
+    return q, k, v
+
+
+def _varlen_keep(atten_mask, sparse_mode: int, pre: int, nxt: int, n: int, sq: int, skv: int,
+                 device) -> Optional[torch.Tensor]:
+    """One sequence's visibility: the dense-layout rules applied with its own Sq/Skv."""
+    if sparse_mode == 5:
+        raise FakeNpuError("sparse_mode=5 (uncompressed prefix) is not supported with TND")
+    if sparse_mode in (1, 6, 7, 8) or (sparse_mode == 0 and atten_mask is not None):
+        raise NotImplementedError(f"fake torch_npu: TND with sparse_mode={sparse_mode}"
+                                  f"{' and a mask' if sparse_mode == 0 else ''} is not "
+                                  "implemented; use 0 without mask or 2/3/4")
+    if skv == 0:
+        raise FakeNpuError(f"a TND sequence with Sq={sq} queries has no key (Skv=0)")
+    if sparse_mode == 0:
+        return None  # no mask: every key of the sequence, pre/next ignored
+    keep = _compressed_keep(sparse_mode, pre, nxt, sq, skv, device)
+    if keep is not None and not bool(keep.any(dim=-1).all()):
+        raise FakeNpuError(f"sparse_mode={sparse_mode} leaves a fully masked row in a TND "
+                           f"sequence (Sq={sq}, Skv={skv}); varlen rejects masked-out rows")
+    return keep
+
+
+def _varlen_sequences(q, k, atten_mask, sparse_mode, pre, nxt, actual_seq_qlen, actual_seq_kvlen):
+    """[(query range, key range, keep)] of the sequences with queries."""
+    q_ranges, batches = _cumulative(actual_seq_qlen, q.shape[2], "actual_seq_qlen")
+    kv_ranges, kv_batches = _cumulative(actual_seq_kvlen, k.shape[2], "actual_seq_kvlen")
+    if batches != kv_batches or len(q_ranges) != len(kv_ranges):
+        raise FakeNpuError(f"actual_seq_qlen={list(actual_seq_qlen)} and actual_seq_kvlen="
+                           f"{list(actual_seq_kvlen)} describe different batches")
+    if sparse_mode in (2, 3, 4):  # one mask for the call, checked once
+        visible(atten_mask, sparse_mode, pre, nxt, 1, q.shape[1], 1, 1, q.device)
+    return [((qa, qb), (ka, kb),
+             _varlen_keep(atten_mask, sparse_mode, pre, nxt, q.shape[1], qb - qa, kb - ka, q.device))
+            for (qa, qb), (ka, kb) in zip(q_ranges, kv_ranges) if qb > qa]
+
+
+def _tnd_forward(query, key, value, head_num, atten_mask, scale, pre, nxt, sparse_mode,
+                 actual_seq_qlen, actual_seq_kvlen):
+    """Each sequence attends its own keys: out [T, N, Dv], softmax max/sum [T, N, 8]."""
+    q, k, v = _tnd_inputs(query, key, value, head_num)
+    n = q.shape[1]
+    out = torch.zeros(query.shape[0], n, v.shape[-1], dtype=query.dtype, device=query.device)
+    stats = torch.zeros(2, query.shape[0], n, 8, dtype=torch.float32, device=query.device)
+    parts = []
+    for (qa, qb), (ka, kb), keep in _varlen_sequences(q, k, atten_mask, sparse_mode, pre, nxt,
+                                                      actual_seq_qlen, actual_seq_kvlen):
+        s = _scores(q[:, :, qa:qb], k[:, :, ka:kb], scale, keep)
+        row_max, row_sum = _row_stats(s)
+        o = torch.matmul(_probs(s, row_max, row_sum), expand_groups(v[:, :, ka:kb], n).float())
+        parts.append(((qa, qb), o[0].transpose(0, 1).to(query.dtype)))
+        for i, x in enumerate((row_max, row_sum)):
+            stats[i, qa:qb] = x.detach()[0].transpose(0, 1).float().expand(qb - qa, n, 8)
+    # Sequences cover every query row; index_put keeps autograd through the outputs.
+    rows = torch.cat([torch.arange(a, b) for (a, b), _ in parts]).to(query.device)
+    out = out.index_put((rows,), torch.cat([o for _, o in parts]))
+    return out, stats[0], stats[1]
+
+
+def _tnd_grad(query, key, value, dy, head_num, atten_mask, softmax_max, softmax_sum,
+              attention_in, scale, pre, nxt, sparse_mode, actual_seq_qlen, actual_seq_kvlen):
+    q, k, v = _tnd_inputs(query, key, value, head_num)
+    n, kv_heads = q.shape[1], k.shape[1]
+    want = (query.shape[0], n, 8)
+    for x, name in ((softmax_max, "softmax_max"), (softmax_sum, "softmax_sum")):
+        if tuple(x.shape) != want:
+            raise FakeNpuError(f"{name} must be [T, N, 8] = {list(want)} with TND; got "
+                               f"{list(x.shape)}")
+    for x, name in ((dy, "dy"), (attention_in, "attention_in")):
+        if tuple(x.shape) != (query.shape[0], n, v.shape[-1]):
+            raise FakeNpuError(f"{name} must be [T, N, Dv] like the forward output; got "
+                               f"{list(x.shape)}")
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    d_out, out = (x.transpose(0, 1).unsqueeze(0).float() for x in (dy, attention_in))
+    row_max, row_sum = (x[..., :1].transpose(0, 1).unsqueeze(0).float()
+                        for x in (softmax_max, softmax_sum))
+    for (qa, qb), (ka, kb), keep in _varlen_sequences(q, k, atten_mask, sparse_mode, pre, nxt,
+                                                      actual_seq_qlen, actual_seq_kvlen):
+        grads = _grad_math(q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb], d_out[:, :, qa:qb],
+                           out[:, :, qa:qb], row_max[:, :, qa:qb], row_sum[:, :, qa:qb], scale, keep)
+        dq[:, :, qa:qb] += grads[0]
+        dk[:, :, ka:kb] += reduce_groups(grads[1], kv_heads)
+        dv[:, :, ka:kb] += reduce_groups(grads[2], kv_heads)
+    return tuple(x[0].transpose(0, 1).to(t.dtype) for x, t in ((dq, query), (dk, key), (dv, value)))
 
 
 # ---------------------------------------------------------------- the op
@@ -295,8 +461,11 @@ def _record(name: str, **info):
             module.largest_mask_elements = max(module.largest_mask_elements, elements)
 
 
-def _call_info(query, key, value, head_num, input_layout, atten_mask, scale, pre, nxt, sparse_mode):
+def _call_info(query, key, value, head_num, input_layout, atten_mask, scale, pre, nxt, sparse_mode,
+               actual_seq_qlen=None, actual_seq_kvlen=None):
     return dict(input_layout=input_layout, head_num=head_num, sparse_mode=sparse_mode,
+                actual_seq_qlen=None if actual_seq_qlen is None else list(actual_seq_qlen),
+                actual_seq_kvlen=None if actual_seq_kvlen is None else list(actual_seq_kvlen),
                 pre_tockens=pre, next_tockens=nxt, scale=scale,
                 atten_mask_shape=None if atten_mask is None else tuple(atten_mask.shape),
                 query_shape=tuple(query.shape), key_shape=tuple(key.shape),
@@ -310,6 +479,14 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, *, pse=None,
     """Returns (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)."""
     _check_layout(input_layout, actual_seq_qlen, actual_seq_kvlen)
     _check_unsupported(pse, padding_mask, prefix, keep_prob)
+    if input_layout == "TND":
+        out, row_max, row_sum = _tnd_forward(query, key, value, head_num, atten_mask, scale,
+                                             pre_tockens, next_tockens, sparse_mode,
+                                             actual_seq_qlen, actual_seq_kvlen)
+        _record("npu_fusion_attention", **_call_info(
+            query, key, value, head_num, input_layout, atten_mask, scale, pre_tockens,
+            next_tockens, sparse_mode, actual_seq_qlen, actual_seq_kvlen))
+        return out, row_max, row_sum, query.new_empty([0]), 0, 0, 0
     q, k, v = _bnsd_inputs(query, key, value, head_num, input_layout)
     (b, n, sq, _), skv = q.shape, k.shape[2]
     keep = visible(atten_mask, sparse_mode, pre_tockens, next_tockens, b, n, sq, skv, q.device)
@@ -337,6 +514,14 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
     if softmax_max is None or softmax_sum is None or attention_in is None:
         raise FakeNpuError("npu_fusion_attention_grad needs softmax_max, softmax_sum and "
                            "attention_in from the forward")
+    if input_layout == "TND":
+        grads = _tnd_grad(query, key, value, dy, head_num, atten_mask, softmax_max, softmax_sum,
+                          attention_in, scale_value, pre_tockens, next_tockens, sparse_mode,
+                          actual_seq_qlen, actual_seq_kvlen)
+        _record("npu_fusion_attention_grad", **_call_info(
+            query, key, value, head_num, input_layout, atten_mask, scale_value, pre_tockens,
+            next_tockens, sparse_mode, actual_seq_qlen, actual_seq_kvlen))
+        return grads + (query.new_empty([0]),)
     q, k, v = _bnsd_inputs(query, key, value, head_num, input_layout)
     (b, n, sq, _), (kv_heads, skv) = q.shape, k.shape[1:3]
     keep = visible(atten_mask, sparse_mode, pre_tockens, next_tockens, b, n, sq, skv, q.device)
@@ -345,19 +530,24 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                                                       next_tockens, sparse_mode))
     d_out = to_bnsd(dy, input_layout, v.shape[-1]).float()
     out = to_bnsd(attention_in, input_layout, v.shape[-1]).float()
-    p = _probs(_scores(q, k, scale_value, keep), softmax_max[..., :1].float(),
-               softmax_sum[..., :1].float())
-    v_full, k_full = expand_groups(v, n).float(), expand_groups(k, n).float()
-    dv = torch.matmul(p.transpose(-1, -2), d_out)
-    dp = torch.matmul(d_out, v_full.transpose(-1, -2))
-    row_dot = (d_out * out).sum(dim=-1, keepdim=True)  # = rowsum(P * dP)
-    ds = p * (dp - row_dot) * scale_value
-    dq = torch.matmul(ds, k_full)
-    dk = torch.matmul(ds.transpose(-1, -2), q.float())
+    dq, dk, dv = _grad_math(q, k, v, d_out, out, softmax_max[..., :1].float(),
+                            softmax_sum[..., :1].float(), scale_value, keep)
     return (from_bnsd(dq.to(query.dtype), input_layout),
             from_bnsd(reduce_groups(dk, kv_heads).to(key.dtype), input_layout),
             from_bnsd(reduce_groups(dv, kv_heads).to(value.dtype), input_layout),
             query.new_empty([0]))
+
+
+def _grad_math(q, k, v, d_out, out, row_max, row_sum, scale: float, keep):
+    """float32 (dq, dk, dv) with dk/dv per *query* head (callers sum the groups)."""
+    n = q.shape[1]
+    p = _probs(_scores(q, k, scale, keep), row_max, row_sum)
+    v_full, k_full = expand_groups(v, n).float(), expand_groups(k, n).float()
+    dv = torch.matmul(p.transpose(-1, -2), d_out)
+    dp = torch.matmul(d_out, v_full.transpose(-1, -2))
+    row_dot = (d_out * out).sum(dim=-1, keepdim=True)  # = rowsum(P * dP)
+    ds = p * (dp - row_dot) * scale
+    return torch.matmul(ds, k_full), torch.matmul(ds.transpose(-1, -2), q.float()), dv
 
 
 # ---------------------------------------------------------------- install

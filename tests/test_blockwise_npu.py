@@ -66,3 +66,51 @@ def test_npu_matches_reference(matrix, case):
     errors = eq.relative_errors(matrix[case], reference(case))
     bad = {k: v for k, v in errors.items() if not v <= TOLERANCE[case.dtype]}
     assert not bad, f"{case.label()}: {bad} > {TOLERANCE[case.dtype]}"
+
+
+# ------------------------------------------------------------ packed runs (documents)
+
+# One segment's runs against a block of 10 keys: (rows, key slice, diagonal) as the walk
+# hands them, diagonals within the interface's max(0, B - rows) <= c < B - 1.
+RUNS = [(slice(0, 3), slice(0, 4), 1), (slice(3, 7), slice(4, 10), 2), (slice(7, 9), slice(4, 10), None),
+        (slice(9, 14), slice(6, 10), 0)]
+
+
+@pytest.mark.parametrize("pad_v", [False, True])
+@pytest.mark.parametrize("n", [1, 4])
+def test_packed_runs_match_eager_per_run_in_two_calls(pad_v, n):
+    """forward_runs/backward_runs of the NPU block kernel against EagerBlock run by run:
+    the causal parts go in one mode-3 TND call, the fully visible parts in one mode-0 call."""
+    import torch
+    from mindspeed_laga.forms.block_kernels import EagerBlock, block_kernel
+    module = fake_torch_npu.install()
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, n, 14, 12, generator=g)
+        key = torch.randn(1, n, 10, 12, generator=g)
+        value = torch.randn(1, n, 10, 8, generator=g)
+        d_out = torch.randn(1, n, 14, 8, generator=g)
+        kernel = block_kernel("npu", pad_v)
+        module.reset_calls()
+        got = kernel.forward_runs(q, key, value, RUNS, 0.3)
+        forward_calls = list(module.calls)
+        out = torch.zeros(1, n, 14, 8)
+        lse = torch.zeros(1, n, 14)
+        for (rows, ks, c), (o, l) in zip(RUNS, got):
+            want_o, want_l = EagerBlock.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], c, 0.3)
+            torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(l, want_l, atol=1e-5, rtol=1e-5)
+            out[:, :, rows], lse[:, :, rows] = want_o, want_l
+        module.reset_calls()
+        grads = kernel.backward_runs(q, key, value, RUNS, 0.3, d_out, out, lse)
+        backward_calls = list(module.calls)
+        for (rows, ks, c), got_g in zip(RUNS, grads):
+            want_g = EagerBlock.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], c, 0.3,
+                                         d_out[:, :, rows], out[:, :, rows], lse[:, :, rows])
+            for a, b in zip(got_g, want_g):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        for calls in (forward_calls, backward_calls):
+            assert [(c["input_layout"], c["sparse_mode"]) for c in calls] == [("TND", 3), ("TND", 0)]
+            assert calls[0]["atten_mask_shape"] == (2048, 2048) and calls[1]["atten_mask_shape"] is None
+    finally:
+        fake_torch_npu.uninstall()

@@ -211,7 +211,7 @@ def test_compressed_mask_in_uint8_is_accepted():
     (dict(sparse_mode=5), NotImplementedError),
     (dict(keep_prob=0.9), NotImplementedError),
     (dict(pse=torch.zeros(1, 4, 5, 7)), NotImplementedError),
-    (dict(actual_seq_qlen=[5]), NotImplementedError),
+    (dict(actual_seq_qlen=[5]), FakeNpuError),                                     # TND only
 ])
 def test_argument_rejects(kwargs, error):
     q, k, v = make_qkv()
@@ -219,11 +219,157 @@ def test_argument_rejects(kwargs, error):
         run_bnsd(q, k, v, **kwargs)
 
 
-def test_tnd_layout_is_not_implemented():
-    q, k, v = make_qkv()
-    with pytest.raises(NotImplementedError, match="TND"):
-        npu_fusion_attention(q[0], k[0], v[0], 4, "TND", actual_seq_qlen=[5],
-                             actual_seq_kvlen=[7])
+# ------------------------------------------------------------ varlen (TND)
+
+# Per sequence (Sq, Skv); a sequence without queries and two trailing batches that take no part.
+SEQS = [(3, 4), (0, 2), (5, 5), (2, 6), (4, 4)]
+TRAILING = 2
+
+
+def tnd_inputs(n1=4, n2=2, d=8, dv=6, seed=3, seqs=SEQS):
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(a for a, _ in seqs), sum(b for _, b in seqs)
+    return (torch.randn(tq, n1, d, generator=g), torch.randn(tk, n2, d, generator=g),
+            torch.randn(tk, n2, dv, generator=g))
+
+
+def cumulative(lengths, trailing=TRAILING):
+    out, total = [], 0
+    for n in lengths:
+        total += n
+        out.append(total)
+    return out + [0] * trailing
+
+
+def tnd_keep(seqs, rule):
+    """[Tq, Tkv] bool: query and key in the same sequence and rule(i, j, Sq, Skv) on local indices."""
+    rows = []
+    for s, (sq, skv) in enumerate(seqs):
+        for i in range(sq):
+            row = []
+            for t, (_, skv2) in enumerate(seqs):
+                row += [t == s and bool(rule(i, j, sq, skv)) for j in range(skv2)]
+            rows.append(row)
+    return torch.tensor(rows)
+
+
+def bnsd_of(x):
+    """The test's own TND [T, N, D] -> [1, N, T, D]."""
+    return x.permute(1, 0, 2).unsqueeze(0)
+
+
+TND_MODES = {
+    "mode0_nomask": (dict(sparse_mode=0), lambda i, j, sq, skv: True),
+    "mode3_lower_right": (dict(sparse_mode=3, atten_mask=COMPRESSED),
+                          lambda i, j, sq, skv: j <= i + skv - sq),
+    "mode2_upper_left": (dict(sparse_mode=2, atten_mask=COMPRESSED), lambda i, j, sq, skv: j <= i),
+    "mode4_band": (dict(sparse_mode=4, atten_mask=COMPRESSED, pre_tockens=2, next_tockens=0),
+                   lambda i, j, sq, skv: i + skv - sq - 2 <= j <= i + skv - sq),
+}
+
+
+def tnd_call(q, k, v, kwargs, seqs=SEQS, fn=npu_fusion_attention, *args, **extra):
+    return fn(q, k, v, *args, q.shape[1], "TND", actual_seq_qlen=cumulative([a for a, _ in seqs]),
+              actual_seq_kvlen=cumulative([b for _, b in seqs]), **kwargs, **extra)
+
+
+@pytest.mark.parametrize("mode", sorted(TND_MODES))
+def test_tnd_matches_float64_reference_per_sequence(mode):
+    kwargs, rule = TND_MODES[mode]
+    q, k, v = (x.requires_grad_() for x in tnd_inputs())
+    out, smax, ssum = tnd_call(q, k, v, dict(kwargs, scale=SCALE))[:3]
+    keep = tnd_keep(SEQS, rule)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want, scores = dense_reference(*(bnsd_of(x) for x in leaves), SCALE, keep)
+    want = want[0].permute(1, 0, 2)
+    assert out.shape == want.shape and out.dtype == torch.float32
+    close(out, want)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_sum = torch.exp(scores - row_max).sum(dim=-1, keepdim=True)
+    assert smax.shape == ssum.shape == (q.shape[0], q.shape[1], 8)
+    close(smax, row_max[0].permute(1, 0, 2).expand(-1, -1, 8))
+    close(ssum, row_sum[0].permute(1, 0, 2).expand(-1, -1, 8))
+    # autograd through the stand-in and its grad op both match float64 autograd
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    want_grads = torch.autograd.grad(want, leaves, dy.double())
+    got_autograd = torch.autograd.grad(out, (q, k, v), dy)
+    grad_kwargs = {name.replace("scale", "scale_value"): x for name, x in kwargs.items()}
+    got = tnd_call(q.detach(), k.detach(), v.detach(), grad_kwargs, SEQS, npu_fusion_attention_grad,
+                   dy, softmax_max=smax, softmax_sum=ssum, attention_in=out.detach(),
+                   scale_value=SCALE)
+    assert len(got) == 4 and got[3].numel() == 0
+    for g, a, w in zip(got[:3], got_autograd, want_grads):
+        assert g.shape == w.shape
+        close(g, w)
+        close(a, w)
+
+
+def test_tnd_call_is_recorded_with_its_lengths(monkeypatch):
+    module = fake_torch_npu.install()
+    try:
+        module.reset_calls()
+        q, k, v = tnd_inputs()
+        tnd_call(q, k, v, dict(sparse_mode=3, atten_mask=COMPRESSED))
+        (call,) = module.calls
+        assert call["input_layout"] == "TND"
+        assert call["actual_seq_qlen"] == cumulative([a for a, _ in SEQS])
+        assert call["actual_seq_kvlen"] == cumulative([b for _, b in SEQS])
+        assert module.largest_mask_elements == 2048 * 2048
+    finally:
+        fake_torch_npu.uninstall()
+
+
+def _tnd_reject(**change):
+    q, k, v = tnd_inputs()
+    args = dict(actual_seq_qlen=cumulative([a for a, _ in SEQS]),
+                actual_seq_kvlen=cumulative([b for _, b in SEQS]), sparse_mode=0)
+    args.update(change.pop("kwargs", {}))
+    q, k, v = change.pop("tensors", (q, k, v))
+    return npu_fusion_attention(q, k, v, q.shape[-2] if q.dim() == 3 else 4, "TND", **args)
+
+
+TQ, TK = sum(a for a, _ in SEQS), sum(b for _, b in SEQS)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(kwargs=dict(actual_seq_qlen=None)), FakeNpuError, "actual_seq"),
+    (dict(kwargs=dict(actual_seq_kvlen=None)), FakeNpuError, "actual_seq"),
+    (dict(kwargs=dict(actual_seq_qlen=[3, 3, 8, 10, TQ - 1])), FakeNpuError, "must end at"),
+    (dict(kwargs=dict(actual_seq_kvlen=[4, 6, 11, 17, TK + 1])), FakeNpuError, "must end at"),
+    (dict(kwargs=dict(actual_seq_qlen=[3, 2, 8, 10, TQ])), FakeNpuError, "decreases"),
+    (dict(kwargs=dict(actual_seq_qlen=[3, 3, 8, 10, TQ, 0])), FakeNpuError, "different batches"),
+    (dict(kwargs=dict(actual_seq_qlen=torch.tensor([3, 3, 8, 10, TQ]))), FakeNpuError, "host list"),
+    (dict(kwargs=dict(actual_seq_qlen=[0, 0])), FakeNpuError, "must end at"),
+    (dict(kwargs=dict(actual_seq_kvlen=[4, 6, 6, 17, 21, 0, 0])), FakeNpuError, "no key"),
+    (dict(kwargs=dict(sparse_mode=5, atten_mask=COMPRESSED)), FakeNpuError, "sparse_mode=5"),
+    (dict(kwargs=dict(sparse_mode=3, atten_mask=torch.ones(5, 6, dtype=torch.bool).triu(1))),
+     FakeNpuError, "compressed"),
+    (dict(kwargs=dict(sparse_mode=1, atten_mask=COMPRESSED)), NotImplementedError, "TND"),
+    (dict(kwargs=dict(sparse_mode=0, atten_mask=torch.zeros(5, 6, dtype=torch.bool))),
+     NotImplementedError, "TND"),
+    (dict(tensors=tuple(x.unsqueeze(0) for x in tnd_inputs())), FakeNpuError, "no batch axis"),
+    (dict(tensors=tnd_inputs(n1=4, n2=3)), FakeNpuError, "multiple"),
+])
+def test_tnd_rejects_what_the_op_rejects(change, error, match):
+    with pytest.raises(error, match=match):
+        _tnd_reject(**change)
+
+
+def test_tnd_rejects_fully_masked_rows():
+    """Mode 3 with more queries than keys in a sequence masks whole rows: varlen refuses."""
+    seqs = [(3, 4), (5, 2)]
+    q, k, v = tnd_inputs(seqs=seqs)
+    with pytest.raises(FakeNpuError, match="fully masked"):
+        tnd_call(q, k, v, dict(sparse_mode=3, atten_mask=COMPRESSED), seqs)
+
+
+def test_tnd_grad_checks_statistics_shape():
+    q, k, v = tnd_inputs()
+    out, smax, ssum = tnd_call(q, k, v, dict(sparse_mode=0))[:3]
+    bad = smax.permute(1, 0, 2)  # [N, T, 8] is not the TND statistics layout
+    with pytest.raises(FakeNpuError, match="softmax_max"):
+        tnd_call(q, k, v, dict(sparse_mode=0), SEQS, npu_fusion_attention_grad, torch.ones_like(out),
+                 softmax_max=bad, softmax_sum=ssum, attention_in=out)
 
 
 @pytest.mark.parametrize("case", ["qk_dims_differ", "v_dim_above_qk", "kv_seq_differ",

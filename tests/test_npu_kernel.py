@@ -116,6 +116,49 @@ def test_bfloat16_matches_eager_loosely(fake_npu):
     assert_close_all((got[0],) + got[1], (want[0],) + want[1], tol=5e-2)
 
 
+# ------------------------------------------------------------ packed documents (TND)
+
+DOCUMENTS = {"one": [0, 16], "two": [0, 5, 16], "many": [0, 2, 4, 6, 8, 10, 12, 14, 16],
+             "ragged": [0, 1, 7, 8, 13, 16]}
+
+
+@pytest.mark.parametrize("pad_v", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("docs", sorted(DOCUMENTS))
+@pytest.mark.parametrize("case", ["zigzag_rank0_of2", "zigzag_rank1_of2", "single"])
+def test_documents_match_eager_in_one_tnd_call_per_segment(fake_npu, case, docs, heads, causal,
+                                                           pad_v):
+    """Eager masks each segment from its pieces; the NPU kernel packs them as varlen
+    sequences: one call per segment whatever the number of documents."""
+    segments, total = SEGMENTS[case]
+    if total != DOCUMENTS[docs][-1]:
+        segments, total = [(0, 16, 0)], 16
+    q, k, v = (x[:1] for x in make_qkv(segments, total, HEADS[heads], seed=8))
+    dy = torch.randn(q.shape[:3] + (v.shape[-1],), generator=torch.Generator().manual_seed(9))
+    kwargs = dict(scale=0.3, segments=segments, causal=causal, documents=DOCUMENTS[docs])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = attend(*leaves, **kwargs, kernel="npu", pad_v=pad_v)
+    got = (out.detach(),) + torch.autograd.grad(out, leaves, dy)
+    calls = list(fake_npu.calls)
+    want_out, want_grads = run("eager", q, k, v, dy, **kwargs)
+    assert_close_all(got, (want_out,) + want_grads, tol=1e-5)
+    assert len(calls) == len(segments)
+    for call in calls:
+        assert call["input_layout"] == "TND" and len(call["query_shape"]) == 3
+        assert call["sparse_mode"] == (3 if causal else 0)
+        assert call["atten_mask_shape"] == ((2048, 2048) if causal else None)
+        assert call["value_shape"][-1] == (k.shape[-1] if pad_v else v.shape[-1])
+
+
+def test_documents_need_micro_batch_one(fake_npu):
+    segments, total = SEGMENTS["single"]
+    q, k, v = make_qkv(segments, total, HEADS["mla"])
+    with pytest.raises(ValueError, match="micro-batch size 1"):
+        attend(q, k, v, scale=0.3, segments=segments, causal=True, kernel="npu",
+               documents=[0, 3, 8])
+
+
 # ------------------------------------------------------------ the three forms, no CP
 
 FORMS = {"laga": laga_attention, "explicit": explicit_attention, "absorbed": absorbed_attention}

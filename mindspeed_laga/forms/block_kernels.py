@@ -25,6 +25,17 @@ inputs, the input dtype (float32, float64) otherwise.
   (all-block) output and log-sum-exp of these rows, so the block's
   probabilities ``exp(s - lse)`` are exactly the global ones.
   ``d_out`` and ``out`` come in q's dtype, ``lse`` in float32.
+- Packed entry (optional): the walk groups the runs per (key block, query
+  segment); a kernel with ``forward_runs(q, key, value, runs, scale)`` and
+  ``backward_runs(q, key, value, runs, scale, d_out, out, lse)`` gets all of
+  one segment's runs against the block in one call, with ``q``/``d_out``/
+  ``out``/``lse`` the *whole* local tensors, ``key``/``value`` the whole
+  block, and ``runs`` the walk's ``[(rows, key slice, diagonal)]`` (disjoint
+  rows in order, one run per document the segment crosses in the block).
+  They return one ``(out, lse)`` / ``(dq, dk, dv)`` per run, shaped and typed
+  as ``forward``/``backward`` would for ``q[:, :, rows]``, ``key[:, :, ks]``,
+  so the walk merges and accumulates them the same way. Kernels without it
+  (eager, fused) get one ``forward``/``backward`` call per run.
 - Kernels are stateless classes called as ``Kernel.forward(...)`` (static or
   class methods) and never see the sequence length. The walk picks one with
   :func:`block_kernel` (``BlockPlan.kernel`` and ``BlockPlan.pad_v``); a new
@@ -120,6 +131,13 @@ class NpuBlock:
     only the final log-sum-exp, and ``softmax_max = lse``, ``softmax_sum = 1``
     gives exactly the same probabilities ``exp(s - lse)`` with half the saved
     statistics.
+
+    Packed documents: ``forward_runs``/``backward_runs`` split each run into
+    its bottom-right-aligned causal part and its fully visible part (rows past
+    the diagonal see the whole key slice) and pack the parts of all runs as
+    varlen sequences (layout TND): at most two calls per (block, segment),
+    mode 3 with the compressed mask for the causal parts and mode 0 without a
+    mask for the full ones, whatever the number of documents.
     """
 
     PAD_V = False  # zero-pad V to the q/k head dim for the op (``NpuBlockPadV``)
@@ -150,6 +168,113 @@ class NpuBlock:
             softmax_sum=torch.ones_like(stats), attention_in=out.to(q.dtype), scale_value=scale,
             keep_prob=1.0, **_mask_kwargs(q, key, diagonal))[:3]
         return dq.float(), dk.float(), dv[..., :d_v].float()
+
+
+    # ---- packed: all runs of one query segment against one block in at most two TND calls
+
+    @classmethod
+    def forward_runs(cls, q, key, value, runs, scale):
+        if len(runs) == 1 or q.shape[0] != 1:  # one document here: the single call above
+            return [cls.forward(q[:, :, r], key[:, :, ks], value[:, :, ks], c, scale)
+                    for r, ks, c in runs]
+        from ..kernels.npu import pad_value, require_torch_npu
+        torch_npu = require_torch_npu()
+        d_v = value.shape[-1]
+        if cls.PAD_V:
+            value = pad_value(value, key.shape[-1])
+        outs = [[] for _ in runs]  # per run: (first row, out, lse) of its parts
+        for causal, pieces in _packed_parts(runs).items():
+            res = torch_npu.npu_fusion_attention(
+                _rows_tnd(q, pieces), _keys_tnd(key, pieces), _keys_tnd(value, pieces), q.shape[1],
+                scale=scale, **_varlen_kwargs(pieces, causal, q.device))
+            lse = res[1][..., 0].float() + torch.log(res[2][..., 0].float())  # [T, N]
+            for i, rows, _, t_q, _ in _offsets(pieces):
+                n = rows.stop - rows.start
+                outs[i].append((rows.start, _bnsd(res[0][t_q:t_q + n, :, :d_v].float()),
+                                lse[t_q:t_q + n].transpose(0, 1).unsqueeze(0)))
+        return [tuple(torch.cat([p[j] for p in sorted(parts, key=lambda p: p[0])], dim=2)
+                      for j in (1, 2)) for parts in outs]
+
+    @classmethod
+    def backward_runs(cls, q, key, value, runs, scale, d_out, out, lse):
+        if len(runs) == 1 or q.shape[0] != 1:
+            return [cls.backward(q[:, :, r], key[:, :, ks], value[:, :, ks], c, scale,
+                                 d_out[:, :, r], out[:, :, r], lse[:, :, r]) for r, ks, c in runs]
+        from ..kernels.npu import pad_value, require_torch_npu
+        torch_npu = require_torch_npu()
+        d_v = value.shape[-1]
+        if cls.PAD_V:
+            value, d_out, out = (pad_value(x, key.shape[-1]) for x in (value, d_out, out))
+        grads = {i: [torch.zeros(q[:, :, r].shape, dtype=torch.float32, device=q.device),
+                     torch.zeros(key[:, :, ks].shape, dtype=torch.float32, device=q.device),
+                     torch.zeros(key[:, :, ks].shape[:-1] + (d_v,), dtype=torch.float32,
+                                 device=q.device)]
+                 for i, (r, ks, _) in enumerate(runs)}
+        for causal, pieces in _packed_parts(runs).items():
+            stats = _rows_tnd(lse.float().unsqueeze(-1), pieces).expand(-1, -1, 8).contiguous()
+            dq, dk, dv = torch_npu.npu_fusion_attention_grad(
+                _rows_tnd(q, pieces), _keys_tnd(key, pieces), _keys_tnd(value, pieces),
+                _rows_tnd(d_out.to(q.dtype), pieces), q.shape[1], softmax_max=stats,
+                softmax_sum=torch.ones_like(stats), attention_in=_rows_tnd(out.to(q.dtype), pieces),
+                scale_value=scale, **_varlen_kwargs(pieces, causal, q.device))[:3]
+            for i, rows, keys, t_q, t_k in _offsets(pieces):
+                n_q, n_k = rows.stop - rows.start, keys.stop - keys.start
+                r0, k0 = rows.start - runs[i][0].start, keys.start - runs[i][1].start
+                g = grads[i]
+                g[0][:, :, r0:r0 + n_q] += _bnsd(dq[t_q:t_q + n_q].float())
+                g[1][:, :, k0:k0 + n_k] += _bnsd(dk[t_k:t_k + n_k].float())
+                g[2][:, :, k0:k0 + n_k] += _bnsd(dv[t_k:t_k + n_k, :, :d_v].float())
+        return [tuple(grads[i]) for i in range(len(runs))]
+
+
+def _packed_parts(runs):
+    """Each run split into its causal part and its fully visible part, packed per kind.
+
+    With diagonal c (key j visible to row i iff j <= i + c) over B keys, rows
+    ``i >= B - 1 - c`` see the whole key slice; rows ``i < m = B - 1 - c`` see
+    keys ``[0, m + c)`` bottom-right aligned (row m-1 sees key m+c-1). The walk's
+    ``c < B - 1`` makes m >= 1, and its last row seeing the last key leaves the
+    full part non-empty. Returns {causal: [(run index, absolute rows, absolute
+    keys)]}, the rows and keys of each part as slices of q and of the block.
+    """
+    packed = {True: [], False: []}
+    for i, (rows, ks, c) in enumerate(runs):
+        n, b = rows.stop - rows.start, ks.stop - ks.start
+        m = 0 if c is None else min(n, b - 1 - c)
+        if m:
+            packed[True].append((i, slice(rows.start, rows.start + m), slice(ks.start, ks.start + m + c)))
+        if m < n:
+            packed[False].append((i, slice(rows.start + m, rows.stop), ks))
+    return {causal: pieces for causal, pieces in packed.items() if pieces}
+
+
+def _offsets(pieces):
+    """(run index, rows, keys, first packed row, first packed key) of each piece."""
+    t_q = t_k = 0
+    for i, rows, keys in pieces:
+        yield i, rows, keys, t_q, t_k
+        t_q, t_k = t_q + rows.stop - rows.start, t_k + keys.stop - keys.start
+
+
+def _bnsd(x):
+    """[T, h, d] -> [1, h, T, d]."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _rows_tnd(x, pieces):
+    """[1, h, rows, d] -> the pieces' rows packed as [T, h, d]."""
+    return torch.cat([x[0, :, rows] for _, rows, _ in pieces], dim=1).transpose(0, 1).contiguous()
+
+
+def _keys_tnd(x, pieces):
+    """[1, h, B, d] -> the pieces' key slices packed as [T_kv, h, d]."""
+    return torch.cat([x[0, :, keys] for _, _, keys in pieces], dim=1).transpose(0, 1).contiguous()
+
+
+def _varlen_kwargs(pieces, causal, device):
+    from ..kernels.npu import varlen_kwargs
+    return varlen_kwargs([r.stop - r.start for _, r, _ in pieces],
+                         [k.stop - k.start for _, _, k in pieces], causal, device)
 
 
 class NpuBlockPadV(NpuBlock):

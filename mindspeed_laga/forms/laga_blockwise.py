@@ -15,7 +15,9 @@ log-sum-exp, and pushes dK/dV straight back through the up-projection to
 the latent and ``kv_up_weight``. Full-sequence K/V never exist, in forward
 or backward.
 
-Each (block, query rows) pair goes to a block kernel (``block_kernels``):
+Each (block, query rows) pair goes to a block kernel (``block_kernels``; with
+documents, all runs of one query segment in a block go at once to a kernel
+that offers the packed entry):
 eager math with one block's scores materialized, or ``npu_fusion_attention``
 and ``npu_fusion_attention_grad``, whose softmax statistics merge blocks the
 same way. Accumulation is float32 for half-precision inputs.
@@ -61,23 +63,55 @@ def visible_rows(plan: BlockPlan, k0: int, k1: int):
     kernels' visibility (``block_kernels``): key j of the slice is visible to
     row i of the run iff ``j <= i + diagonal``; None when every key is.
     """
+    for runs in segment_runs(plan, k0, k1):
+        yield from runs
+
+
+def segment_runs(plan: BlockPlan, k0: int, k1: int):
+    """The runs of :func:`visible_rows` grouped by query segment: one non-empty list per
+    segment that sees the block, runs in row order (one per document it crosses)."""
     # Untrimmed, key index = position, and a window's end past k1 is cut anyway.
     keys = KeyIndex(plan.key_ranges, k1) if plan.key_ranges else None
     total = plan.key_ranges[-1][1] if plan.key_ranges else k1
     for seg in plan.segments:
-        for local, n, g in doc_pieces(seg, plan.documents):
-            lo, hi = key_window((local, n, g), total, plan.causal, plan.documents)
-            base = keys.index(lo) - lo if keys else 0  # key index of position p: base + p
-            a, e = max(k0, base + lo), min(k1, base + hi)
-            if a >= e:
-                continue
-            first = max(0, a - (base + g)) if plan.causal else 0
-            if first >= n:
-                continue
-            diagonal = base + g + first - a if plan.causal else None
-            if diagonal is not None and diagonal >= e - a - 1:
-                diagonal = None
-            yield slice(local + first, local + n), slice(a - k0, e - k0), diagonal
+        runs = [run for piece in doc_pieces(seg, plan.documents)
+                if (run := _run(plan, piece, keys, total, k0, k1)) is not None]
+        if runs:
+            yield runs
+
+
+def _run(plan: BlockPlan, piece, keys, total: int, k0: int, k1: int):
+    local, n, g = piece
+    lo, hi = key_window(piece, total, plan.causal, plan.documents)
+    base = keys.index(lo) - lo if keys else 0  # key index of position p: base + p
+    a, e = max(k0, base + lo), min(k1, base + hi)
+    if a >= e:
+        return None
+    first = max(0, a - (base + g)) if plan.causal else 0
+    if first >= n:
+        return None
+    diagonal = base + g + first - a if plan.causal else None
+    if diagonal is not None and diagonal >= e - a - 1:
+        diagonal = None
+    return slice(local + first, local + n), slice(a - k0, e - k0), diagonal
+
+
+def forward_runs(kernel, q, key, value, runs, scale):
+    """[(out, lse)] of one segment's runs against a block: the kernel's packed entry when
+    it has one (one call for all of a segment's documents), else one call per run."""
+    if hasattr(kernel, "forward_runs"):
+        return kernel.forward_runs(q, key, value, runs, scale)
+    return [kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], diagonal, scale)
+            for rows, ks, diagonal in runs]
+
+
+def backward_runs(kernel, q, key, value, runs, scale, d_out, out, lse):
+    """[(dq, dk, dv)] of one segment's runs, shaped like q[rows] and key/value[ks]."""
+    if hasattr(kernel, "backward_runs"):
+        return kernel.backward_runs(q, key, value, runs, scale, d_out, out, lse)
+    return [kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], diagonal, scale,
+                            d_out[:, :, rows], out[:, :, rows], lse[:, :, rows])
+            for rows, ks, diagonal in runs]
 
 
 def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
@@ -96,14 +130,19 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
     lse = torch.full((b, h, s_q), float("-inf"), dtype=acc, device=q.device)
     for k0, k1 in key_blocks(latent.shape[0], plan.block_size):
         key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
-        for rows, ks, diagonal in visible_rows(plan, k0, k1):
-            block_out, block_lse = kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks],
-                                                  diagonal, plan.scale)
-            new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
-                               + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
-            lse[:, :, rows] = new_lse
+        for runs in segment_runs(plan, k0, k1):
+            for (rows, _, _), (block_out, block_lse) in zip(
+                    runs, forward_runs(kernel, q, key, value, runs, plan.scale)):
+                _merge(out, lse, rows, block_out, block_lse)
     return out.to(q.dtype), lse
+
+
+def _merge(out, lse, rows, block_out, block_lse):
+    """Online softmax: fold one block's (out, lse) of these rows into the running ones."""
+    new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
+                       + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse[:, :, rows] = new_lse
 
 
 def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan):
@@ -117,13 +156,12 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
         key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
         d_key = torch.zeros(key.shape, dtype=acc, device=q.device)
         d_value = torch.zeros(value.shape, dtype=acc, device=q.device)
-        for rows, ks, diagonal in visible_rows(plan, k0, k1):
-            dq_b, dk_b, dv_b = kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks],
-                                               diagonal, plan.scale, d_out[:, :, rows], out[:, :, rows],
-                                               lse[:, :, rows])
-            dq[:, :, rows] += dq_b
-            d_key[:, :, ks] += dk_b
-            d_value[:, :, ks] += dv_b
+        for runs in segment_runs(plan, k0, k1):
+            grads = backward_runs(kernel, q, key, value, runs, plan.scale, d_out, out, lse)
+            for (rows, ks, _), (dq_b, dk_b, dv_b) in zip(runs, grads):
+                dq[:, :, rows] += dq_b
+                d_key[:, :, ks] += dk_b
+                d_value[:, :, ks] += dv_b
         _through_rebuild(latent[k0:k1], kv_up_weight, d_key, d_value, d_latent[k0:k1], d_weight, plan)
     return dq.to(q.dtype), d_latent.to(latent.dtype), d_weight.to(kv_up_weight.dtype)
 

@@ -5,6 +5,13 @@ prefix and the call uses ``sparse_mode=3`` (right-down causal) with the
 compressed 2048x2048 ``triu(diagonal=1)`` bool mask (True = masked). Layout
 BNSD; ``n_k`` may divide ``n`` (grouped heads).
 
+With documents the segment's pieces are the sequences of one varlen call
+(layout TND, cumulative ``actual_seq_qlen``/``actual_seq_kvlen`` host lists):
+``sparse_mode=3`` applies the compressed mask causally from each sequence's
+lower-right vertex, mode 0 without a mask lets each sequence see all of its
+keys. One call per segment whatever the number of documents, never a mask of
+the segment.
+
 What the calls rely on, from the public ``torch_npu.npu_fusion_attention``
 reference (Ascend/op-plugin ``docs/context/torch_npu-npu_fusion_attention.md``):
 
@@ -83,13 +90,68 @@ def pad_value(value: torch.Tensor, head_dim: int) -> torch.Tensor:
     return value if extra <= 0 else F.pad(value, (0, extra))
 
 
-def attend_segment(q, k, v, *, scale: float, causal: bool, pad_v: bool = False):
+def attend_segment(q, k, v, *, scale: float, causal: bool, pad_v: bool = False, pieces=None):
+    """One ``npu_fusion_attention`` call for the segment; with ``pieces`` (documents)
+    the pieces are packed as varlen sequences (:func:`attend_pieces`)."""
     torch_npu = require_torch_npu()
-    kwargs = dict(input_layout="BNSD", scale=scale, keep_prob=1.0)
-    if causal:
-        kwargs.update(causal_kwargs(q.shape[2], k.shape[2], k.shape[2] - q.shape[2], q.device))
     d_v = v.shape[-1]
     if pad_v:
         v = pad_value(v, k.shape[-1])
-    out = torch_npu.npu_fusion_attention(q, k, v, q.shape[1], **kwargs)[0]
+    if pieces is not None:
+        out = attend_pieces(torch_npu, q, k, v, scale=scale, causal=causal, pieces=pieces)
+    else:
+        kwargs = dict(input_layout="BNSD", scale=scale, keep_prob=1.0)
+        if causal:
+            kwargs.update(causal_kwargs(q.shape[2], k.shape[2], k.shape[2] - q.shape[2], q.device))
+        out = torch_npu.npu_fusion_attention(q, k, v, q.shape[1], **kwargs)[0]
     return out[..., :d_v] if out.shape[-1] != d_v else out
+
+
+def to_tnd(x: torch.Tensor) -> torch.Tensor:
+    """[1, n, S, d] -> [S, n, d] (TND has no batch axis: documents come one micro-batch at a time)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"cu_seqlens (packed documents) needs micro-batch size 1 for kernel='npu'; "
+                         f"got batch {x.shape[0]}: pack the micro-batch into one sequence")
+    return x[0].transpose(0, 1).contiguous()
+
+
+def varlen_kwargs(q_lengths, kv_lengths, causal: bool, device) -> dict:
+    """TND arguments for sequences of these query/key lengths: cumulative host lists,
+    mode 3 (causal from each sequence's lower-right vertex, compressed mask) or
+    mode 0 without mask (each sequence sees all of its keys)."""
+    kwargs = dict(input_layout="TND", actual_seq_qlen=_cumsum(q_lengths),
+                  actual_seq_kvlen=_cumsum(kv_lengths), keep_prob=1.0)
+    if causal:
+        return dict(kwargs, sparse_mode=3, atten_mask=compressed_causal_mask(device))
+    return dict(kwargs, sparse_mode=0)
+
+
+def _cumsum(lengths):
+    out, total = [], 0
+    for n in lengths:
+        total += int(n)
+        out.append(total)
+    return out
+
+
+def attend_pieces(torch_npu, q, k, v, *, scale: float, causal: bool, pieces):
+    """The segment's document pieces as one TND call.
+
+    Pieces cover the segment's rows in order and their key ranges follow each
+    other through the key window (a piece's keys end where the next document
+    starts), so q and k/v are the varlen packing as they are: no copy, no mask
+    beyond the compressed one, one call whatever the number of documents.
+    """
+    q_end = k_end = 0
+    for q0, n, k0, k1 in pieces:
+        if q0 != q_end or k0 != k_end:
+            raise ValueError(f"document pieces {list(pieces)} do not tile the segment's rows "
+                             "and key window in order")
+        q_end, k_end = q0 + n, k1
+    if q_end != q.shape[2] or k_end != k.shape[2]:
+        raise ValueError(f"document pieces {list(pieces)} cover {q_end} rows and {k_end} keys; "
+                         f"the segment has {q.shape[2]} rows and {k.shape[2]} keys")
+    kwargs = varlen_kwargs([p[1] for p in pieces], [p[3] - p[2] for p in pieces], causal, q.device)
+    out = torch_npu.npu_fusion_attention(to_tnd(q), to_tnd(k), to_tnd(v), q.shape[1],
+                                         scale=scale, **kwargs)[0]
+    return out.transpose(0, 1).unsqueeze(0)
