@@ -42,7 +42,7 @@ SHAPES = {
 
 
 def laga_options(seq_len: int) -> List[dict]:
-    block = seq_len // 4  # four key blocks: the online softmax merges across blocks
+    block = seq_len // 2  # two key blocks: the online softmax merges across them
     return [{}, {"trim_causal_prefix": True}, {"recompute_kv": True},
             {"recompute_kv": True, "kv_block_size": block},
             {"recompute_kv": True, "kv_block_size": block, "trim_causal_prefix": True}]
@@ -95,7 +95,7 @@ def plan(kernels, dtypes, npu_documents: bool) -> List[Check]:
                         checks += [Check(form="laga", options=tuple(o.items()), documents=docs, **base)
                                    for o in (laga_options(S)[0], laga_options(S)[-1])]
                     checks.append(Check(form="laga", kind="lse_merge",
-                                        options=(("recompute_kv", True), ("kv_block_size", S // 4)),
+                                        options=(("recompute_kv", True), ("kv_block_size", S // 4)),  # 4 blocks
                                         **base))
     return checks
 
