@@ -170,8 +170,21 @@ def test_git_head_and_cann_version(tmp_path, monkeypatch):
     assert environment.cann_version().startswith("8.1.RC1")
 
 
-def test_python_dash_m_dispatches_doctor():
+@pytest.mark.timeout(150)
+def test_under_torchrun(tmp_path):
+    """``torchrun -m mindspeed_laga doctor``: every rank checks its device, the CP runs
+    use the launched group (gloo here), rank 0 writes the report."""
     import subprocess
-    out = subprocess.run([sys.executable, "-m", "mindspeed_laga", "doctor", "--help"],
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ))
-    assert out.returncode == 0 and "--markdown" in out.stdout
+    path = tmp_path / "d.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "-m", "mindspeed_laga",
+           "doctor", "--check-seq-len", "8", "--seq-len", "8", "--repeat", "1", "--warmup", "0",
+           "--json", str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=140, cwd=tmp_path,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    doc = json.loads(path.read_text())
+    assert doc["passed"] and doc["run"]["cp"] == "torchrun, 2 ranks, backend gloo"
+    assert all(r["ranks_failed"] == [] for r in doc["exactness"])
+    assert len(doc["cp"]) == 16 and all(r["passed"] for r in doc["cp"])
+    assert {r["seq_len"] for r in doc["bench"]} == {8}
