@@ -21,7 +21,7 @@ try:
 except ImportError:  # tests/ is not a package: pytest put it on sys.path
     import fake_torch_npu
 
-CP, CHECK_S, BENCH_S = 2, 32, 16
+CP, CHECK_S, BENCH_S = 2, 16, 16
 
 
 @pytest.fixture
@@ -119,6 +119,25 @@ def test_injected_mismatch_exits_nonzero(monkeypatch, tmp_path, capsys):
     assert all(r["max_rel_err"] > 1e-3 for r in failed)
     assert any(r["passed"] for r in doc["exactness"] if r["kernel"] == "sdpa")
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_a_rank_that_raises_is_a_reported_failure(monkeypatch, tmp_path, capsys):
+    """A CP run that raises on a rank (a kernel the node's stack rejects) ends in the
+    report and exit 1, not in a traceback."""
+    from mindspeed_laga.commands import doctor
+    small = exactness.plan(["eager"], ["float32"], False)[:2]
+    monkeypatch.setattr(exactness, "plan", lambda *a: small)
+
+    def failing_run(self, fn, *args):
+        raise doctor.RankError("rank 1: RuntimeError: the op rejected head dim 128")
+    monkeypatch.setattr(doctor.Ranks, "run", failing_run)
+    md = tmp_path / "d.md"
+    rc = cli.main(["doctor", "--cp", "2", "--check-seq-len", "8", "--markdown", str(md)])
+    captured = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in captured.err
+    assert "rejected head dim 128" in captured.out
+    text = md.read_text()
+    assert "doctor: FAIL" in text and "## Error in the cp runs" in text and "## Error in the bench runs" in text
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -180,6 +180,10 @@ def _vs_explicit(rows: List[dict]) -> None:
 
 # ---------------------------------------------------------------- running
 
+class RankError(RuntimeError):
+    """A CP run raised on some rank; the message carries what each said."""
+
+
 class Ranks:
     """Where the CP runs happen: this process's rank under torchrun, or spawned gloo ranks."""
 
@@ -200,11 +204,27 @@ class Ranks:
             self.where = f"{args.cp_size} spawned gloo CPU ranks"
 
     def run(self, fn, *fn_args) -> Optional[List]:
-        """``fn(rank, cp_size, *fn_args)`` on every rank; every rank's result on rank 0."""
+        """``fn(rank, cp_size, *fn_args)`` on every rank; every rank's result on rank 0.
+
+        Raises :class:`RankError` (on rank 0) if a rank raised: under torchrun a
+        rank that fails still joins the gather, so no rank waits for it forever."""
         if self.dist is None:
-            from ..spawn import run_on_ranks
-            return run_on_ranks(fn, self.args.cp_size, *fn_args, timeout_s=1800.0)
-        return self.gather(fn(self.rank, self.args.cp_size, *fn_args))
+            from ..spawn import WorkerError, run_on_ranks
+            try:
+                return run_on_ranks(fn, self.args.cp_size, *fn_args, timeout_s=1800.0)
+            except WorkerError as exc:
+                raise RankError(str(exc)) from None
+        try:
+            mine = (True, fn(self.rank, self.args.cp_size, *fn_args))
+        except Exception as exc:  # noqa: BLE001 - reported by rank 0
+            mine = (False, f"rank {self.rank}: {type(exc).__name__}: {exc}")
+        everyone = self.gather(mine)
+        if everyone is None:
+            return None
+        errors = [r for ok, r in everyone if not ok]
+        if errors:
+            raise RankError("\n".join(errors))
+        return [r for _, r in everyone]
 
     def gather(self, mine) -> Optional[List]:
         if self.dist is None:
@@ -253,17 +273,24 @@ def _run(args, ranks: Ranks) -> int:
 
     cp_dtypes = ["float32"] + (["bfloat16"] if args.cp_device != "cpu" else [])
     cases = [c for d in cp_dtypes for c in cp_cases(args, d)]
-    per_rank = ranks.run(eq_worker, cases, 1, 0)
-    cp = cp_rows(cases, per_rank) if ranks.rank == 0 else None
-    _say(ranks, f"CP: {sum(r['passed'] for r in cp or [])}/{len(cp or [])} runs match the reference")
+    errors = {}
+    try:
+        per_rank = ranks.run(eq_worker, cases, 1, 0)
+        cp = cp_rows(cases, per_rank) if ranks.rank == 0 else []
+    except RankError as exc:  # e.g. a kernel this node's stack rejects: a finding, not a crash
+        cp, errors["cp"] = [], str(exc)
+    _say(ranks, f"CP: {sum(r['passed'] for r in cp)}/{len(cases)} runs match the reference")
 
     bench = []
     if not args.no_bench:
         dtype = "bfloat16" if args.cp_device != "cpu" else "float32"
         bcases = bench_cases(args, dtype)
         _say(ranks, f"bench: {len(bcases)} runs at S={args.seq_len}, {args.heads} heads, {dtype}")
-        per_rank = ranks.run(bench_worker, bcases, args.repeat, args.warmup)
-        bench = bench_rows(bcases, per_rank) if ranks.rank == 0 else []
+        try:
+            per_rank = ranks.run(bench_worker, bcases, args.repeat, args.warmup)
+            bench = bench_rows(bcases, per_rank) if ranks.rank == 0 else []
+        except RankError as exc:
+            errors["bench"] = str(exc)
     if ranks.rank != 0:
         return 0
 
@@ -273,8 +300,8 @@ def _run(args, ranks: Ranks) -> int:
                    "bench_seq_len": None if args.no_bench else args.seq_len,
                    "repeat": args.repeat, "warmup": args.warmup,
                    "seconds": round(time.perf_counter() - start, 1)},
-           "exactness": exact, "cp": cp, "bench": bench}
-    doc["passed"] = all(r["passed"] for r in exact + cp)
+           "exactness": exact, "cp": cp, "bench": bench, "errors": errors}
+    doc["passed"] = not errors and bool(cp) and all(r["passed"] for r in exact + cp)
     doctor_report.print_summary(doc)
     _write(args, doc)
     return 0 if doc["passed"] else 1

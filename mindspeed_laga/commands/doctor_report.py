@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
+from typing import List
 
 from .output import MiB
 
@@ -90,6 +90,8 @@ def markdown(doc: dict) -> str:
         lines += ["", f"## Bench (S={run['bench_seq_len']}, {run['repeat']} timed runs after "
                   f"{run['warmup']} warm-up)", ""]
         lines += bench_table(doc["bench"])
+    for phase, text in doc.get("errors", {}).items():
+        lines += ["", f"## Error in the {phase} runs", "", "```", text.strip()[-4000:], "```"]
     lines += ["", NOTES, ""]
     return "\n".join(lines)
 
@@ -118,6 +120,8 @@ def print_summary(doc: dict, out=None) -> None:
         for r in doc["bench"]:
             print(f"  {r['variant']:<20} {r['cp_algo']:<9} {r['ms']:>9.2f} {_peak(r['peak_bytes']):>9} "
                   f"{r['forward_bytes']:>12,} {r['backward_bytes']:>12,}", file=out)
+    for phase, text in doc.get("errors", {}).items():
+        print(f"\nERROR in the {phase} runs:\n{text.strip()[-4000:]}", file=out)
     print(f"\n{NOTES}", file=out)
     print("PASS: LAGA is exact on this node" if doc["passed"] else
           "FAIL: see the rows marked FAIL/error above", file=out)
@@ -132,7 +136,3 @@ def _print_failures(name: str, rows: List[dict], out) -> None:
         print(f"  {r['status']}: {r['label']}: max rel err {_err(r['max_rel_err'])} > "
               f"{r['tolerance']:.1e}" + (f" ({r['error']})" if r.get("error") else ""), file=out)
 
-
-def worst(rows: List[dict]) -> Optional[float]:
-    errs = [r["max_rel_err"] for r in rows if r.get("max_rel_err") is not None]
-    return max(errs) if errs else None
