@@ -72,6 +72,7 @@ def resolve(args):
     args.torchrun = _torchrun()
     args.cp_size = int(os.environ["WORLD_SIZE"]) if args.torchrun else args.cp
     from ..measure import device_type
+    environment.torch_npu_module()  # registers torch.npu, which the device choice reads
     args.cp_device = device_type(args.backend) if args.torchrun else "cpu"
     on_accel = args.cp_device != "cpu"
     chunks = 2 * args.cp_size
@@ -202,6 +203,8 @@ class Ranks:
         else:
             self.backend = "gloo"
             self.where = f"{args.cp_size} spawned gloo CPU ranks"
+            if environment.accelerator() != "cpu":
+                self.where += " (launch with torchrun for the device's backend)"
 
     def run(self, fn, *fn_args) -> Optional[List]:
         """``fn(rank, cp_size, *fn_args)`` on every rank; every rank's result on rank 0.

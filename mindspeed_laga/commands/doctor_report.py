@@ -131,7 +131,7 @@ def _print_failures(name: str, rows: List[dict], out) -> None:
     bad = [r for r in rows if not r["passed"]]
     na = [r for r in rows if r["status"] == "n/a"]
     print(f"\n{name}: {len(rows) - len(bad)}/{len(rows)} pass"
-          + (f" ({len(na)} n/a: not implemented by this torch_npu)" if na else ""), file=out)
+          + (f" ({len(na)} n/a: not a path on this device, see the report)" if na else ""), file=out)
     for r in bad:
         print(f"  {r['status']}: {r['label']}: max rel err {_err(r['max_rel_err'])} > "
               f"{r['tolerance']:.1e}" + (f" ({r['error']})" if r.get("error") else ""), file=out)

@@ -42,8 +42,9 @@ def torch_npu_module():
 
 def accelerator() -> str:
     """'npu', 'cuda' or 'cpu': the device this node computes on."""
+    has_torch_npu = torch_npu_module() is not None  # importing it is what adds torch.npu
     npu = getattr(torch, "npu", None)
-    if torch_npu_module() is not None and npu is not None and _safe(npu.is_available):
+    if has_torch_npu and npu is not None and _safe(npu.is_available):
         return "npu"
     if torch.cuda.is_available():
         return "cuda"

@@ -115,13 +115,16 @@ def run_check(check: Check, device: torch.device, refs: Optional[dict] = None) -
     """One check's row: errors per tensor, worst error, tolerance, pass/fail.
 
     A check that raises fails with the error (a path that cannot run is a
-    finding), except NotImplementedError, which marks a path this torch_npu
-    does not implement ("n/a")."""
+    finding), except where the package rejects the kernel on this device by
+    design, or torch_npu raises NotImplementedError: then "n/a" with the reason."""
     row = {"label": check.label(), "kind": check.kind, "form": check.form, "kernel": check.kernel,
            "dtype": check.dtype, "shape": check.shape, "options": dict(check.options),
            "documents": list(check.documents) if check.documents else None,
            "pad_v": check.pad_v if check.kernel == "npu" else None,
            "tolerance": TOLERANCE[check.dtype]}
+    unsupported = _not_a_path(check, device)
+    if unsupported:
+        return dict(row, status="n/a", error=unsupported, passed=True, max_rel_err=None)
     try:
         if check.kind == "lse_merge":
             several = _run(check, device)
@@ -142,6 +145,18 @@ def run_check(check: Check, device: torch.device, refs: Optional[dict] = None) -
     passed = worst <= TOLERANCE[check.dtype]  # NaN fails
     return dict(row, errors=errors, max_rel_err=worst, passed=passed,
                 status="pass" if passed else "FAIL")
+
+
+def _not_a_path(check: Check, device: torch.device) -> Optional[str]:
+    """Why the package rejects this kernel here by design (it raises ValueError saying
+    so), e.g. ``recompute_kv`` with kernel "sdpa" where no fused block op exists."""
+    from .. import validate
+    blockwise = dict(check.options).get("recompute_kv", False)
+    try:
+        validate.resolve_kernel(check.kernel, device, blockwise=blockwise, dtype=DTYPES[check.dtype])
+    except ValueError as exc:
+        return f"not a path on {device.type}: {_first_line(exc)}"
+    return None
 
 
 def _run(check: Check, device: torch.device, options: Optional[dict] = None) -> dict:
