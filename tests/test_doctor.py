@@ -135,7 +135,17 @@ def test_a_rank_that_raises_is_a_reported_failure(monkeypatch, tmp_path, capsys)
     assert rc == 1 and "Traceback" not in captured.err
     assert "rejected head dim 128" in captured.out
     text = md.read_text()
-    assert "doctor: FAIL" in text and "## Error in the cp runs" in text and "## Error in the bench runs" in text
+    assert "doctor: FAIL" in text
+    assert "## Error in the cp runs" in text and "## Error in the bench runs" in text
+
+
+def test_defaults_fit_any_cp_size():
+    """Default lengths and heads round up to what zigzag (2*CP chunks) and ulysses split."""
+    from mindspeed_laga.commands import doctor
+    args = doctor.resolve(cli.build_parser().parse_args(["doctor", "--cp", "3"]))
+    assert args.seq_len % 6 == 0 and args.check_seq_len % 6 == 0
+    assert args.heads % 3 == 0 and args.check_heads % 3 == 0
+    assert args.seq_len >= 256 and args.heads >= 16
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -41,7 +41,8 @@ def add_parser(sub):
     p.add_argument("--cp", type=positive_int, default=2,
                    help="CP size: gloo CPU ranks to spawn (default 2); under torchrun the world size")
     p.add_argument("--seq-len", type=positive_int, default=None,
-                   help="bench sequence length (default 4096 on an accelerator, 256 on CPU)")
+                   help="bench sequence length (default 4096 on an accelerator, 256 on CPU, "
+                        "rounded up to a multiple of 2*CP)")
     p.add_argument("--heads", type=positive_int, default=None,
                    help="bench heads (default 128 = DeepSeek-V3 at TP 1 on an accelerator, 16 on CPU)")
     p.add_argument("--check-seq-len", type=positive_int, default=None,
@@ -78,8 +79,10 @@ def resolve(args):
     chunks = 2 * args.cp_size
     args.check_seq_len = args.check_seq_len or chunks * math.ceil(CHECK_SEQ_LEN / chunks)
     args.check_heads = args.cp_size * math.ceil(CHECK_HEADS / args.cp_size)
-    args.seq_len = args.seq_len or (DEEPSEEK_V3.seq_len if on_accel else CPU_DEFAULT.seq_len)
-    args.heads = args.heads or (DEEPSEEK_V3.heads if on_accel else CPU_DEFAULT.heads)
+    # Defaults round up to what every layout and ulysses can split; given values are checked.
+    default = DEEPSEEK_V3 if on_accel else CPU_DEFAULT
+    args.seq_len = args.seq_len or chunks * math.ceil(default.seq_len / chunks)
+    args.heads = args.heads or args.cp_size * math.ceil(default.heads / args.cp_size)
     for flag, seq_len in (("--check-seq-len", args.check_seq_len), ("--seq-len", args.seq_len)):
         for layout in LAYOUTS:
             try:

@@ -119,7 +119,8 @@ def package_version(module: str, dists=()) -> Optional[str]:
     spec = _find_spec(module)
     if spec is None:
         return version
-    where = os.path.dirname(spec.origin) if spec.origin else next(iter(spec.submodule_search_locations or []), None)
+    where = (os.path.dirname(spec.origin) if spec.origin
+             else next(iter(spec.submodule_search_locations or []), None))
     commit = git_head(where) if where else None
     parts = [p for p in (version, f"git {commit}" if commit else None) if p]
     return ", ".join(parts) or f"importable ({where}), version unknown"

@@ -94,9 +94,8 @@ def plan(kernels, dtypes, npu_documents: bool) -> List[Check]:
                         checks += [Check(form=f, documents=docs, **base) for f in ("explicit", "absorbed")]
                         checks += [Check(form="laga", options=tuple(o.items()), documents=docs, **base)
                                    for o in (laga_options(S)[0], laga_options(S)[-1])]
-                    checks.append(Check(form="laga", kind="lse_merge",
-                                        options=(("recompute_kv", True), ("kv_block_size", S // 4)),  # 4 blocks
-                                        **base))
+                    four_blocks = (("recompute_kv", True), ("kv_block_size", S // 4))
+                    checks.append(Check(form="laga", kind="lse_merge", options=four_blocks, **base))
     return checks
 
 
