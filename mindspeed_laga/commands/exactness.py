@@ -25,8 +25,8 @@ from .verify import TOLERANCE as VERIFY_TOLERANCE
 # float32: 1e-5 is ~100 ulps (2^-24) of accumulated rounding over reductions of at most
 #   576 terms (the absorbed head dim) and a softmax: tight enough to catch a wrong
 #   mask or a dropped block (errors of order 1), loose enough for any fp32 kernel.
-# bfloat16: 8 * 2^-9 = 4 ulps of bf16 at 1 (its ulp is 2^-8): outputs and grads are
-#   rounded to bf16 at least once (grads of the rebuild twice), with fp32 accumulation.
+# bfloat16: 8 * 2^-9 = 4 x bf16's unit roundoff 2^-8 (2 ulps at 1): outputs and grads
+#   are rounded to bf16 at least once (grads of the rebuild twice), accumulating in fp32.
 # The same figures as ``mindspeed-laga verify`` and the equivalence tests.
 TOLERANCE = dict(VERIFY_TOLERANCE)
 SEED = 2024
