@@ -1,4 +1,4 @@
 """Subcommands of ``mindspeed-laga``: each module has ``add_parser(sub)`` and ``run(args)``."""
-from . import bench, plan, verify
+from . import bench, doctor, plan, verify
 
-SUBCOMMANDS = {"verify": verify, "plan": plan, "bench": bench}
+SUBCOMMANDS = {"verify": verify, "plan": plan, "bench": bench, "doctor": doctor}
