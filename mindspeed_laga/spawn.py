@@ -22,6 +22,7 @@ import io
 import os
 import queue as queue_mod
 import shutil
+import site
 import socket
 import sys
 import tempfile
@@ -91,8 +92,23 @@ def _context():
         ctx = mp.get_context("forkserver")
     except ValueError:
         return mp.get_context("spawn")
-    ctx.set_forkserver_preload(PRELOAD + [m for m in WARM_IF_LOADED if m in sys.modules])
+    ctx.set_forkserver_preload(PRELOAD + _warm_modules())
     return ctx
+
+
+def _warm_modules() -> List[str]:
+    """WARM_IF_LOADED modules the caller has, when the fork server would load the same file.
+
+    The fork server imports on the default ``sys.path``, not the caller's: a module the
+    caller imported from a path it added at run time (a host source checkout put first
+    on ``sys.path``) would be preloaded from site-packages instead, and its ranks would
+    then run the wrong release."""
+    roots = tuple(site.getsitepackages() + [site.getusersitepackages()])
+    loaded = [name for name in WARM_IF_LOADED if name in sys.modules]
+    megatron = [name for name in loaded if name.startswith("megatron")]
+    installed = all((getattr(sys.modules[name], "__file__", None) or "").startswith(roots)
+                    for name in megatron)
+    return [name for name in loaded if installed or name not in megatron]
 
 
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> List[Any]:
