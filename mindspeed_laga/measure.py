@@ -157,6 +157,8 @@ def _forward(fn, local, case: Case, cp_group, proj, saved: SavedBytes):
     stand-in query projection, with the latent gather started before it (overlap)."""
     query = local["query"]
     kwargs = case.spec.options()
+    if case.cu_seqlens is not None:
+        kwargs["cu_seqlens"] = list(case.cu_seqlens)
     # Without CP there is no gather to overlap: the case runs plain.
     if case.spec.overlap and cp_group is not None:
         from .overlap import start_latent_gather

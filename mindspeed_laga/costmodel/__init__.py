@@ -51,10 +51,12 @@ from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, FORMS, LAYOUTS, ModelDims
 from .comm import EXCHANGES, Collective, collectives, wire_bytes
 from .config import (BLOCKWISE, DTYPE_BYTES, EAGER, FUSED, HALF, INDEX_BYTES, MODEL_KERNELS, NPU,
                      NPU_MASK_BYTES, PRESETS, RECOMPUTING_KINDS, SDPA, SDPA_FLASH, SDPA_MATH, Config,
-                     Sizes, model_kernel_kind, preset, validate, with_)
+                     Sizes, check_doc_lens, doc_lens_for, model_kernel_kind, preset, validate,
+                     with_)
 from .flops import Flops, flops, query_projection_flops
-from .geometry import (Pairs, QuerySegment, attention_pairs, block_keys, blockwise_pairs,
-                       query_segments, rebuilt_keys, segment_visible_pairs, visible_keys)
+from .geometry import (Pairs, QuerySegment, attention_pairs, block_keys, blockwise_pairs, key_ranges,
+                       query_segments, rebuilt_keys, run_visible_pairs, segment_visible_pairs,
+                       visible_keys, window_block_pairs)
 from .memory import Term, saved_terms
 from .summary import FormCost, RankSummary, config_summary, form_cost, kernel_kind, rank_summary, summarize
 from .time import MACHINES, Machine, TimeEstimate, estimate_seconds
@@ -75,10 +77,11 @@ __all__ = [
     # what is asked
     "Config", "Sizes", "PRESETS", "preset", "validate", "with_", "DTYPE_BYTES", "HALF", "INDEX_BYTES",
     "NPU_MASK_BYTES", "KERNELS", "MODEL_KERNELS", "RECOMPUTING_KINDS", "EAGER", "FUSED", "NPU", "SDPA",
-    "SDPA_FLASH", "SDPA_MATH", "BLOCKWISE", "model_kernel_kind",
+    "SDPA_FLASH", "SDPA_MATH", "BLOCKWISE", "model_kernel_kind", "doc_lens_for", "check_doc_lens",
     # geometry
     "QuerySegment", "Pairs", "query_segments", "visible_keys", "rebuilt_keys", "block_keys",
-    "attention_pairs", "segment_visible_pairs", "blockwise_pairs",
+    "attention_pairs", "segment_visible_pairs", "blockwise_pairs", "key_ranges", "run_visible_pairs",
+    "window_block_pairs",
     # costs
     "Collective", "EXCHANGES", "collectives", "wire_bytes", "Term", "saved_terms", "Flops", "flops",
     "query_projection_flops", "FormCost", "RankSummary", "form_cost", "kernel_kind", "summarize",

@@ -46,7 +46,7 @@ def kernel_kind(cfg: Config, spec: RunSpec) -> str:
         return BLOCKWISE
     d = cfg.dims
     qk, vd = (d.latent_dim, d.kv_lora_rank) if spec.form == "absorbed" else (d.qk_dim, d.v_head_dim)
-    return model_kernel_kind(cfg.kernel, qk, vd)
+    return model_kernel_kind(cfg.kernel, qk, vd, cfg.documents is not None)
 
 
 def form_cost(cfg: Config, variant: RunSpec, rank: int = 0) -> FormCost:
