@@ -15,6 +15,10 @@ absorbed, LAGA and LAGA's options, forward and backward:
   storage alive, so storages are counted once; ``kv_up_weight`` is a
   parameter and is excluded). Written from what *this* implementation saves,
   kernel by kernel, and checked against ``saved_tensors_hooks`` measurements.
+- ``peak``: predicted peak memory of the call above its inputs, named terms:
+  ``saved`` + ``output`` + the largest transient (kernel workspace, backward
+  buffers, or the blockwise path's block and accumulators); checked against
+  ``max_memory_allocated`` where an accelerator is (``measure.peak_check``).
 - ``flops``: attention (Q.K^T and P.V; ``executed`` = the rectangles our
   segment recipe runs, masked keys included, which is what
   ``FlopCounterMode`` counts; ``visible`` = causal pairs only, the floor of a
@@ -41,7 +45,7 @@ set does not depend on the kernel.
 One concern per module: ``config`` (what is asked, presets, validation),
 ``geometry`` (segments, visible keys, pairs: closed form, constant time in S),
 ``comm`` (collectives per form and cp_algo: one table), ``memory`` (saved
-storages), ``flops``, ``summary`` (per rank and over the CP group, typed),
+storages), ``peak`` (peak memory terms), ``flops``, ``summary`` (per rank and over the CP group, typed),
 ``time`` (the per-layer time estimate). Variants are :class:`runspec.RunSpec`.
 """
 from __future__ import annotations
@@ -58,6 +62,7 @@ from .geometry import (Pairs, QuerySegment, attention_pairs, block_keys, blockwi
                        query_segments, rebuilt_keys, run_visible_pairs, segment_visible_pairs,
                        visible_keys, window_block_pairs)
 from .memory import Term, saved_terms
+from .peak import peak_terms
 from .summary import FormCost, RankSummary, config_summary, form_cost, kernel_kind, rank_summary, summarize
 from .time import MACHINES, Machine, TimeEstimate, estimate_seconds
 
@@ -83,7 +88,7 @@ __all__ = [
     "attention_pairs", "segment_visible_pairs", "blockwise_pairs", "key_ranges", "run_visible_pairs",
     "window_block_pairs",
     # costs
-    "Collective", "EXCHANGES", "collectives", "wire_bytes", "Term", "saved_terms", "Flops", "flops",
+    "Collective", "EXCHANGES", "collectives", "wire_bytes", "Term", "saved_terms", "peak_terms", "Flops", "flops",
     "query_projection_flops", "FormCost", "RankSummary", "form_cost", "kernel_kind", "summarize",
     "rank_summary", "config_summary", "Machine", "MACHINES", "TimeEstimate", "estimate_seconds",
 ]
