@@ -522,3 +522,55 @@ def test_documents_measured_flops_bytes_and_saved_equal_the_model(measured_docum
                     counted = _counter_bytes(got, direction, measure)
                     assert model.comm_bytes(direction, measure) == counted
                     assert cm.form_cost(plain, case.spec, rank).comm_bytes(direction, measure) == counted
+
+
+# ---------------------------------------------------------------- peak memory
+
+def test_peak_is_saved_plus_output_plus_the_largest_transient():
+    for algo, kernel, name in itertools.product(("allgather", "ulysses"), ("eager", "fused"), VARIANTS):
+        cfg = v3(algo, kernel)
+        cost = cm.form_cost(cfg, VARIANTS[name])
+        terms = {t.name: t.bytes for t in cost.peak}
+        assert terms["saved"] == cost.saved_bytes and len(terms) == 3, (algo, kernel, name)
+        # the output: 2048 tokens x 128 heads x d_v 128, bf16
+        assert terms["output"] == 2048 * 128 * 128 * 2
+        transient = next(t for t in cost.peak if t.name not in ("saved", "output"))
+        want = ("blockwise_buffers",) if VARIANTS[name].recompute_kv else \
+            ("kernel_workspace", "backward_buffers")
+        assert transient.name in want and transient.bytes > 0
+    # eager, ulysses, explicit: the largest segment is the last rank's 2048 queries against
+    # all 16384 keys, 16 heads, float32 scores (bf16 inputs) and masked scores: 4 GiB; the
+    # backward buffers add the input grads and the all-to-all'd K/V grads (16384 x 16 x 320 bf16)
+    cost = cm.form_cost(v3("ulysses", "eager"), VARIANTS["explicit"])
+    transient = {t.name: t.bytes for t in cost.peak}["backward_buffers"]
+    grads = 2048 * (128 * 192 + 512 + 64) * 2 + 128 * 256 * 512 * 2
+    assert transient == 2 * 16 * 2048 * 16384 * 4 + grads + 16384 * 16 * 320 * 2
+    # the blockwise path's peak falls with the block size
+    big, small = (cm.form_cost(v3("allgather"), RunSpec("b", "laga", recompute_kv=True, kv_block_size=k))
+                  for k in (None, 1024))
+    assert small.peak_bytes < big.peak_bytes and small.saved_bytes == big.saved_bytes
+
+
+def test_peak_check_on_cpu_gives_the_prediction_and_no_measurement():
+    from mindspeed_laga.measure import peak_check, predicted_peak
+    case = eq.Case(spec=VARIANTS["laga+blockwise"], kernel="eager", shape=SHAPES["mla"],
+                   cu_seqlens=None)
+    predicted, measured = peak_check(case, "cpu")
+    assert measured is None
+    cfg = model_config(case, 1)
+    assert predicted == cm.form_cost(cfg, case.spec).peak_bytes == sum(t.bytes for t in predicted_peak(case))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_peak_prediction_against_cuda():
+    """The prediction beside max_memory_allocated on one CUDA device, no CP, at a size where
+    allocator rounding is small: within a factor of 2 either way (an estimate)."""
+    from mindspeed_laga.measure import peak_check
+    shape = eq.MLAShape(seq_len=2048, batch=1, heads=16, qk_head_dim=128, rope_dim=64, v_head_dim=128,
+                        kv_lora_rank=512)
+    for name, kernel in (("explicit", "sdpa"), ("laga", "sdpa"), ("laga+blockwise", "auto")):
+        case = eq.Case(spec=VARIANTS[name] if name != "laga+blockwise" else
+                       RunSpec(name, "laga", recompute_kv=True, kv_block_size=512),
+                       kernel=kernel, dtype="bfloat16", shape=shape)
+        predicted, measured = peak_check(case, "cuda")
+        assert 0.5 <= measured / predicted <= 2.0, (name, predicted, measured)

@@ -3,6 +3,7 @@ dtype and the attention kernel; presets, the model's kernel kinds, validation.""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Iterable, Optional, Sequence, Tuple
 
 from ..runspec import RunSpec
@@ -69,7 +70,7 @@ class Config:
     causal: bool = True
     doc_lens: Optional[Tuple[int, ...]] = None   # packed documents' lengths (sum = seq_len)
 
-    @property
+    @cached_property  # asked per segment: built once (O(documents))
     def documents(self) -> Documents:
         """cu_seqlens (global document boundaries 0 ... S), or None: one sequence."""
         if not self.doc_lens:

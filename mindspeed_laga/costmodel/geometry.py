@@ -89,9 +89,10 @@ class Pairs:
 def _runs(cfg: Config, rank: int):
     """(length, query start, window start, window end) of every run: the query segments
     cut at document boundaries, as ``laga_blockwise.visible_rows`` walks them."""
+    documents = cfg.documents
     for seg in _vocab_segments(cfg, rank):
-        for piece in vocab.doc_pieces(seg, cfg.documents):
-            lo, hi = vocab.key_window(piece, cfg.seq_len, cfg.causal, cfg.documents)
+        for piece in vocab.doc_pieces(seg, documents):
+            lo, hi = vocab.key_window(piece, cfg.seq_len, cfg.causal, documents)
             yield piece[1], piece[2], lo, hi
 
 
