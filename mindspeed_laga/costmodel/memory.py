@@ -202,7 +202,7 @@ def _laga_saved(cfg: Config, rank: int, kind: str, v: RunSpec) -> _Saved:
         return saved
     lat = _gathered_latent(cfg, fresh_without_cp=False)
     if copied:
-        lat = _Operand("kv_latent", "trimmed kv_latent [S_vis, b, d_c] (the key ranges, copied)",
+        lat = _Operand("kv_latent_trimmed", "trimmed kv_latent [S_vis, b, d_c] (the key ranges, copied)",
                        keys * b * d.kv_lora_rank * e)
     saved.add(lat.key, lat.tensor, lat.bytes)  # input of linear_kv_up_proj
     key = _Operand("key", f"rebuilt key [{'S_vis' if v.trim_causal_prefix else 'S'}, b, {h}, d_n+d_r]",
