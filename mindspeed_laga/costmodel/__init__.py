@@ -25,6 +25,10 @@ absorbed, LAGA and LAGA's options, forward and backward:
   causal fused kernel) and the K/V up-projection ("rebuild"; for absorbed the
   q.W_UK and o_latent.W_UV products that replace it).
 
+Packed documents (``Config.doc_lens``, cu_seqlens = ``Config.documents``): a
+query sees only its own document; the pairs, the keys trimming rebuilds and
+the kernels' masks follow (``geometry``), the collectives do not change.
+
 Kernels (``Config.kernel``; the names are ``config.MODEL_KERNELS``):
 
 - ``eager``: kernels/eager.py; the score matrix is materialized and kept.
