@@ -17,13 +17,15 @@ absorbed, LAGA and LAGA's options, forward and backward:
   kernel by kernel, and checked against ``saved_tensors_hooks`` measurements.
 - ``peak``: predicted peak memory of the call above its inputs, named terms:
   ``saved`` + ``output`` + the largest transient (kernel workspace, backward
-  buffers, or the blockwise path's block and accumulators); checked against
-  ``max_memory_allocated`` where an accelerator is (``measure.peak_check``).
+  buffers, or the blockwise path's block and accumulators); an estimate, put
+  beside ``max_memory_allocated`` on CUDA/NPU by ``measure.peak_check`` (a
+  CUDA-only test compares them; CPU cannot).
 - ``flops``: attention (Q.K^T and P.V; ``executed`` = the rectangles our
   segment recipe runs, masked keys included, which is what
-  ``FlopCounterMode`` counts; ``visible`` = causal pairs only, the floor of a
-  causal fused kernel) and the K/V up-projection ("rebuild"; for absorbed the
-  q.W_UK and o_latent.W_UV products that replace it).
+  ``FlopCounterMode`` counts; ``visible`` = causal pairs (within
+  documents) only, the floor of a causal fused kernel) and the K/V
+  up-projection ("rebuild"; for absorbed the q.W_UK and o_latent.W_UV
+  products that replace it).
 
 Packed documents (``Config.doc_lens``, cu_seqlens = ``Config.documents``): a
 query sees only its own document; the pairs, the keys trimming rebuilds and
@@ -92,7 +94,8 @@ __all__ = [
     "attention_pairs", "segment_visible_pairs", "blockwise_pairs", "key_ranges", "run_visible_pairs",
     "window_block_pairs",
     # costs
-    "Collective", "EXCHANGES", "collectives", "wire_bytes", "Term", "saved_terms", "peak_terms", "Flops", "flops",
+    "Collective", "EXCHANGES", "collectives", "wire_bytes", "Term", "saved_terms", "peak_terms",
+    "Flops", "flops",
     "query_projection_flops", "FormCost", "RankSummary", "form_cost", "kernel_kind", "summarize",
     "rank_summary", "config_summary", "Machine", "MACHINES", "TimeEstimate", "estimate_seconds",
 ]
