@@ -7,7 +7,7 @@ import it and not each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -54,6 +54,7 @@ class Case:
     seed: int = 1234
     options: tuple = ()
     spec: Optional[RunSpec] = None
+    cu_seqlens: Optional[Tuple[int, ...]] = None   # packed documents' global boundaries (batch 1)
 
     def __post_init__(self):
         if self.spec is None:
@@ -64,7 +65,8 @@ class Case:
 
     def label(self) -> str:
         opts = "".join(f",{k}={v}" for k, v in self.options)
-        return f"{self.form}/{self.cp_algo}/{self.layout}/{self.kernel}/{self.dtype}{opts}"
+        docs = f",documents={len(self.cu_seqlens) - 1}" if self.cu_seqlens else ""
+        return f"{self.form}/{self.cp_algo}/{self.layout}/{self.kernel}/{self.dtype}{opts}{docs}"
 
 
 def full_inputs(shape: MLAShape, seed: int) -> Dict[str, torch.Tensor]:
@@ -89,4 +91,4 @@ def shard(t: torch.Tensor, case: Case, rank: int, cp_size: int) -> torch.Tensor:
     """This rank's part of a full input; ``kv_up_weight`` is replicated over CP."""
     if t.dim() == 2:
         return t.clone()
-    return layouts.shard(t, case.layout, cp_size, rank)
+    return layouts.shard(t, case.layout, cp_size, rank, cu_seqlens=case.cu_seqlens)

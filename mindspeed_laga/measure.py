@@ -11,14 +11,16 @@ Used by ``mindspeed-laga bench`` and the cost-model tests.
 - FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (matmul-family ops only;
   torch's CPU flash SDPA has no FLOP formula and counts 0).
 - Time: median fwd+bwd wall time of the timed runs after the warm-up.
-- Peak memory: ``max_memory_allocated`` on CUDA/NPU; None on CPU.
+- Peak memory: ``max_memory_allocated`` above the inputs (after
+  ``reset_peak_memory_stats``) on CUDA/NPU; None on CPU. :func:`peak_check`
+  puts it beside the cost model's prediction (``costmodel.peak``).
 """
 from __future__ import annotations
 
 import contextlib
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -109,9 +111,10 @@ def _projection_weight(case: Case, device, dtype):
 
 
 def run_on_rank(case: Case, rank: int, cp_size: int, group, repeat: int = 1, warmup: int = 0,
-                count_flops: bool = False) -> dict:
-    """Forward+backward of one case on this rank, ``warmup + repeat`` times."""
-    device = _device()
+                count_flops: bool = False, device=None) -> dict:
+    """Forward+backward of one case on this rank, ``warmup + repeat`` times
+    (``device``: where to run; default the device the process group drives, or the CPU)."""
+    device = torch.device(device) if device is not None else _device()
     dtype = DTYPES[case.dtype]
     full = full_inputs(case.shape, case.seed)
     grad_out = shard(full["grad_out"], case, rank, cp_size).to(device, dtype)
@@ -157,6 +160,8 @@ def _forward(fn, local, case: Case, cp_group, proj, saved: SavedBytes):
     stand-in query projection, with the latent gather started before it (overlap)."""
     query = local["query"]
     kwargs = case.spec.options()
+    if case.cu_seqlens is not None:
+        kwargs["cu_seqlens"] = list(case.cu_seqlens)
     # Without CP there is no gather to overlap: the case runs plain.
     if case.spec.overlap and cp_group is not None:
         from .overlap import start_latent_gather
@@ -210,3 +215,39 @@ def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: 
             print(f"  [{i + 1}/{len(cases)}] {case.spec.name} S={case.shape.seq_len} "
                   f"{case.cp_algo}", flush=True)
     return out
+
+
+def case_config(case: Case, cp_size: int, device_type: str = "cpu"):
+    """The cost model's :class:`costmodel.Config` of a case run on ``cp_size`` ranks of
+    ``device_type``. ``auto`` resolves as the forms resolve it; torch SDPA is the
+    model's ``sdpa`` on CPU only (its accelerator kernels keep no score matrix: ``fused``)."""
+    from . import costmodel as cm
+    from .vocab import ModelDims
+    s = case.shape
+    kernel = case.kernel
+    if kernel == "auto":
+        kernel = {"cpu": cm.SDPA, "npu": cm.NPU}.get(device_type, cm.FUSED)
+    if kernel == cm.SDPA and device_type != "cpu":
+        kernel = cm.FUSED
+    bounds = case.cu_seqlens
+    doc_lens = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])) if bounds else None
+    return cm.Config(ModelDims(s.heads, s.qk_head_dim, s.rope_dim, s.v_head_dim, s.kv_lora_rank),
+                     s.seq_len, s.batch, cp_size, 1, case.cp_algo, case.layout, case.dtype, kernel,
+                     case.causal, doc_lens=doc_lens)
+
+
+def predicted_peak(case: Case, cp_size: int = 1, rank: int = 0, device_type: str = "cpu"):
+    """The cost model's peak-memory terms (``costmodel.Term``) of a case at a rank."""
+    from . import costmodel as cm
+    return cm.form_cost(case_config(case, cp_size, device_type), case.spec, rank).peak
+
+
+def peak_check(case: Case, device="cuda", rank: int = 0, cp_size: int = 1,
+               group=None) -> Tuple[int, Optional[int]]:
+    """(predicted, measured) peak bytes of one case's forward+backward above its inputs
+    on ``device`` (CUDA or NPU; measured is None on CPU, where nothing measures it).
+    One process without CP by default; under a process group pass its rank, size, group."""
+    device = torch.device(device)
+    measured = run_on_rank(case, rank, cp_size, group, 1, 1, device=device)["peak_bytes"]
+    predicted = sum(t.bytes for t in predicted_peak(case, cp_size, rank, device.type))
+    return predicted, measured

@@ -86,3 +86,42 @@ def test_bad_input_is_one_line_error(capsys, argv, word):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and word in lines[0] and lines[0].startswith("mindspeed-laga bench: error:")
     assert "Traceback" not in err
+
+
+def test_bench_with_documents_runs_the_forms_with_cu_seqlens(tmp_path):
+    """--num-docs 1,4: every variant with and without packed documents on 2 ranks, checked
+    against a reference that attends each document alone; the blockwise path's modelled
+    attention FLOPs fall with the documents, the bytes do not change; peak is n/a on CPU
+    and the model's peak is said to be unchecked here."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["bench", *TINY[:2], "--seq-lens", "32", *TINY[4:], "--cp-algo", "allgather",
+                         "--num-docs", "1,4", "--json", str(tmp_path / "d.json"), "--plot", ""])
+    assert code == 0
+    text = out.getvalue()
+    rows = json.loads((tmp_path / "d.json").read_text())["rows"]
+    by = {(r["variant"], r["documents"]): r for r in rows}
+    assert {d for _, d in by} == {1, 4}
+    for (name, docs), r in by.items():
+        assert r["max_rel_err"] < 1e-5, (name, docs, r["max_rel_err"])
+        assert r["saved_bytes"] == r["model_saved_bytes"], (name, docs)
+        assert r["comm_forward_bytes"] == by[(name, 1)]["comm_forward_bytes"] == r["model_comm_forward_bytes"]
+        assert r["peak_bytes"] is None and r["peak_mib"] == "n/a" and r["model_peak_bytes"] > r["saved_bytes"]
+    assert by[("laga+blockwise", 4)]["cu_seqlens"] == [0, 8, 16, 24, 32]
+    flops = [by[("laga+blockwise", d)]["model_attention_flops"] for d in (1, 4)]
+    assert flops[1] < 0.5 * flops[0]
+    assert "laga+blockwise S=32 allgather, attention vs documents: 1 docs" in text
+    assert "unchecked on this machine" in text
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["--seq-lens", "32", "--doc-lens", "16,8"], "--doc-lens sum to 24, not the sequence length 32"),
+    (["--seq-lens", "32", "--num-docs", "4", "--micro-batch", "2"], "--micro-batch 1"),
+    (["--seq-lens", "32", "--num-docs", "3"], "--num-docs 3 does not divide"),
+    (["--seq-lens", "32", "--layout", "doc_zigzag"], "--doc-lens or --num-docs"),
+])
+def test_bad_document_flags_are_one_line_errors(capsys, argv, word):
+    code, out, err = run_cli(capsys, "--cp", "2", *argv)
+    assert code == 2 and "runs (" not in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and word in lines[0], err

@@ -16,7 +16,6 @@ import itertools
 import pytest
 
 from mindspeed_laga import costmodel as cm
-from mindspeed_laga.vocab import SEQUENCE_LAYOUTS
 from mindspeed_laga import equivalence as eq
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.measure import worker
@@ -124,7 +123,7 @@ def test_flops_match_flop_counter(measured):
     for case, rank, got, model in _each(measured):
         f = model.flops
         rebuild = f["rebuild_fwd"] + f["rebuild_bwd"]
-        if model.kernel == "fused":  # torch has no FLOP formula for the CPU flash op
+        if model.kernel in ("fused", "sdpa_flash"):  # no FLOP formula for the CPU flash op
             expected = rebuild
         else:
             expected = rebuild + f["attention_fwd"] + f["attention_bwd"]
@@ -133,11 +132,13 @@ def test_flops_match_flop_counter(measured):
 
 
 def test_model_segments_follow_layout_module():
-    for lay, P in itertools.product(SEQUENCE_LAYOUTS, (1, 2, 4)):
-        cfg = cm.Config(ModelDims(8, 16, 8, 16, 32), 64, 1, P, 1, "allgather", lay)
+    for lay, P in itertools.product(layouts.LAYOUTS, (1, 2, 4)):
+        docs = (16, 48) if lay == "doc_zigzag" else None  # doc_zigzag cuts documents
+        cfg = cm.Config(ModelDims(8, 16, 8, 16, 32), 64, 1, P, 1, "allgather", lay, doc_lens=docs)
+        bounds = cfg.documents if docs else None
         for rank in range(P):
             got = [(q.length, q.start) for q in cm.query_segments(cfg, rank)]
-            want = [(n, g) for _, n, g in layouts.segments(lay, P, rank, 64 // P)]
+            want = [(n, g) for _, n, g in layouts.segments(lay, P, rank, 64 // P, bounds)]
             assert got == want
 
 
@@ -335,3 +336,242 @@ def test_one_record_of_a_variant_for_model_and_runs():
         eq.Case(form="laga", options=(("latent_gather", True),))
     with pytest.raises(ValueError, match="form"):
         RunSpec("x", "mla")
+
+
+# ---------------------------------------------------------------- documents
+# The model's pair counts against counts taken from a (query, key) mask built here
+# from document ids and positions; the segment and run structure is read off the
+# chunks the layout module gives each rank, not from the model.
+
+import torch  # noqa: E402
+
+DOC_CASES = (  # (doc lens, cp, cp_algo, layout, causal)
+    ((16, 4, 12), 2, "allgather", "zigzag", True),
+    ((16, 4, 12), 2, "allgather", "contiguous", False),
+    ((8, 16, 8), 2, "allgather", "doc_zigzag", True),
+    ((8, 16, 8), 2, "ulysses", "doc_zigzag", True),
+    ((5, 11, 7, 9), 4, "ulysses", "contiguous", True),
+    ((5, 11, 7, 9), 4, "allgather", "zigzag", False),
+    ((32,), 4, "allgather", "zigzag", True),
+    ((3,) * 10 + (2,), 1, "allgather", "zigzag", True),
+)
+BLOCKS = (None, 1, 3, 5, 8)
+
+
+def _doc_config(lens, cp, algo, lay, causal):
+    return cm.Config(ModelDims(4, 8, 4, 8, 16), sum(lens), 1, cp, 1, algo, lay, "float32", "eager",
+                     causal, doc_lens=tuple(lens))
+
+
+def _mask(lens, causal):
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    pos = torch.arange(sum(lens))
+    keep = doc[:, None] == doc[None, :]
+    return keep & (pos[None, :] <= pos[:, None]) if causal else keep
+
+
+def _query_segments(cfg, rank):
+    """Position lists of the kernel's query segments at a rank (the layout's chunks, in
+    the order the kernel sees them; ulysses: every rank's)."""
+    docs = cfg.documents if cfg.seq_layout == "doc_zigzag" else None
+    ranks = range(cfg.cp_size) if cfg.heads_split else [rank]
+    return [list(range(g, g + n)) for r in ranks
+            for _, n, g in layouts.segments(cfg.seq_layout, cfg.cp_size, r, cfg.local_len, docs)]
+
+
+def _query_positions(cfg, rank):
+    return [p for seg in _query_segments(cfg, rank) for p in seg]
+
+
+def _cut(seg, doc_of):
+    """A segment cut where the document changes: the blockwise path's runs."""
+    runs = []
+    for p in seg:
+        if runs and doc_of[p] == doc_of[runs[-1][-1]]:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def _pairs_from_mask(cfg, rank, spec):
+    keep = _mask(cfg.doc_lens, cfg.causal)
+    doc_of = torch.repeat_interleave(torch.arange(len(cfg.doc_lens)), torch.tensor(cfg.doc_lens)).tolist()
+    qpos = _query_positions(cfg, rank)
+    visible = int(keep[qpos].sum())
+    if not spec.recompute_kv:
+        # one kernel call per segment, over the span of keys its queries see
+        executed = 0
+        for seg in _query_segments(cfg, rank):
+            cols = keep[seg].any(0).nonzero().flatten()
+            executed += len(seg) * int(cols.max() - cols.min() + 1)
+        return executed, visible
+    # blockwise: blocks tile the key index (trimmed: the keys some query sees, in order);
+    # per block and run, the rows that see a key of the block times the span of keys seen
+    keys = keep[qpos].any(0).nonzero().flatten().tolist() if spec.trim_causal_prefix \
+        else list(range(cfg.seq_len))
+    size = spec.kv_block_size or len(keys)
+    executed = 0
+    for k0 in range(0, len(keys), size):
+        block = keys[k0:k0 + size]
+        for run in (r for seg in _query_segments(cfg, rank) for r in _cut(seg, doc_of)):
+            sub = keep[run][:, block]
+            rows, cols = sub.any(1).nonzero().flatten(), sub.any(0).nonzero().flatten()
+            if len(rows):
+                executed += len(rows) * int(cols.max() - cols.min() + 1)
+    return executed, visible
+
+
+def test_document_pair_counts_equal_counts_over_the_mask():
+    checked = 0
+    for (lens, cp, algo, lay, causal), block, trim in itertools.product(DOC_CASES, BLOCKS, (False, True)):
+        cfg = _doc_config(lens, cp, algo, lay, causal)
+        cm.validate(cfg)
+        specs = [RunSpec("b", "laga", trim_causal_prefix=trim, recompute_kv=True, kv_block_size=block)]
+        if block is None:
+            specs.append(RunSpec("l", "laga", trim_causal_prefix=trim))
+        for spec, rank in itertools.product(specs, range(cp)):
+            want = _pairs_from_mask(cfg, rank, spec)
+            got = cm.attention_pairs(cfg, rank, spec)
+            assert (got.executed, got.visible) == want, (lens, cp, algo, lay, causal, spec, rank)
+            if trim:  # what trimming rebuilds: the keys some query sees
+                keep = _mask(lens, causal)[_query_positions(cfg, rank)]
+                assert cm.rebuilt_keys(cfg, rank, spec) == int(keep.any(0).sum())
+            checked += 1
+    assert checked == 21 * 6 * 2  # rank-cases x (5 blockwise + 1 plain) x trim
+
+
+def test_sixteen_equal_documents_cut_causal_attention_work_sixteen_fold():
+    one = cm.Config(cm.preset("deepseek-v3"), seq_len=2 ** 16, cp_size=8, cp_algo="allgather")
+    docs = cm.with_(one, doc_lens=(2 ** 12,) * 16)
+    spec = RunSpec("laga+blockwise", "laga", recompute_kv=True, kv_block_size=256)
+    a, b = cm.summarize(one, spec), cm.summarize(docs, spec)
+    ratio = b.flops_average["attention_fwd"] / a.flops_average["attention_fwd"]
+    assert 1 / 16 <= ratio < 1.1 / 16
+    # visible pairs: S(S+1)/2 without documents, 16 x s(s+1)/2 with them (s = S/16), over the group
+    S, s = 2 ** 16, 2 ** 12
+    assert sum(cm.attention_pairs(docs, r, spec).visible for r in range(8)) == 16 * s * (s + 1) // 2
+    assert sum(cm.attention_pairs(one, r, spec).visible for r in range(8)) == S * (S + 1) // 2
+    # collective bytes do not depend on documents
+    assert b.rank0.comm == a.rank0.comm
+
+
+def test_documents_keep_the_model_fast():
+    import time
+    cfg = cm.Config(cm.preset("deepseek-v3"), seq_len=2 ** 31, cp_size=8, cp_algo="ulysses",
+                    doc_lens=(2 ** 31 // 64,) * 64)
+    start = time.perf_counter()
+    for spec in (RunSpec("laga+blockwise+trim", "laga", trim_causal_prefix=True, recompute_kv=True,
+                         kv_block_size=1), RunSpec("laga", "laga")):
+        cm.summarize(cfg, spec)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_doc_lens_are_checked():
+    cfg = _doc_config((16, 16), 2, "allgather", "zigzag", True)
+    for lens, word in (((16, 15), "sum to 31"), ((16, 0, 16), "positive"), ((10, 22), None)):
+        bad = cm.with_(cfg, doc_lens=lens)
+        if word is None:  # doc_zigzag needs every document divisible by 2*CP
+            with pytest.raises(ValueError, match="divisible by 4"):
+                cm.validate(cm.with_(bad, layout="doc_zigzag"))
+            continue
+        with pytest.raises(ValueError, match=word):
+            cm.validate(bad)
+    with pytest.raises(ValueError, match="--doc-lens or --num-docs"):
+        cm.validate(cm.with_(cfg, doc_lens=None, layout="doc_zigzag"))
+    assert cm.doc_lens_for(32, num_docs=4) == (8,) * 4
+    with pytest.raises(ValueError, match="divide"):
+        cm.doc_lens_for(32, num_docs=5)
+
+
+DOC_SHAPE = eq.MLAShape(seq_len=32, batch=1, heads=4, qk_head_dim=8, rope_dim=4, v_head_dim=6,
+                        kv_lora_rank=12)
+DOC_RUNS = [eq.Case(spec=v, cp_algo=algo, layout=lay, kernel=kernel, dtype=dtype, shape=DOC_SHAPE,
+                    cu_seqlens=bounds)
+            for (algo, lay, bounds), kernel, dtype, v in itertools.product(
+                (("allgather", "zigzag", (0, 12, 16, 32)), ("ulysses", "doc_zigzag", (0, 8, 24, 32))),
+                KERNELS, DTYPES, VARIANTS.values())
+            if not (v.recompute_kv and kernel != "eager")]
+
+
+@pytest.fixture(scope="module")
+def measured_documents():
+    return run_on_ranks(worker, 2, DOC_RUNS, 1, 0, True)
+
+
+def test_documents_measured_flops_bytes_and_saved_equal_the_model(measured_documents):
+    """Every form and option with packed documents on 2 ranks: FlopCounterMode's count,
+    the saved bytes and the byte counter against the model; the bytes also equal the
+    model's without documents (documents change no collective)."""
+    for i, case in enumerate(DOC_RUNS):
+        lens = tuple(b - a for a, b in zip(case.cu_seqlens[:-1], case.cu_seqlens[1:]))
+        cfg = cm.with_(model_config(case, 2), doc_lens=lens)
+        plain = model_config(case, 2) if case.layout != "doc_zigzag" else \
+            cm.with_(model_config(case, 2), layout="zigzag")
+        for rank in range(2):
+            got, model = measured_documents[rank][i], cm.form_cost(cfg, case.spec, rank)
+            f = model.flops
+            expected = f["rebuild_fwd"] + f["rebuild_bwd"]
+            if model.kernel not in ("fused", "sdpa_flash"):
+                expected += f["attention_fwd"] + f["attention_bwd"]
+            assert got["flops"]["total"] == expected, (case.label(), rank, got["flops"], f)
+            assert got["saved_bytes"] == model.saved_bytes, (
+                case.label(), rank, [(t.name, t.bytes) for t in model.saved], got["saved"])
+            for direction in ("forward", "backward"):
+                for measure in ("payload", "wire"):
+                    counted = _counter_bytes(got, direction, measure)
+                    assert model.comm_bytes(direction, measure) == counted
+                    assert cm.form_cost(plain, case.spec, rank).comm_bytes(direction, measure) == counted
+
+
+# ---------------------------------------------------------------- peak memory
+
+def test_peak_is_saved_plus_output_plus_the_largest_transient():
+    for algo, kernel, name in itertools.product(("allgather", "ulysses"), ("eager", "fused"), VARIANTS):
+        cfg = v3(algo, kernel)
+        cost = cm.form_cost(cfg, VARIANTS[name])
+        terms = {t.name: t.bytes for t in cost.peak}
+        inputs = sum(t.bytes for t in cost.saved if t.name in ("query", "kv_latent"))
+        assert terms["saved"] == cost.saved_bytes - inputs and len(terms) == 3, (algo, kernel, name)
+        # the output: 2048 tokens x 128 heads x d_v 128, bf16
+        assert terms["output"] == 2048 * 128 * 128 * 2
+        transient = next(t for t in cost.peak if t.name not in ("saved", "output"))
+        want = ("blockwise_buffers",) if VARIANTS[name].recompute_kv else \
+            ("kernel_workspace", "backward_buffers")
+        assert transient.name in want and transient.bytes > 0
+    # eager, ulysses, explicit: the largest segment is the last rank's 2048 queries against
+    # all 16384 keys, 16 heads, float32 scores (bf16 inputs) and masked scores: 4 GiB; the
+    # backward buffers add the kernel's dq (16384 x 16 x 192) and the all-to-all'd K/V grads
+    # (16384 x 16 x 320), bf16
+    cost = cm.form_cost(v3("ulysses", "eager"), VARIANTS["explicit"])
+    transient = {t.name: t.bytes for t in cost.peak}["backward_buffers"]
+    assert transient == 2 * 16 * 2048 * 16384 * 4 + 16384 * 16 * (192 + 320) * 2
+    # the blockwise path's peak falls with the block size
+    big, small = (cm.form_cost(v3("allgather"), RunSpec("b", "laga", recompute_kv=True, kv_block_size=k))
+                  for k in (None, 1024))
+    assert small.peak_bytes < big.peak_bytes and small.saved_bytes == big.saved_bytes
+
+
+def test_peak_check_on_cpu_gives_the_prediction_and_no_measurement():
+    from mindspeed_laga.measure import peak_check, predicted_peak
+    case = eq.Case(spec=VARIANTS["laga+blockwise"], kernel="eager", shape=SHAPES["mla"],
+                   cu_seqlens=None)
+    predicted, measured = peak_check(case, "cpu")
+    assert measured is None
+    cfg = model_config(case, 1)
+    assert predicted == cm.form_cost(cfg, case.spec).peak_bytes == sum(t.bytes for t in predicted_peak(case))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_peak_prediction_against_cuda():
+    """The prediction beside max_memory_allocated on one CUDA device, no CP, at a size where
+    allocator rounding is small: within a factor of 2 either way (an estimate)."""
+    from mindspeed_laga.measure import peak_check
+    shape = eq.MLAShape(seq_len=2048, batch=1, heads=16, qk_head_dim=128, rope_dim=64, v_head_dim=128,
+                        kv_lora_rank=512)
+    for name, kernel in (("explicit", "sdpa"), ("laga", "sdpa"), ("laga+blockwise", "auto")):
+        case = eq.Case(spec=VARIANTS[name] if name != "laga+blockwise" else
+                       RunSpec(name, "laga", recompute_kv=True, kv_block_size=512),
+                       kernel=kernel, dtype="bfloat16", shape=shape)
+        predicted, measured = peak_check(case, "cuda")
+        assert 0.5 <= measured / predicted <= 2.0, (name, predicted, measured)

@@ -6,8 +6,10 @@ on CPU by default, or this process's rank under torchrun (RANK/WORLD_SIZE
 set; any backend). For each variant and sequence length: collective bytes
 (byte counter), activation bytes saved for backward (saved-tensor hooks,
 each storage once, kv_up_weight excluded) beside the cost model's figure,
-peak accelerator memory where there is one, median fwd+bwd time, and the
-worst relative error against the float64 single-process reference.
+peak accelerator memory where there is one beside the model's peak, the
+model's attention FLOPs, median fwd+bwd time, and the worst relative error
+against the float64 single-process reference. With --doc-lens/--num-docs
+the forms get cu_seqlens (packed documents).
 Writes JSON (every figure in the table) and, with matplotlib, PNG plots.
 """
 from __future__ import annotations
@@ -17,11 +19,11 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
-from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, KERNELS, ModelDims
+from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, KERNELS, LAYOUTS, ModelDims
 from .output import MiB, check_output_path, one_line_errors, pad as _pad, ratio as _ratio
 from .plot import write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
@@ -37,7 +39,9 @@ COLUMNS = (
     ("model KiB", "model_saved_kib", "{:>10.1f}"),
     ("meas/model", "saved_measured_over_model", "{:>10}"),
     ("form/expl", "saved_form_over_explicit", "{:>9}"),
+    ("attn GFLOP", "model_attention_gflop", "{:>10.4f}"),
     ("peak MiB", "peak_mib", "{:>8}"),
+    ("model peak", "model_peak_mib", "{:>10.2f}"),
     ("ms", "ms", "{:>8.2f}"),
     ("max rel err", "max_rel_err", "{:>11.2e}"),
 )
@@ -52,6 +56,15 @@ def add_parser(sub):
     p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="both")
     p.add_argument("--seq-lens", default="128,256,512",
                    help="comma-separated full sequence lengths (default 128,256,512)")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="sequence split (default: zigzag for allgather, contiguous for ulysses; "
+                        "doc_zigzag cuts every document into 2*CP chunks, with --doc-lens/--num-docs)")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--doc-lens", default=None, metavar="N,N,...",
+                      help="packed documents' lengths (sum = the sequence length; one --seq-lens "
+                           "value): the forms get cu_seqlens; batch 1")
+    docs.add_argument("--num-docs", default=None, metavar="N[,N...]",
+                      help="N equal documents per sequence; a list (e.g. 1,4,16) runs each")
     p.add_argument("--kernel", choices=KERNELS, default="sdpa",
                    help="attention kernel of the non-recomputing variants (default sdpa); "
                         "recompute variants use 'auto' (fused block ops on CPU/CUDA, npu on NPU)")
@@ -83,6 +96,25 @@ def parse_seq_lens(text: str) -> List[int]:
     return values
 
 
+def parse_ints(flag: str, text: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 4096,1024")
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} {text!r} must list positive integers")
+    return values
+
+
+def document_settings(args, seq_len: int) -> List[Optional[tuple]]:
+    """The document lengths to run at ``seq_len``: [None] without --doc-lens/--num-docs."""
+    if args.doc_lens is not None:
+        return [cm.doc_lens_for(seq_len, parse_ints("--doc-lens", args.doc_lens))]
+    if args.num_docs is not None:
+        return [cm.doc_lens_for(seq_len, num_docs=n) for n in parse_ints("--num-docs", args.num_docs)]
+    return [None]
+
+
 def variants_for(args, seq_len: int, cp_size: int) -> List[RunSpec]:
     """The three forms plus every LAGA option (overlap only with CP, beside a twin
     without it that runs the same stand-in query projection)."""
@@ -102,21 +134,29 @@ def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type:
 
 
 def build_runs(args, cp_size: int, device_type: str):
+    """Every (sequence length, documents, cp_algo, variant) run and its model (rank 0)."""
     from ..cases import Case
+    from ..measure import case_config
     algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
+    if (args.doc_lens or args.num_docs) and args.micro_batch != 1:
+        raise ValueError(f"--doc-lens/--num-docs pack documents into one sequence: use "
+                         f"--micro-batch 1 (got {args.micro_batch})")
     runs, models = [], []
     for seq_len in parse_seq_lens(args.seq_lens):
         shape = shape_from_args(args, seq_len)
-        for algo in algos:
-            cfg = model_config(args, shape, cp_size, algo, args.kernel, device_type)
+        for doc_lens, algo in [(d, a) for d in document_settings(args, seq_len) for a in algos]:
+            layout = args.layout or DEFAULT_LAYOUT[algo]
+            cfg = replace(model_config(args, shape, cp_size, algo, args.kernel, device_type),
+                          layout=layout, doc_lens=doc_lens)
             variants = variants_for(args, seq_len, cp_size)
             cm.validate(cfg, variants)
+            bounds = cfg.documents
             for v in variants:
                 kernel = "auto" if v.recompute_kv else args.kernel
-                runs.append(Case(spec=v, cp_algo=algo, layout=DEFAULT_LAYOUT[algo], kernel=kernel,
-                                 dtype=args.dtype, shape=shape))
-                mcfg = cfg if not v.recompute_kv else replace(cfg, kernel=cm.EAGER)
-                models.append(cm.form_cost(mcfg, v, 0))
+                case = Case(spec=v, cp_algo=algo, layout=layout, kernel=kernel, dtype=args.dtype,
+                            shape=shape, cu_seqlens=bounds)
+                runs.append(case)
+                models.append(cm.form_cost(case_config(case, cp_size, device_type), v, 0))
     return runs, models
 
 
@@ -129,10 +169,10 @@ def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
     refs: Dict[tuple, dict] = {}
     for i, (case, model) in enumerate(zip(runs, models)):
         ranks = [r[i] for r in per_rank]
-        key = (case.shape, case.dtype, case.seed, case.causal)
+        key = (case.shape, case.dtype, case.seed, case.causal, case.cu_seqlens)
         if key not in refs:
-            refs[key] = eq.reference(case)
-        err = max(eq.relative_errors(eq.assemble(ranks, case), refs[key]).values())
+            refs[key] = eq.reference(case) if case.cu_seqlens is None else document_reference(case)
+        err = max(eq.relative_errors(_assemble(ranks, case), refs[key]).values())
         r0 = ranks[0]
         fwd = _comm(r0, "forward", "payload")
         bwd = _comm(r0, "backward", "payload")
@@ -140,6 +180,8 @@ def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
         peak = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
         rows.append({
             "seq_len": case.shape.seq_len, "cp_algo": case.cp_algo, "layout": case.layout,
+            "documents": len(case.cu_seqlens) - 1 if case.cu_seqlens else 1,
+            "cu_seqlens": list(case.cu_seqlens) if case.cu_seqlens else None,
             "variant": case.spec.name, "form": case.form, "kernel": case.kernel,
             "model_kernel": model.kernel, "options": dict(case.options),
             "comm_forward_bytes": fwd, "comm_backward_bytes": bwd, "comm_wire_bytes": wire,
@@ -153,7 +195,13 @@ def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
             "model_saved_terms": [t.__dict__ for t in model.saved],
             "saved_measured_over_model": _ratio(r0["saved_bytes"], model.saved_bytes),
             "peak_bytes": max(peak) if peak else None,
-            "peak_mib": f"{max(peak) / MiB:.1f}" if peak else "-",
+            "peak_mib": f"{max(peak) / MiB:.1f}" if peak else "n/a",
+            "model_peak_bytes": model.peak_bytes, "model_peak_mib": model.peak_bytes / MiB,
+            "model_peak_terms": [t.__dict__ for t in model.peak],
+            "peak_measured_over_model": _ratio(max(peak), model.peak_bytes) if peak else None,
+            "model_attention_flops": model.flops["attention_fwd"] + model.flops["attention_bwd"],
+            "model_attention_gflop": (model.flops["attention_fwd"] + model.flops["attention_bwd"]) / 1e9,
+            "model_attention_visible_fwd_flops": model.flops["attention_visible_fwd"],
             "ms": 1e3 * max(r["seconds"] for r in ranks),
             "comm_seconds": r0.get("comm_seconds"),
             "max_rel_err": err,
@@ -166,11 +214,48 @@ def _comm(result, direction, measure) -> int:
     return sum(v[measure] for k, v in result["comm"].get(direction, {}).items() if k != "handshake")
 
 
+def _group(r: dict) -> tuple:
+    return r["seq_len"], r["cp_algo"], r["documents"]
+
+
+def _assemble(ranks: List[dict], case) -> dict:
+    """Rank shards -> full output and grads (``doc_zigzag`` needs the boundaries)."""
+    from .. import layout as layouts
+    from ..cases import INPUTS
+
+    def full(parts):
+        return layouts.unshard([p.double() for p in parts], case.layout, cu_seqlens=case.cu_seqlens)
+
+    grads = {k: (sum(r["grads"][k].double() for r in ranks) if k == "kv_up_weight"
+                 else full([r["grads"][k] for r in ranks])) for k in INPUTS}
+    return {"out": full([r["out"] for r in ranks]), "grads": grads}
+
+
+def document_reference(case) -> dict:
+    """Float64 single-device output and grads with packed documents: every document is
+    an independent sequence, so the reference runs each alone and concatenates (the
+    kv_up_weight grads add up)."""
+    import torch
+    from ..cases import DTYPES, INPUTS, full_inputs
+    from ..reference import mla_attention_reference
+    full = full_inputs(case.shape, case.seed)
+    dtype = DTYPES[case.dtype]
+    inputs = {k: full[k].to(dtype).double().requires_grad_() for k in INPUTS}
+    grad_out = full["grad_out"].to(dtype).double()
+    outs = []
+    for a, b in zip(case.cu_seqlens[:-1], case.cu_seqlens[1:]):
+        outs.append(mla_attention_reference(*(inputs[k][a:b] for k in INPUTS[:3]), inputs["kv_up_weight"],
+                                            softmax_scale=case.shape.softmax_scale, causal=case.causal))
+    out = torch.cat(outs)
+    out.backward(grad_out)
+    return {"out": out.detach(), "grads": {k: v.grad for k, v in inputs.items()}}
+
+
 def _add_relative(rows: List[dict]) -> None:
     """Ratios against explicit at the same (seq_len, cp_algo); the overlap share."""
     groups: Dict[tuple, Dict[str, dict]] = {}
     for r in rows:
-        groups.setdefault((r["seq_len"], r["cp_algo"]), {})[r["variant"]] = r
+        groups.setdefault(_group(r), {})[r["variant"]] = r
     for group in groups.values():
         ex = group["explicit"]
         for r in group.values():
@@ -193,9 +278,10 @@ def print_table(rows: List[dict], out=None) -> None:
     header = " ".join(_pad(h, fmt) for h, _, fmt in COLUMNS)
     current = None
     for r in rows:
-        if (r["seq_len"], r["cp_algo"]) != current:
-            current = (r["seq_len"], r["cp_algo"])
-            print(f"\nS={r['seq_len']} cp_algo={r['cp_algo']} layout={r['layout']}", file=out)
+        if _group(r) != current:
+            current = _group(r)
+            docs = f" documents={r['documents']}" if r["cu_seqlens"] else ""
+            print(f"\nS={r['seq_len']} cp_algo={r['cp_algo']} layout={r['layout']}{docs}", file=out)
             print(header, file=out)
             print("-" * len(header), file=out)
         print(" ".join(fmt.format(r[key]) for _, key, fmt in COLUMNS), file=out)
@@ -254,17 +340,48 @@ def run(args) -> int:
         per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True)
     rows = make_rows(runs, models, per_rank)
     print_table(rows)
+    print_document_trend(rows)
     print(f"\nbytes: rank 0's payload handed to the collectives (fwd, bwd) and bytes it sends "
           f"(wire); saved: activations autograd keeps in the attention call, each storage once, "
           f"kv_up_weight excluded (rank 0), beside the cost model; ms: slowest rank's median "
-          f"fwd+bwd; err: worst output/grad error vs the float64 reference. "
-          f"{time.perf_counter() - start:.1f} s.")
+          f"fwd+bwd; err: worst output/grad error vs the float64 reference; attn GFLOP: the "
+          f"model's attention FLOPs (fwd+bwd, rank 0, as the kernels execute them).")
+    print(peak_note(device_type) + f" {time.perf_counter() - start:.1f} s.")
     _write_outputs(args, rows, cp_size, where)
     return 0
 
 
+def peak_note(device_type: str) -> str:
+    """What the two peak columns are, and whether this machine checks the model's."""
+    what = ("model peak: the cost model's prediction in MiB (saved + output + the largest "
+            "transient, costmodel/peak.py)")
+    if device_type == "cpu":
+        return (f"peak: n/a on CPU (no allocator statistics); {what}, unchecked on this machine "
+                "(run under torchrun on CUDA/NPU to compare).")
+    return (f"peak: max_memory_allocated above the inputs after reset_peak_memory_stats "
+            f"({device_type}, worst rank); {what}.")
+
+
+def print_document_trend(rows: List[dict], out=None) -> None:
+    """The blockwise path's attention FLOPs and time against the number of documents."""
+    out = out or sys.stdout
+    trends: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        if r["variant"] == "laga+blockwise":
+            trends.setdefault((r["seq_len"], r["cp_algo"]), []).append(r)
+    for (seq_len, algo), rs in trends.items():
+        if len(rs) < 2:
+            continue
+        first = rs[0]
+        cells = ", ".join(f"{r['documents']} docs {r['model_attention_gflop']:.4f} GFLOP "
+                          f"({r['model_attention_flops'] / first['model_attention_flops']:.3f}x) "
+                          f"{r['ms']:.2f} ms ({r['ms'] / first['ms']:.2f}x)" for r in rs)
+        print(f"\nlaga+blockwise S={seq_len} {algo}, attention vs documents: {cells}", file=out)
+
+
 def _write_outputs(args, rows, cp_size, where) -> None:
     doc = {"cp_size": cp_size, "where": where, "dtype": args.dtype, "kernel": args.kernel,
+           "doc_lens": args.doc_lens, "num_docs": args.num_docs, "layout": args.layout,
            "repeat": args.repeat, "warmup": args.warmup, "columns": [k for _, k, _ in COLUMNS],
            "rows": rows}
     if args.json and args.json != "-":

@@ -45,6 +45,12 @@ def add_parser(sub):
     p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="ulysses")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="default: zigzag for allgather, contiguous for ulysses")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--doc-lens", default=None, metavar="N,N,...",
+                      help="packed documents' lengths, summing to --seq-len (a query sees only "
+                           "its own document)")
+    docs.add_argument("--num-docs", type=int, default=None, metavar="N",
+                      help="N equal documents (N divides --seq-len)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--kernel", choices=KERNEL_CHOICES, default="both",
                    help="eager (scores kept), fused (flash-style), npu (npu_fusion_attention), "
@@ -87,15 +93,26 @@ def configs_from_args(args) -> List[cm.Config]:
     if (args.device_memory is None) != (args.num_layers is None):
         raise ValueError("--device-memory and --num-layers go together (the fit check needs both)")
     dims = dims_from_args(args)
+    doc_lens = cm.doc_lens_for(args.seq_len, parse_doc_lens(args.doc_lens), args.num_docs)
     algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
     out = []
     for algo in algos:
         cfg = cm.Config(dims=dims, seq_len=args.seq_len, micro_batch=args.micro_batch,
                         cp_size=args.cp, tp_size=args.tp, cp_algo=algo, layout=args.layout,
-                        dtype=DTYPES[args.dtype], kernel=cm.FUSED)
+                        dtype=DTYPES[args.dtype], kernel=cm.FUSED, doc_lens=doc_lens)
         cm.validate(cfg, standard_runs(args.kv_block_size))
         out.append(cfg)
     return out
+
+
+def parse_doc_lens(text):
+    """``--doc-lens 4096,1024,...`` -> a tuple of ints (None when not given)."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--doc-lens {text!r} must be comma-separated integers, e.g. 4096,1024")
 
 
 def machines_from_args(args) -> List[cm.Machine]:
@@ -217,17 +234,22 @@ def print_plan(plan: dict) -> None:
     print(f"plan: n={c['heads']} d_n={c['qk_head_dim']} d_r={c['qk_pos_emb_head_dim']} "
           f"d_v={c['v_head_dim']} d_c={c['kv_lora_rank']}, S={c['seq_len']}, b={c['micro_batch']}, "
           f"CP={c['cp_size']}, TP={c['tp_size']}, {c['dtype']}; per layer and per CP rank (model)")
+    if c.get("doc_lens"):
+        lens = c["doc_lens"]
+        shown = ",".join(map(str, lens)) if len(lens) <= 8 else f"{len(lens)} documents"
+        print(f"documents: {shown} (a query sees only its own document)")
     for algo, entry in plan["algos"].items():
         kernels = list(entry["kernels"])
         rows = entry["kernels"][kernels[0]]
         ex = rows["explicit"]
         print(f"\ncp_algo={algo} (layout {entry['layout']})")
         head = (f"{'variant':<20} {'comm fwd+bwd':>13} {'explicit/':>9} {'wire fwd+bwd':>13} {'explicit/':>9}"
-                + "".join(f" {'saved ' + k:>14} {'form/expl':>9}" for k in kernels)
+                + "".join(f" {'saved ' + k:>14} {'form/expl':>9} {'peak ' + k:>14}" for k in kernels)
                 + f" {'attn TFLOP':>10} {'rebuild TFLOP':>13}")
         print(head)
         print(f"{'':<20} {'(design)':>13} {'form':>9} {'(sent)':>13} {'form':>9}"
-              + "".join(f" {'(worst rank)':>14} {'':>9}" for _ in kernels) + f" {'fwd+bwd':>10} {'fwd+bwd':>13}")
+              + "".join(f" {'(worst rank)':>14} {'':>9} {'(worst rank)':>14}" for _ in kernels)
+              + f" {'fwd+bwd':>10} {'fwd+bwd':>13}")
         print("-" * len(head))
         ex_comm = ex["comm"]["forward"]["design"] + ex["comm"]["backward"]["design"]
         ex_wire = ex["comm"]["forward"]["wire"] + ex["comm"]["backward"]["wire"]
@@ -239,7 +261,8 @@ def print_plan(plan: dict) -> None:
             for k in kernels:
                 saved = entry["kernels"][k][name]["saved_bytes"]["worst"]
                 base = entry["kernels"][k]["explicit"]["saved_bytes"]["worst"]
-                line += f" {_fmt_bytes(saved):>14} {_ratio(saved, base):>9}"
+                peak = entry["kernels"][k][name]["peak_bytes"]["worst"]
+                line += f" {_fmt_bytes(saved):>14} {_ratio(saved, base):>9} {_fmt_bytes(peak):>14}"
             f = entry["kernels"][kernels[-1]][name]["flops"]
             attn = (f["attention_fwd"]["worst"] + f["attention_bwd"]["worst"]) / 1e12
             reb = (f["rebuild_fwd"]["worst"] + f["rebuild_bwd"]["worst"]) / 1e12
@@ -252,8 +275,11 @@ def print_plan(plan: dict) -> None:
             _print_fit(entry["fit"])
     _print_times(plan["time"])
     print("\nsaved: activation bytes autograd keeps inside the attention call, worst CP rank "
-          "(kv_up_weight excluded); FLOPs: the last kernel's, attention as executed (masked keys of "
-          "each causal segment's prefix included); `--json` has every term, rank averages included.")
+          "(kv_up_weight excluded); peak: predicted peak memory of the call above its inputs (saved + "
+          "output + the largest transient: kernel workspace, backward buffers or the blockwise "
+          "block and accumulators; an estimate, `--terms` names them); FLOPs: the last kernel's, "
+          "attention as executed (masked keys of each segment's key window included); `--json` "
+          "has every term, rank averages included.")
 
 
 def _x(value) -> str:
@@ -282,6 +308,10 @@ def _print_terms(rows: Dict[str, dict], kernel: str) -> None:
     print(f"  saved tensors, rank 0, {kernel} kernel (MiB):")
     for name, r in rows.items():
         cells = "; ".join(f"{t['name']} {t['bytes'] / MiB:.1f}" for t in r["saved_terms_rank0"])
+        print(f"    {name}: {cells}")
+    print(f"  peak terms, rank 0, {kernel} kernel (MiB):")
+    for name, r in rows.items():
+        cells = " + ".join(f"{t['name']} {t['bytes'] / MiB:.1f}" for t in r["peak_terms_rank0"])
         print(f"    {name}: {cells}")
 
 

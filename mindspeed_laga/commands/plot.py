@@ -15,9 +15,14 @@ def write_plot(rows: List[dict], path: str) -> Optional[str]:
     algos = sorted({r["cp_algo"] for r in rows})
     fig, axes = plt.subplots(2, len(algos), figsize=(6 * len(algos), 8), squeeze=False)
     for col, algo in enumerate(algos):
-        names = list(dict.fromkeys(r["variant"] for r in rows if r["cp_algo"] == algo))
-        for name in names:
-            pts = sorted((r["seq_len"], r) for r in rows if r["cp_algo"] == algo and r["variant"] == name)
+        names = list(dict.fromkeys((r["variant"], r.get("documents", 1)) for r in rows
+                                   if r["cp_algo"] == algo))
+        several = len({docs for _, docs in names}) > 1
+        for variant, docs in names:
+            name = f"{variant} ({docs} docs)" if several else variant
+            pts = sorted(((r["seq_len"], r) for r in rows if r["cp_algo"] == algo
+                          and r["variant"] == variant and r.get("documents", 1) == docs),
+                         key=lambda p: p[0])
             xs = [x for x, _ in pts]
             axes[0][col].plot(xs, [r["comm_forward_bytes"] + r["comm_backward_bytes"] for _, r in pts],
                               marker="o", label=name)

@@ -15,11 +15,21 @@ absorbed, LAGA and LAGA's options, forward and backward:
   storage alive, so storages are counted once; ``kv_up_weight`` is a
   parameter and is excluded). Written from what *this* implementation saves,
   kernel by kernel, and checked against ``saved_tensors_hooks`` measurements.
+- ``peak``: predicted peak memory of the call above its inputs, named terms:
+  ``saved`` + ``output`` + the largest transient (kernel workspace, backward
+  buffers, or the blockwise path's block and accumulators); an estimate, put
+  beside ``max_memory_allocated`` on CUDA/NPU by ``measure.peak_check`` (a
+  CUDA-only test compares them; CPU cannot).
 - ``flops``: attention (Q.K^T and P.V; ``executed`` = the rectangles our
   segment recipe runs, masked keys included, which is what
-  ``FlopCounterMode`` counts; ``visible`` = causal pairs only, the floor of a
-  causal fused kernel) and the K/V up-projection ("rebuild"; for absorbed the
-  q.W_UK and o_latent.W_UV products that replace it).
+  ``FlopCounterMode`` counts; ``visible`` = causal pairs (within
+  documents) only, the floor of a causal fused kernel) and the K/V
+  up-projection ("rebuild"; for absorbed the q.W_UK and o_latent.W_UV
+  products that replace it).
+
+Packed documents (``Config.doc_lens``, cu_seqlens = ``Config.documents``): a
+query sees only its own document; the pairs, the keys trimming rebuilds and
+the kernels' masks follow (``geometry``), the collectives do not change.
 
 Kernels (``Config.kernel``; the names are ``config.MODEL_KERNELS``):
 
@@ -41,7 +51,7 @@ set does not depend on the kernel.
 One concern per module: ``config`` (what is asked, presets, validation),
 ``geometry`` (segments, visible keys, pairs: closed form, constant time in S),
 ``comm`` (collectives per form and cp_algo: one table), ``memory`` (saved
-storages), ``flops``, ``summary`` (per rank and over the CP group, typed),
+storages), ``peak`` (peak memory terms), ``flops``, ``summary`` (per rank and over the CP group, typed),
 ``time`` (the per-layer time estimate). Variants are :class:`runspec.RunSpec`.
 """
 from __future__ import annotations
@@ -51,11 +61,14 @@ from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, FORMS, LAYOUTS, ModelDims
 from .comm import EXCHANGES, Collective, collectives, wire_bytes
 from .config import (BLOCKWISE, DTYPE_BYTES, EAGER, FUSED, HALF, INDEX_BYTES, MODEL_KERNELS, NPU,
                      NPU_MASK_BYTES, PRESETS, RECOMPUTING_KINDS, SDPA, SDPA_FLASH, SDPA_MATH, Config,
-                     Sizes, model_kernel_kind, preset, validate, with_)
+                     Sizes, check_doc_lens, doc_lens_for, model_kernel_kind, preset, validate,
+                     with_)
 from .flops import Flops, flops, query_projection_flops
-from .geometry import (Pairs, QuerySegment, attention_pairs, block_keys, blockwise_pairs,
-                       query_segments, rebuilt_keys, segment_visible_pairs, visible_keys)
+from .geometry import (Pairs, QuerySegment, attention_pairs, block_keys, blockwise_pairs, key_ranges,
+                       query_segments, rebuilt_keys, run_visible_pairs, segment_visible_pairs,
+                       visible_keys, window_block_pairs)
 from .memory import Term, saved_terms
+from .peak import peak_terms
 from .summary import FormCost, RankSummary, config_summary, form_cost, kernel_kind, rank_summary, summarize
 from .time import MACHINES, Machine, TimeEstimate, estimate_seconds
 
@@ -75,12 +88,14 @@ __all__ = [
     # what is asked
     "Config", "Sizes", "PRESETS", "preset", "validate", "with_", "DTYPE_BYTES", "HALF", "INDEX_BYTES",
     "NPU_MASK_BYTES", "KERNELS", "MODEL_KERNELS", "RECOMPUTING_KINDS", "EAGER", "FUSED", "NPU", "SDPA",
-    "SDPA_FLASH", "SDPA_MATH", "BLOCKWISE", "model_kernel_kind",
+    "SDPA_FLASH", "SDPA_MATH", "BLOCKWISE", "model_kernel_kind", "doc_lens_for", "check_doc_lens",
     # geometry
     "QuerySegment", "Pairs", "query_segments", "visible_keys", "rebuilt_keys", "block_keys",
-    "attention_pairs", "segment_visible_pairs", "blockwise_pairs",
+    "attention_pairs", "segment_visible_pairs", "blockwise_pairs", "key_ranges", "run_visible_pairs",
+    "window_block_pairs",
     # costs
-    "Collective", "EXCHANGES", "collectives", "wire_bytes", "Term", "saved_terms", "Flops", "flops",
+    "Collective", "EXCHANGES", "collectives", "wire_bytes", "Term", "saved_terms", "peak_terms",
+    "Flops", "flops",
     "query_projection_flops", "FormCost", "RankSummary", "form_cost", "kernel_kind", "summarize",
     "rank_summary", "config_summary", "Machine", "MACHINES", "TimeEstimate", "estimate_seconds",
 ]

@@ -3,10 +3,12 @@ dtype and the attention kernel; presets, the model's kernel kinds, validation.""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional
+from functools import cached_property
+from typing import Iterable, Optional, Sequence, Tuple
 
 from ..runspec import RunSpec
-from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS, MLADims, ModelDims, check_seq_len, heads_split
+from ..vocab import (CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS, Documents, MLADims, ModelDims, check_documents,
+                     check_seq_len, heads_split)
 
 # The cost model's kernel kinds: what a kernel keeps for backward and whether it
 # recomputes the scores. Not the core's KERNELS (what a caller may ask for).
@@ -42,10 +44,16 @@ def preset(name: str) -> ModelDims:
     return PRESETS[name]
 
 
-def model_kernel_kind(kernel: str, qk_dim: int, v_dim: int) -> str:
+def model_kernel_kind(kernel: str, qk_dim: int, v_dim: int, documents: bool = False) -> str:
     """The kind a kernel runs as: ``sdpa`` on CPU runs the flash op for any head dims
-    (kernels/sdpa.py pads the narrower one), keeping what ``fused`` keeps."""
-    return FUSED if kernel == SDPA else kernel
+    (kernels/sdpa.py pads the narrower one), keeping what ``fused`` keeps. With
+    documents it hands torch SDPA a keep-mask per segment: the CPU flash kernel
+    (plus the mask, as a float tensor) for equal head dims, else the math path."""
+    if kernel != SDPA:
+        return kernel
+    if documents:
+        return SDPA_FLASH if qk_dim == v_dim else SDPA_MATH
+    return FUSED
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,17 @@ class Config:
     dtype: str = "bfloat16"
     kernel: str = FUSED
     causal: bool = True
+    doc_lens: Optional[Tuple[int, ...]] = None   # packed documents' lengths (sum = seq_len)
+
+    @cached_property  # asked per segment: built once (O(documents))
+    def documents(self) -> Documents:
+        """cu_seqlens (global document boundaries 0 ... S), or None: one sequence."""
+        if not self.doc_lens:
+            return None
+        bounds = [0]
+        for n in self.doc_lens:
+            bounds.append(bounds[-1] + n)
+        return tuple(bounds)
 
     @property
     def elem(self) -> int:
@@ -100,7 +119,7 @@ class Config:
     @property
     def reorders(self) -> bool:
         """A rank-order gather is permuted to position order (index_select)."""
-        return self.cp_size > 1 and self.seq_layout == "zigzag"
+        return self.cp_size > 1 and self.seq_layout in ("zigzag", "doc_zigzag")
 
     @property
     def sizes(self) -> "Sizes":
@@ -154,6 +173,40 @@ def validate(cfg: Config, variants: Optional[Iterable[RunSpec]] = None) -> None:
         raise ValueError(f"cp_algo='ulysses' splits the {cfg.tp_heads} heads per TP rank over "
                          f"CP={cfg.cp_size}: not divisible; use cp_algo='allgather' or a CP size "
                          "dividing heads/TP")
+    check_doc_lens(cfg)
     for v in variants or ():
         if v.kv_block_size is not None and v.kv_block_size <= 0:
             raise ValueError(f"kv_block_size must be positive, got {v.kv_block_size}")
+
+
+def doc_lens_for(seq_len: int, doc_lens: Optional[Sequence[int]] = None,
+                 num_docs: Optional[int] = None) -> Optional[Tuple[int, ...]]:
+    """Document lengths from ``--doc-lens`` or ``--num-docs`` (N equal documents)."""
+    if doc_lens is not None and num_docs is not None:
+        raise ValueError("--doc-lens and --num-docs both describe the documents; give one")
+    if num_docs is not None:
+        if not isinstance(num_docs, int) or num_docs <= 0:
+            raise ValueError(f"--num-docs must be a positive integer, got {num_docs!r}")
+        if seq_len % num_docs:
+            raise ValueError(f"--num-docs {num_docs} does not divide the sequence length {seq_len} "
+                             "into equal documents; give --doc-lens instead, or a divisor")
+        return (seq_len // num_docs,) * num_docs
+    if doc_lens is None:
+        return None
+    return tuple(doc_lens)
+
+
+def check_doc_lens(cfg: Config) -> None:
+    """Document lengths: positive, summing to the sequence length, cut as the layout needs."""
+    if cfg.doc_lens is None:
+        if cfg.seq_layout == "doc_zigzag" and cfg.cp_size > 1:
+            raise ValueError("layout='doc_zigzag' cuts every document into 2*CP chunks: give the "
+                             "documents (--doc-lens or --num-docs)")
+        return
+    lens = cfg.doc_lens
+    if not lens or any(not isinstance(n, int) or isinstance(n, bool) or n <= 0 for n in lens):
+        raise ValueError(f"--doc-lens must list positive integer document lengths, got {list(lens)}")
+    if sum(lens) != cfg.seq_len:
+        raise ValueError(f"--doc-lens sum to {sum(lens)}, not the sequence length {cfg.seq_len}: "
+                         f"make them add up to {cfg.seq_len} (or set --seq-len {sum(lens)})")
+    check_documents(cfg.documents, cfg.seq_len, cfg.seq_layout, cfg.cp_size)

@@ -2,7 +2,7 @@
 
 Attention (Q.K^T and P.V): ``executed`` = the rectangles our kernels run,
 masked keys included (what ``FlopCounterMode`` counts); ``visible`` = causal
-pairs only. Rebuild: the K/V up-projection (for absorbed, the q.W_UK and
+pairs (within documents) only. Rebuild: the K/V up-projection (for absorbed, the q.W_UK and
 o_latent.W_UV products that replace it).
 """
 from __future__ import annotations

@@ -6,14 +6,21 @@ chunk rule come from ``vocab``; the counts are what ``forms/`` executes:
 
 - ``executed``: the rectangles the segment recipe hands to the kernel (each
   query segment against its whole key prefix, masked keys included);
-- ``visible``: the causal pairs only (the floor of a causal fused kernel);
-- ``blockwise``: what ``laga_blockwise`` computes per key block (rows before
-  the block and keys after the segment are cut).
+- ``visible``: the causal pairs within documents only (the floor of a causal
+  fused kernel);
+- ``blockwise``: what ``laga_blockwise`` computes per key block and run (runs
+  are segments cut at document boundaries; rows before the block and keys
+  outside the run's window are cut).
+
+Documents (``Config.doc_lens``): a query sees only keys of its own document;
+each segment's kernel call gets its key window (``vocab.key_window``) and
+trimming rebuilds ``vocab.key_ranges``. Still O(segments + documents).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+import bisect
+from typing import List, Optional, Tuple
 
 from .. import vocab
 from ..runspec import RunSpec
@@ -22,28 +29,48 @@ from .config import Config
 
 @dataclass(frozen=True)
 class QuerySegment:
-    """A run of queries with consecutive positions and the keys [0, key_end) it is given."""
+    """A run of queries with consecutive positions and the key window the kernel is given."""
 
     length: int        # queries
     start: int         # global position of the first query
-    key_end: int       # keys from position 0 the kernel is called with
+    key_end: int       # end of the key window (position)
+    key_start: int = 0  # start of the key window: 0, or with documents the start of the
+                        # first query's document
+
+    @property
+    def keys(self) -> int:
+        """Keys the kernel call is given: the window's length."""
+        return self.key_end - self.key_start
+
+
+def _vocab_segments(cfg: Config, rank: int) -> List[vocab.Segment]:
+    return vocab.query_segments(cfg.seq_layout, cfg.cp_size, rank, cfg.local_len, cfg.heads_split,
+                                cfg.documents)
 
 
 def query_segments(cfg: Config, rank: int) -> List[QuerySegment]:
-    """The segments the kernel is called on at rank ``rank`` (ulysses: every rank's tokens)."""
-    segs = vocab.query_segments(cfg.seq_layout, cfg.cp_size, rank, cfg.local_len, cfg.heads_split)
-    return [QuerySegment(seg[1], seg[2], vocab.key_prefix(seg, cfg.seq_len, cfg.causal))
-            for seg in segs]
+    """The segments the kernel is called on at rank ``rank`` (ulysses: every rank's tokens),
+    each with its key window (one kernel call per segment)."""
+    out = []
+    for seg in _vocab_segments(cfg, rank):
+        lo, hi = vocab.key_window(seg, cfg.seq_len, cfg.causal, cfg.documents)
+        out.append(QuerySegment(seg[1], seg[2], hi, lo))
+    return out
+
+
+def key_ranges(cfg: Config, rank: int) -> List[Tuple[int, int]]:
+    """Position ranges of the keys this rank's queries see: what trimming rebuilds
+    (without documents the one prefix [0, visible_keys))."""
+    return vocab.key_ranges(_vocab_segments(cfg, rank), cfg.seq_len, cfg.causal, cfg.documents)
 
 
 def visible_keys(cfg: Config, rank: int) -> int:
-    """Keys [0, end) some query of this rank sees: what prefix trimming rebuilds."""
-    segs = vocab.query_segments(cfg.seq_layout, cfg.cp_size, rank, cfg.local_len, cfg.heads_split)
-    return vocab.visible_keys(segs, cfg.seq_len, cfg.causal)
+    """How many keys some query of this rank sees: what trimming rebuilds."""
+    return sum(hi - lo for lo, hi in key_ranges(cfg, rank))
 
 
 def rebuilt_keys(cfg: Config, rank: int, spec: RunSpec) -> int:
-    """Keys whose K/V LAGA rebuilds: the visible prefix when trimmed, else all S."""
+    """Keys whose K/V LAGA rebuilds: the visible ones when trimmed, else all S."""
     return visible_keys(cfg, rank) if spec.trim_causal_prefix else cfg.seq_len
 
 
@@ -56,20 +83,78 @@ def block_keys(cfg: Config, rank: int, spec: RunSpec) -> int:
 @dataclass(frozen=True)
 class Pairs:
     executed: int   # pairs the kernels compute (masked ones included)
-    visible: int    # causal pairs only
+    visible: int    # causal pairs within documents only
+
+
+def _runs(cfg: Config, rank: int):
+    """(length, query start, window start, window end) of every run: the query segments
+    cut at document boundaries, as ``laga_blockwise.visible_rows`` walks them."""
+    documents = cfg.documents
+    for seg in _vocab_segments(cfg, rank):
+        for piece in vocab.doc_pieces(seg, documents):
+            lo, hi = vocab.key_window(piece, cfg.seq_len, cfg.causal, documents)
+            yield piece[1], piece[2], lo, hi
 
 
 def attention_pairs(cfg: Config, rank: int, spec: RunSpec) -> Pairs:
-    """(query, key) pairs of one head and one sequence at rank ``rank``."""
-    segs = query_segments(cfg, rank)
-    visible = sum(segment_visible_pairs(q.length, q.start, cfg.causal, cfg.seq_len) for q in segs)
+    """(query, key) pairs of one head and one sequence at rank ``rank``.
+
+    Executed: the segment kernels run each segment against its key window (one
+    call); the blockwise path runs, per key block, the rectangle of each run with
+    a visible pair. O(segments + documents) either way."""
+    runs = list(_runs(cfg, rank))
+    visible = sum(run_visible_pairs(n, g, lo, hi, cfg.causal) for n, g, lo, hi in runs)
     if spec.recompute_kv:
-        last = rebuilt_keys(cfg, rank, spec)
-        executed = sum(blockwise_pairs(q.length, q.start, spec.kv_block_size, last, cfg.causal)
-                       for q in segs)
+        executed = _blockwise_executed(cfg, rank, spec, runs)
     else:
-        executed = sum(q.length * q.key_end for q in segs)
+        executed = sum(q.length * q.keys for q in query_segments(cfg, rank))
     return Pairs(executed, visible)
+
+
+def _blockwise_executed(cfg: Config, rank: int, spec: RunSpec, runs) -> int:
+    """Blocks tile the key index: positions when untrimmed, else the trimmed ranges laid
+    end to end (a run's window lies inside one range, so it stays contiguous)."""
+    if spec.trim_causal_prefix:
+        ranges = key_ranges(cfg, rank)
+        starts = [lo for lo, _ in ranges]
+        before = [0]
+        for lo, hi in ranges:
+            before.append(before[-1] + hi - lo)
+        last = before[-1]
+    else:
+        last = cfg.seq_len
+    total = 0
+    for n, g, lo, hi in runs:
+        base = 0
+        if spec.trim_causal_prefix:
+            i = bisect.bisect_right(starts, lo) - 1
+            base = before[i] - ranges[i][0]
+        total += window_block_pairs(n, base + g, base + lo, base + hi, spec.kv_block_size, last,
+                                    cfg.causal)
+    return total
+
+
+def run_visible_pairs(length: int, start: int, lo: int, hi: int, causal: bool) -> int:
+    """Pairs a run's queries see in its window [lo, hi): causal, query p sees [lo, p]."""
+    if not causal:
+        return length * (hi - lo)
+    return length * (start - lo) + length * (length + 1) // 2
+
+
+def window_block_pairs(length: int, start: int, lo: int, hi: int, block: Optional[int], last: int,
+                       causal: bool) -> int:
+    """Pairs ``laga_blockwise`` computes for a run (queries [start, start+length), key
+    window [lo, hi), in key-index space) over key blocks of ``block`` tiling [0, last).
+
+    Non-causal every row meets every key of the window. Causal (hi = start+length):
+    the blocks from position 0 on give :func:`blockwise_pairs`; those blocks' keys
+    before ``lo`` meet no row (the window starts there), and each of them met all
+    ``length`` rows, since keys before ``lo <= start`` lie in blocks at or before
+    the one holding ``start``.
+    """
+    if not causal:
+        return length * (hi - lo)
+    return blockwise_pairs(length, start, block, last, True) - length * lo
 
 
 def segment_visible_pairs(length: int, start: int, causal: bool, total: int) -> int:

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 
 from ..runspec import RunSpec
 from .config import HALF, INDEX_BYTES, NPU_MASK_BYTES, RECOMPUTING_KINDS, Config
-from .geometry import query_segments, rebuilt_keys
+from .geometry import key_ranges, query_segments, rebuilt_keys
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ def _kernel_saved(saved: _Saved, kind: str, cfg: Config, segs, h: int, qk_dim: i
     # A K/V shared by all heads (absorbed) is broadcast with expand(); matmul's batch
     # reshape copies it unless b == 1 (then the reshape is a stride-0 view).
     copied = kv_heads < h and b > 1
-    segs = [(q.length, q.key_end) for q in segs]
+    documents = cfg.documents is not None
+    segs = [(q.length, q.keys) for q in segs]  # (queries, keys of the kernel call's window)
     ql = [n for n, _ in segs]
     scores = [b * h * n * end for n, end in segs]
     if kind == "eager":
@@ -79,7 +80,7 @@ def _kernel_saved(saved: _Saved, kind: str, cfg: Config, segs, h: int, qk_dim: i
                                   [b * h * end * qk_dim * e for _, end in segs])
             else:
                 saved.add(k.key, k.tensor, k.bytes)
-        if cfg.causal:
+        if cfg.causal or documents:  # documents: the pieces' block-diagonal keep-mask
             saved.per_segment("causal_mask", "bool keep-mask [s_q, key_end]",
                               [n * end for n, end in segs])
         saved.per_segment("probs", f"softmax output [b, {h}, s_q, key_end] ({'float32' if half else cfg.dtype})",
@@ -113,10 +114,11 @@ def _kernel_saved(saved: _Saved, kind: str, cfg: Config, segs, h: int, qk_dim: i
                           [b * h * n * v_dim * e for n in ql])
         if kind in ("fused", "sdpa_flash"):
             saved.per_segment("lse", "float32 log-sum-exp [b, h, s_q]", [b * h * n * 4 for n in ql])
-            if cfg.causal and kind == "sdpa_flash":  # the float mask CPU SDPA builds from ours
-                saved.per_segment("sdpa_mask", "float attn_mask [s_q, key_end] of bottom-right "
-                                  "causal segments (CPU SDPA)",
-                                  [n * end * e for n, end in segs if n != end])
+            if kind == "sdpa_flash" and (cfg.causal or documents):
+                # the float mask CPU SDPA builds from ours: bottom-right causal segments,
+                # and with documents every segment's block-diagonal keep-mask
+                saved.per_segment("sdpa_mask", "float attn_mask [s_q, key_end] (CPU SDPA)",
+                                  [n * end * e for n, end in segs if n != end or documents])
         else:
             saved.per_segment("softmax_max", "float32 softmax max [b, h, s_q, 8]",
                               [b * h * n * 8 * 4 for n in ql])
@@ -182,8 +184,15 @@ def _laga_saved(cfg: Config, rank: int, kind: str, v: RunSpec) -> _Saved:
     d, e, b, s, S, h = z.dims, z.elem, z.batch, z.local_len, z.seq_len, z.heads
     saved = _Saved()
     q = _query(cfg, d.qk_dim)
+    # Trimming to several key ranges (documents) copies the kept rows (forms/common.take_ranges):
+    # the copy is saved instead of the gathered latent.
+    copied = v.trim_causal_prefix and len(key_ranges(cfg, rank)) > 1
+    keys = rebuilt_keys(cfg, rank, v)
     if v.recompute_kv:  # BlockwiseLAGA saves q, the gathered latent, the output and the lse
         lat = _gathered_latent(cfg, fresh_without_cp=True)
+        if copied:
+            lat = _Operand("latent", "trimmed latent [S_vis, b, d_c+d_r] (the key ranges, copied)",
+                           keys * b * d.latent_dim * e)
         s_q = S if cfg.heads_split else s
         saved.add(q.key, q.tensor, q.bytes)
         saved.add(lat.key, lat.tensor, lat.bytes)
@@ -191,8 +200,10 @@ def _laga_saved(cfg: Config, rank: int, kind: str, v: RunSpec) -> _Saved:
         saved.add("lse", f"float32 log-sum-exp [b, {h}, s_q]", b * h * s_q * 4)
         _add_index(saved, cfg)
         return saved
-    keys = rebuilt_keys(cfg, rank, v)
     lat = _gathered_latent(cfg, fresh_without_cp=False)
+    if copied:
+        lat = _Operand("kv_latent_trimmed", "trimmed kv_latent [S_vis, b, d_c] (the key ranges, copied)",
+                       keys * b * d.kv_lora_rank * e)
     saved.add(lat.key, lat.tensor, lat.bytes)  # input of linear_kv_up_proj
     key = _Operand("key", f"rebuilt key [{'S_vis' if v.trim_causal_prefix else 'S'}, b, {h}, d_n+d_r]",
                    keys * b * h * d.qk_dim * e)

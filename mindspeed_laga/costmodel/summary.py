@@ -2,7 +2,7 @@
 (:class:`RankSummary`: rank 0, the rank average and the worst rank)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, List, Optional
 
 from ..runspec import RunSpec
@@ -12,6 +12,7 @@ from .config import BLOCKWISE, Config, model_kernel_kind
 from .flops import Flops, flops
 from .geometry import block_keys
 from .memory import Term, saved_terms
+from .peak import peak_terms
 
 MEASURES = ("payload", "wire", "design")
 
@@ -26,6 +27,7 @@ class FormCost:
     saved: List[Term]
     flops: Dict[str, int]            # Flops.as_dict(): attention_fwd, ..., rebuild_bwd
     kv_transient_bytes: int = 0      # K/V a recomputing LAGA holds at once (not saved)
+    peak: List[Term] = field(default_factory=list)  # peak.peak_terms: saved + output + transient
 
     def comm_bytes(self, direction: Optional[str] = None, measure: str = "payload") -> float:
         return sum(getattr(c, measure) for c in self.comm
@@ -34,6 +36,11 @@ class FormCost:
     @property
     def saved_bytes(self) -> int:
         return sum(t.bytes for t in self.saved)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Predicted peak memory of the call above its inputs (``peak`` terms summed)."""
+        return sum(t.bytes for t in self.peak)
 
     @property
     def flop_counts(self) -> Flops:
@@ -46,7 +53,7 @@ def kernel_kind(cfg: Config, spec: RunSpec) -> str:
         return BLOCKWISE
     d = cfg.dims
     qk, vd = (d.latent_dim, d.kv_lora_rank) if spec.form == "absorbed" else (d.qk_dim, d.v_head_dim)
-    return model_kernel_kind(cfg.kernel, qk, vd)
+    return model_kernel_kind(cfg.kernel, qk, vd, cfg.documents is not None)
 
 
 def form_cost(cfg: Config, variant: RunSpec, rank: int = 0) -> FormCost:
@@ -61,7 +68,7 @@ def form_cost(cfg: Config, variant: RunSpec, rank: int = 0) -> FormCost:
                      * (d.qk_dim + d.qk_head_dim + d.v_head_dim) * cfg.elem)
     return FormCost(variant.name, variant.form, rank, kind, collectives(cfg, variant.form),
                     saved_terms(cfg, rank, kind, variant), flops(cfg, rank, kind, variant).as_dict(),
-                    transient)
+                    transient, peak_terms(cfg, rank, kind, variant))
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class RankSummary:
     flops_average: Dict[str, float]
     flops_worst: Flops
     kv_transient_bytes: int
+    peak_worst: int = 0
+    peak_worst_rank: int = 0
 
     def comm_bytes(self, direction: Optional[str] = None, measure: str = "payload") -> float:
         """Rank 0's bytes (every rank moves the same)."""
@@ -97,6 +106,9 @@ class RankSummary:
             "flops": {k: {"rank0": first.flops[k], "average": self.flops_average[k],
                           "worst": getattr(self.flops_worst, k)} for k in first.flops},
             "kv_transient_bytes": self.kv_transient_bytes,
+            "peak_bytes": {"rank0": first.peak_bytes, "worst": self.peak_worst,
+                           "worst_rank": self.peak_worst_rank},
+            "peak_terms_rank0": [asdict(t) for t in first.peak],
         }
 
 
@@ -110,7 +122,9 @@ def summarize(cfg: Config, spec: RunSpec) -> RankSummary:
         saved_worst=max(c.saved_bytes for c in costs), saved_worst_rank=worst.rank,
         flops_average={k: sum(c.flops[k] for c in costs) / len(costs) for k in keys},
         flops_worst=Flops(**{k: max(c.flops[k] for c in costs) for k in keys}),
-        kv_transient_bytes=max(c.kv_transient_bytes for c in costs))
+        kv_transient_bytes=max(c.kv_transient_bytes for c in costs),
+        peak_worst=max(c.peak_bytes for c in costs),
+        peak_worst_rank=max(costs, key=lambda c: c.peak_bytes).rank)
 
 
 def rank_summary(cfg: Config, variant: RunSpec) -> dict:
@@ -124,4 +138,5 @@ def config_summary(cfg: Config) -> dict:
             "v_head_dim": d.v_head_dim, "kv_lora_rank": d.kv_lora_rank, "hidden_size": d.hidden_size,
             "q_lora_rank": d.q_lora_rank, "seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch,
             "cp_size": cfg.cp_size, "tp_size": cfg.tp_size, "cp_algo": cfg.cp_algo,
-            "layout": cfg.seq_layout, "dtype": cfg.dtype, "kernel": cfg.kernel, "causal": cfg.causal}
+            "layout": cfg.seq_layout, "dtype": cfg.dtype, "kernel": cfg.kernel, "causal": cfg.causal,
+            "doc_lens": list(cfg.doc_lens) if cfg.doc_lens else None}

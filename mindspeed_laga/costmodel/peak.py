@@ -1,0 +1,133 @@
+"""Peak memory of one attention call (forward + backward) above its inputs, as named terms.
+
+What a device's allocator peaks at (``max_memory_allocated`` after
+``reset_peak_memory_stats``, inputs and the output gradient already allocated):
+
+- ``saved``: the activations autograd keeps (``memory.saved_terms``), alive
+  from forward into backward, less the storages that are the call's inputs
+  (``query``, ``kv_latent``: allocated before the peak is reset);
+- ``output``: the attention output the caller holds [s, b, n*d_v];
+- the largest *transient*, one of:
+  - ``kernel_workspace``: what a kernel call holds besides what it keeps, for
+    the largest segment: the eager kernel's scores and masked scores (compute
+    dtype), SDPA math's likewise, a fused kernel's float32 output and
+    log-sum-exp scratch (the two calls of a bottom-right segment merged);
+  - ``backward_buffers``: while the kernel's backward runs (its saved tensors
+    still alive) its grads dq, dK, dV (the sizes of q, K, V: for explicit
+    under CP the gathered K/V grads before their reduce-scatter) plus, for the
+    latent forms under CP, the gathered latent's grad, plus the kernel's
+    backward workspace (eager: dP and dS, as big as the scores);
+  - blockwise (``recompute_kv``): one rebuilt block's K/V, its float32 dK/dV
+    accumulators, the float32 dq, d latent and d kv_up_weight accumulators and
+    the block kernel's scratch (eager: scores of a few heads; fused: the
+    block's float32 output and log-sum-exp).
+
+An estimate written from the code, not a measurement: ``bench`` prints it
+beside ``max_memory_allocated`` on CUDA/NPU (:func:`mindspeed_laga.measure.peak_check`);
+on CPU there is nothing to compare it with.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from ..runspec import RunSpec
+from .config import EAGER, HALF, RECOMPUTING_KINDS, Config
+
+# forms/block_kernels.SCORE_CHUNK_ELEMENTS (that module imports torch; the model does not)
+SCORE_CHUNK_ELEMENTS = 1 << 25
+# Saved terms that are the call's own inputs (allocated before the peak is reset).
+INPUT_STORAGES = ("query", "kv_latent")
+from .geometry import block_keys, query_segments, rebuilt_keys
+from .memory import Term, saved_terms
+
+
+def _acc(cfg: Config) -> int:
+    """Bytes per element of the float32 accumulators (float64 stays float64)."""
+    return 4 if cfg.dtype in HALF or cfg.elem < 4 else cfg.elem
+
+
+def _widths(cfg: Config, spec: RunSpec):
+    d = cfg.dims
+    return (d.latent_dim, d.kv_lora_rank) if spec.form == "absorbed" else (d.qk_dim, d.v_head_dim)
+
+
+def _largest_scores(cfg: Config, rank: int, heads: int) -> int:
+    """Elements of the largest segment's score matrix [b, h, s_q, keys]."""
+    return max(cfg.micro_batch * heads * q.length * q.keys for q in query_segments(cfg, rank))
+
+
+def _kernel_workspace(cfg: Config, rank: int, kind: str, spec: RunSpec) -> int:
+    z = cfg.sizes
+    acc = _acc(cfg)
+    if kind in RECOMPUTING_KINDS:
+        # a segment whose window is longer than its queries runs as two calls merged by
+        # log-sum-exp (kernels/sdpa.py): float32 output and lse of both; else the lse only
+        _, v_dim = _widths(cfg, spec)
+        return max(2 * z.batch * z.heads * q.length * (v_dim + 1) * acc if q.keys != q.length
+                   else z.batch * z.heads * q.length * acc for q in query_segments(cfg, rank))
+    return 2 * _largest_scores(cfg, rank, z.heads) * acc  # scores and masked scores (or dP, dS)
+
+
+def _input_grads(cfg: Config) -> int:
+    z = cfg.sizes
+    d = z.dims
+    tokens = z.local_len * z.batch
+    return (tokens * (z.tp_heads * d.qk_dim + d.kv_lora_rank + d.rope_dim)
+            + z.tp_heads * (d.qk_head_dim + d.v_head_dim) * d.kv_lora_rank) * z.elem
+
+
+def _kernel_grads(cfg: Config, rank: int, spec: RunSpec) -> int:
+    """dq, dK, dV of the kernel call (the sizes of its q, K, V), and the gathered latent's
+    grad of the latent forms under CP."""
+    z = cfg.sizes
+    d, e, b, h = z.dims, z.elem, z.batch, z.heads
+    qk, vd = _widths(cfg, spec)
+    keys = z.seq_len if cfg.cp_size > 1 else z.local_len
+    latent = keys * b * d.latent_dim * e if cfg.cp_size > 1 and spec.form != "explicit" else 0
+    if spec.form == "absorbed":  # one key/value head shared by all query heads
+        return b * h * cfg.query_len * qk * e + keys * b * (qk + vd) * e + latent
+    if spec.form == "laga":
+        keys = rebuilt_keys(cfg, rank, spec)
+    return b * h * (cfg.query_len * qk + keys * (qk + vd)) * e + latent
+
+
+def _blockwise_buffers(cfg: Config, rank: int, spec: RunSpec) -> int:
+    z = cfg.sizes
+    d, e, b, h = z.dims, z.elem, z.batch, z.heads
+    acc = _acc(cfg)
+    block = block_keys(cfg, rank, spec)
+    kv = d.qk_dim + d.v_head_dim
+    rows = max(q.length for q in query_segments(cfg, rank))
+    if cfg.kernel == EAGER:  # EagerBlock: float32 scores and probabilities, a few heads at a time
+        step = max(1, min(h, SCORE_CHUNK_ELEMENTS // max(1, b * rows * block)))
+        scratch = 2 * b * step * rows * block * acc
+    else:                    # fused block ops: float32 output and lse of the block, merged
+        scratch = 2 * b * h * rows * (d.v_head_dim + 1) * acc
+    return (b * h * block * kv * (e + acc)                    # block K/V and their dK/dV
+            + b * h * cfg.query_len * d.qk_dim * acc            # dq accumulator
+            + rebuilt_keys(cfg, rank, spec) * b * d.latent_dim * acc  # d latent accumulator
+            + z.tp_heads * (d.qk_head_dim + d.v_head_dim) * d.kv_lora_rank * acc
+            + scratch)
+
+
+def peak_terms(cfg: Config, rank: int, kind: str, spec: RunSpec) -> List[Term]:
+    """``saved`` + ``output`` + the largest transient, each a named :class:`Term`."""
+    z = cfg.sizes
+    saved = sum(t.bytes for t in saved_terms(cfg, rank, kind, spec) if t.name not in INPUT_STORAGES)
+    out = [Term("saved", "activations kept for backward (memory.saved_terms), less the "
+                "inputs' own storages", saved),
+           Term("output", f"attention output [s, b, {z.tp_heads}*d_v]",
+                z.local_len * z.batch * z.tp_heads * z.dims.v_head_dim * z.elem)]
+    if spec.recompute_kv:
+        candidates = [Term("blockwise_buffers", "one rebuilt K/V block, its float32 dK/dV, the "
+                           "float32 dq/d latent/d kv_up_weight accumulators, block scores",
+                           _blockwise_buffers(cfg, rank, spec) + _input_grads(cfg))]
+    else:
+        work = _kernel_workspace(cfg, rank, kind, spec)
+        candidates = [
+            Term("kernel_workspace", "the largest segment's scores (eager/math) or float32 "
+                 "output/lse scratch (fused)", work),
+            Term("backward_buffers", "the kernel's dq/dK/dV (gathered grads before the "
+                 "reduce-scatter) + its backward workspace", _kernel_grads(cfg, rank, spec) + work)]
+    out.append(max(candidates, key=lambda t: t.bytes))
+    return out
