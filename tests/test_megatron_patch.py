@@ -348,3 +348,22 @@ def test_packed_rope_positions_follow_megatrons_thd_rope(max_seqlen, cp):
                                                  torch.tensor(bounds), freqs[:max_seqlen],
                                                  cp_group=group)
         assert positions.tolist() == seen[0].long().tolist(), (rank, positions, seen[0])
+
+
+@pytest.mark.parametrize("cp_algo, degree", [("allgather", None), ("hybrid", 2)])
+def test_attention_dropout_still_raises_on_packed_and_hybrid_calls(cp_algo, degree):
+    """Neither a THD call nor hybrid CP gets past the dropout check (nor falls back)."""
+    calls = []
+
+    def original(self, hidden_states, attention_mask=None, packed_seq_params=None):
+        calls.append(hidden_states)
+        return "original"
+
+    settings = megatron_patch.make_settings(cp_algo=cp_algo, ulysses_degree=degree)
+    forward = megatron_mla.make_forward(original, settings)
+    module = SimpleNamespace(training=True, config=SimpleNamespace(attention_dropout=0.1),
+                             pg_collection=SimpleNamespace(cp=_Group(2)))
+    with pytest.raises(ValueError, match=r"attention_dropout=0\.0"):
+        forward(module, torch.zeros(8, 1, 4), None,
+                packed_seq_params=_thd_params([0, 8, 16]))
+    assert calls == []
