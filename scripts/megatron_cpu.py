@@ -10,6 +10,10 @@ which only the processes that build megatron models call.
   that accepts ``k_channels``/``v_channels`` and runs under CP; this one
   all-gathers per-head K/V over the CP group with megatron's own mapping and
   masks from the global positions of megatron's zigzag layout.
+  Packed (THD) calls get TransformerEngine's semantics (documents, padding).
+- packed batches: :class:`PackedDocs`, :func:`make_packed_batches`,
+  :func:`packed_seq_params`, :func:`shard_thd` (megatron's per-document CP split);
+  :func:`shard_hybrid`: hybrid CP's batch split.
 - :func:`build_tiny_mla_gpt`: a 2-layer MLA ``GPTModel`` from
   ``get_gpt_layer_local_spec(multi_latent_attention=True)``.
 - :func:`train`: a few SGD steps through megatron's DDP and

@@ -28,6 +28,7 @@ reduction (TP shards gathered).
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -162,7 +163,6 @@ def _world_4(results):
 
 def _run_packed(name, results, cp, docs, patch=None, padded_field=True):
     """Train the packed variant on THD batches (megatron's per-document CP split)."""
-    import functools
     import mindspeed_laga
     from mindspeed_laga import count_bytes
     tiny = VARIANTS["packed"]
@@ -202,7 +202,6 @@ def _run_mismatched_kv(name, results, cp):
     mindspeed_laga.patch_megatron_mla(cp_algo="allgather")
     model = mc.build_tiny_mla_gpt(tiny, cp=cp)
     docs = DOCS["exact"]
-    import functools
     mc.train(model, mc.make_packed_batches(tiny, docs, 1),
              layout=functools.partial(mc.shard_thd, docs=docs),
              packed_seq_params=_mismatched_kv(docs))
@@ -244,7 +243,6 @@ def _packed_world_2(results):
 
 
 def _packed_world_4(results):
-    import functools
     mc.init_parallel(cp=4)
     _run_packed("laga-allgather/padded", results, 4, "padded", dict(cp_algo="allgather"))
     _run_packed("laga-ulysses/padded", results, 4, "padded", dict(cp_algo="ulysses"))
