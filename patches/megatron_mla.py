@@ -1,8 +1,8 @@
 """LAGA forward for megatron-core ``MLASelfAttention`` (0.16.1 to 0.19.2; no MindSpeed).
 
 Installed by :func:`mindspeed_laga.patch_megatron_mla` (``patches/megatron_patch.py``). A forward
-call the LAGA path covers (CP > 1, no inference context, no packed sequences,
-no attention mask, nothing from :func:`uncovered_reason`) does:
+call the LAGA path covers (CP > 1, no inference context, packed sequences
+only as THD, no attention mask, nothing from :func:`uncovered_reason`) does:
 
 1. the module's own down-projections, TP gathers and norms -> ``q_compressed``
    (after ``q_layernorm``), ``kv_latent`` (after ``kv_layernorm``), ``k_pos_emb``;
@@ -16,6 +16,10 @@ no attention mask, nothing from :func:`uncovered_reason`) does:
 4. the core (``laga_attention`` or ``explicit_attention``) with
    ``linear_kv_up_proj.weight`` (this TP rank's heads) and the CP group;
 5. the module's own ``linear_proj``.
+
+THD calls (``packed_seq_params``) pass the documents and megatron's
+per-document split to the core (``megatron_thd.py``); ``cp_algo="hybrid"``
+passes the Ulysses group the patch builds (``megatron_hybrid.py``).
 
 Every other call runs the original forward unchanged, each a case where the
 original computes the configured model (docs/MEGATRON.md lists them); attention
@@ -37,6 +41,8 @@ from mindspeed_laga import layout as layouts
 
 from . import megatron_compat as compat
 from .common import first_call, start_gather
+from .megatron_hybrid import check_hybrid_shape, ulysses_group_of
+from .megatron_thd import PackedBatch, is_thd, packed_batch, packed_rope_positions
 
 
 @dataclass(frozen=True)
@@ -45,11 +51,12 @@ class MegatronPatchSettings:
 
     form: str                 # "laga" or "explicit"
     core: Callable            # laga_attention or explicit_attention
-    cp_algo: str              # "allgather" or "ulysses"
+    cp_algo: str              # "allgather", "ulysses" or "hybrid"
     layout: str               # the batch layout: "zigzag" or "contiguous"
     kernel: str
     core_options: Dict = field(default_factory=dict)
     overlap_latent_gather: bool = False  # start the latent gather before the query projection
+    ulysses_degree: int = 1   # hybrid: CP ranks per Ulysses group (1: not hybrid)
 
 
 # the name before the MindSpeed-LLM flags got their own settings class
@@ -89,7 +96,8 @@ def uncovered_reason(module, args: Dict) -> Optional[str]:
         (args.get("inference_context") is not None or args.get("inference_params") is not None,
          "inference (an inference context is set)"),
         (args.get("key_value_states") is not None, "cross-attention inputs"),
-        (args.get("packed_seq_params") is not None, "packed (THD) sequences"),
+        (args.get("packed_seq_params") is not None and not is_thd(args["packed_seq_params"]),
+         "packed_seq_params with a qkv_format other than 'thd'"),
         (args.get("attention_mask") is not None,
          "an explicit attention_mask (LAGA builds the causal mask from positions; pass None, "
          "e.g. Megatron-LM's --no-create-attention-mask-in-dataloader)"),
@@ -216,8 +224,24 @@ def _rope_at_positions(module, local_len: int, settings: MegatronPatchSettings, 
     # packed_seq=True: the full table, without megatron's (zigzag) CP slice.
     table = module.rotary_pos_emb(local_len * size, packed_seq=True)
     table, mscale = table if isinstance(table, tuple) else (table, 1.0)
-    positions = layouts.positions(settings.layout, size, rank, local_len).to(table.device)
+    positions = layouts.positions(settings.layout, size, rank, local_len,
+                                  ulysses_degree=settings.ulysses_degree).to(table.device)
     return table.index_select(0, positions), mscale
+
+
+def _rope_at_packed_positions(module, local_len: int, packed: PackedBatch, cp_group):
+    """The rope table at megatron's THD positions of this rank's tokens, and mscale."""
+    positions, rows = packed_rope_positions(packed, cp_group.size(), cp_group.rank(), local_len)
+    table = module.rotary_pos_emb(rows, packed_seq=True)
+    table, mscale = table if isinstance(table, tuple) else (table, 1.0)
+    return table.index_select(0, positions.to(table.device)), mscale
+
+
+def _call_layout(settings: MegatronPatchSettings, packed: Optional[PackedBatch]) -> Dict:
+    """The core's layout keywords: the declared split, or megatron's per-document THD split."""
+    if packed is None:
+        return {"layout": settings.layout}
+    return {"layout": "doc_zigzag", "cu_seqlens": packed.documents}
 
 
 def _apply_rope(module, x, table, mscale):
@@ -241,16 +265,26 @@ def check_attention_dropout(module) -> None:
             "(--attention-dropout 0.0), as DeepSeek-V3 trains, or unpatch")
 
 
-def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings, cp_group):
-    """The covered path: hidden [s, b, h] -> (linear_proj output, bias)."""
+def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings, cp_group,
+                         packed: Optional[PackedBatch] = None, ulysses_group=None):
+    """The covered path: hidden [s, b, h] -> (linear_proj output, bias).
+
+    ``packed``: a THD call (documents, megatron's per-document split and rope
+    positions); ``ulysses_group``: hybrid CP's group of this rank.
+    """
     cfg = module.config
     q_compressed, kv_compressed, k_pos_emb = _down_project(module, hidden_states)
     if cfg.q_lora_rank is not None:
         q_compressed = module.q_layernorm(q_compressed)
     kv_latent = _latent_to_tp_region(module, _kv_norm(module, kv_compressed))
-    table, mscale = _rope_at_positions(module, kv_latent.shape[0], settings, cp_group)
+    if packed is None:
+        table, mscale = _rope_at_positions(module, kv_latent.shape[0], settings, cp_group)
+    else:
+        table, mscale = _rope_at_packed_positions(module, kv_latent.shape[0], packed, cp_group)
     k_pos_emb = _apply_rope(module, k_pos_emb.unsqueeze(2), table, mscale).squeeze(2)
     options = _core_options(module, settings)
+    if ulysses_group is not None:
+        options["ulysses_group"] = ulysses_group
     handle = start_gather(settings.overlap_latent_gather, kv_latent, k_pos_emb, cp_group,
                           options["check_ranks"])
     gather = {} if handle is None else {"latent_gather": handle}
@@ -259,13 +293,32 @@ def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings,
     query = torch.cat([q_nope, _apply_rope(module, q_pe, table, mscale)], dim=-1)
     out = settings.core(query, kv_latent, k_pos_emb, module.linear_kv_up_proj.weight,
                         softmax_scale=module.softmax_scale, cp_group=cp_group,
-                        cp_algo=settings.cp_algo, layout=settings.layout, causal=_causal(module),
+                        cp_algo=settings.cp_algo, causal=_causal(module),
                         kernel=settings.kernel, qk_head_dim=cfg.qk_head_dim,
-                        v_head_dim=cfg.v_head_dim, **options, **gather)
+                        v_head_dim=cfg.v_head_dim, **_call_layout(settings, packed), **options,
+                        **gather)
     return module.linear_proj(out)
 
 
 # ----------------------------------------------------------------- the replacement forward
+
+def _covered_call(module, args: Dict, settings: MegatronPatchSettings, cp_group) -> Dict:
+    """Per-call keywords of laga_attention_block: THD documents, hybrid's Ulysses group.
+
+    Every check raises on every CP rank before any collective (or group) exists.
+    """
+    hidden_states = args["hidden_states"]
+    extra = {}
+    params = args.get("packed_seq_params")
+    if is_thd(params):
+        extra["packed"] = packed_batch(params, hidden_states, cp_group.size(), _causal(module),
+                                       settings.cp_algo, settings.layout)
+    if settings.cp_algo == "hybrid":
+        check_hybrid_shape(settings.ulysses_degree, cp_group.size(),
+                           module.num_attention_heads_per_partition)
+        extra["ulysses_group"] = ulysses_group_of(cp_group, settings.ulysses_degree)
+    return extra
+
 
 def make_forward(original: Callable, settings: MegatronPatchSettings) -> Callable:
     """A drop-in ``MLASelfAttention.forward`` that routes covered calls through LAGA."""
@@ -279,7 +332,8 @@ def make_forward(original: Callable, settings: MegatronPatchSettings) -> Callabl
         bound = signature.bind(self, *args, **kwargs)
         reason = uncovered_reason(self, bound.arguments)
         if reason is None:
-            return laga_attention_block(self, bound.arguments["hidden_states"], settings, cp_group)
+            return laga_attention_block(self, bound.arguments["hidden_states"], settings, cp_group,
+                                        **_covered_call(self, bound.arguments, settings, cp_group))
         if settings.layout != "zigzag":
             # The original forward slices rope zigzag (megatron's batch layout): with
             # other batches it would run and be silently wrong.
@@ -288,6 +342,12 @@ def make_forward(original: Callable, settings: MegatronPatchSettings) -> Callabl
                 f"megatron's original MLA forward ({reason}): that forward assumes the zigzag "
                 "layout of get_batch_on_this_cp_rank. Remove the cause or use zigzag batches "
                 "with layout='zigzag'.")
+        if settings.ulysses_degree > 1:
+            raise ValueError(
+                f"patch_megatron_mla(cp_algo='hybrid', ulysses_degree={settings.ulysses_degree}) "
+                f"cannot hand this call back to megatron's original MLA forward ({reason}): "
+                "hybrid batches are split by the hybrid zigzag, which that forward does not "
+                "know. Remove the cause or use cp_algo='allgather'/'ulysses'.")
         if self.training:
             _warn_once(reason)
         return original(self, *args, **kwargs)

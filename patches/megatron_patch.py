@@ -26,16 +26,17 @@ import inspect
 
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.api import explicit_attention, laga_attention
-from mindspeed_laga.vocab import CP_ALGOS, KERNELS
+from mindspeed_laga.vocab import ATTN_CP_ALGOS, KERNELS
 
 from .host_versions import SUPPORTED_MEGATRON_CORE, check_megatron_core
+from .megatron_hybrid import check_ulysses_degree
 from .megatron_mla import MegatronPatchSettings, make_forward
 
 TRAINING_FORMS = {"laga": laga_attention, "explicit": explicit_attention}
 # Set by the patched forward from the module and the patch settings.
 _FORWARD_OWNED = ("query", "kv_latent", "k_pos_emb", "kv_up_weight", "softmax_scale", "cp_group",
                   "cp_algo", "layout", "causal", "kernel", "latent_gather", "qk_head_dim",
-                  "v_head_dim")
+                  "v_head_dim", "ulysses_group", "cu_seqlens")
 
 # On the class, not in this module, so a reload of this module still finds it:
 # (whether the class had its own "forward" before the patch, the original, the installed one)
@@ -81,11 +82,12 @@ def _check_core_options(form: str, core, core_options: dict):
 
 
 def make_settings(cp_algo="allgather", kernel="auto", form="laga", layout=None,
-                  overlap_latent_gather=False, **core_options):
+                  overlap_latent_gather=False, *, ulysses_degree=None, **core_options):
     """Validate the patch arguments (ValueError naming the argument) -> MegatronPatchSettings."""
-    if cp_algo not in CP_ALGOS:
+    if cp_algo not in ATTN_CP_ALGOS:
         raise ValueError(f"patch_megatron_mla(cp_algo={cp_algo!r}) is unknown; use one of "
-                         f"{CP_ALGOS}")
+                         f"{ATTN_CP_ALGOS}")
+    degree = check_ulysses_degree(cp_algo, ulysses_degree)
     if kernel not in KERNELS:
         raise ValueError(f"patch_megatron_mla(kernel={kernel!r}) is unknown; use one of {KERNELS}")
     if kernel == "npu":
@@ -97,6 +99,10 @@ def make_settings(cp_algo="allgather", kernel="auto", form="laga", layout=None,
             f"{tuple(TRAINING_FORMS)} (the absorbed form is for measurements: call "
             "mindspeed_laga.absorbed_attention directly)")
     layout = _check_layout(layout)
+    if layout == "doc_zigzag":
+        raise ValueError("patch_megatron_mla(layout='doc_zigzag') is not a batch layout to "
+                         "declare: packed (THD) batches are split per document automatically "
+                         "(packed_seq_params); use 'zigzag' or 'contiguous'")
     if not isinstance(overlap_latent_gather, bool):
         raise ValueError(f"patch_megatron_mla(overlap_latent_gather={overlap_latent_gather!r}) "
                          "must be True or False")
@@ -107,21 +113,26 @@ def make_settings(cp_algo="allgather", kernel="auto", form="laga", layout=None,
     _check_core_options(form, core, core_options)
     return MegatronPatchSettings(form=form, core=core, cp_algo=cp_algo, layout=layout,
                                  kernel=kernel, core_options=dict(core_options),
-                                 overlap_latent_gather=overlap_latent_gather)
+                                 overlap_latent_gather=overlap_latent_gather,
+                                 ulysses_degree=degree)
 
 
 def patch_megatron_mla(cp_algo="allgather", kernel="auto", form="laga", layout=None,
-                       overlap_latent_gather=False, **core_options):
+                       overlap_latent_gather=False, *, ulysses_degree=None, **core_options):
     """Route megatron-core's ``MLASelfAttention.forward`` through LAGA (idempotent).
 
     ``overlap_latent_gather``: start the latent all-gather right after
     ``kv_latent`` and the rotated ``k_pos_emb`` exist, so the query projection
     hides it (and the dq work hides its reduce-scatter in backward).
+    ``cp_algo="hybrid"`` with ``ulysses_degree=U``: heads split inside the U
+    consecutive CP ranks (the group is built on the first forward), the latent
+    over the whole CP group; batches split by the hybrid zigzag
+    (``layout.shard(..., ulysses_degree=U)``, docs/MEGATRON.md).
     Calling it again replaces the settings; the original forward is kept once,
     also across a reload of this module. Returns the validated settings.
     """
     settings = make_settings(cp_algo, kernel, form, layout, overlap_latent_gather,
-                             **core_options)
+                             ulysses_degree=ulysses_degree, **core_options)
     cls = _mla_class()
     saved = _our_saved(cls, "patch_megatron_mla")
     if saved is None:

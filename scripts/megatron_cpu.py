@@ -11,6 +11,10 @@ which only the processes that build megatron models call.
   that accepts ``k_channels``/``v_channels`` and runs under CP; this one
   all-gathers per-head K/V over the CP group with megatron's own mapping and
   masks from the global positions of megatron's zigzag layout.
+  Packed (THD) calls get TransformerEngine's semantics (documents, padding).
+- packed batches: :class:`PackedDocs`, :func:`make_packed_batches`,
+  :func:`packed_seq_params`, :func:`shard_thd` (megatron's per-document CP split);
+  :func:`shard_hybrid`: hybrid CP's batch split.
 - :func:`build_tiny_mla_gpt`: a 2-layer MLA ``GPTModel`` from
   ``get_gpt_layer_local_spec(multi_latent_attention=True)``.
 - :func:`train`: a few SGD steps through megatron's DDP and
@@ -24,7 +28,7 @@ import socket
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -129,6 +133,38 @@ def zigzag_positions(cp_size: int, rank: int, local_len: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
 
 
+def thd_positions(padded_bounds: Sequence[int], cp_size: int, rank: int) -> torch.Tensor:
+    """Packed positions of megatron's THD split (TE's thd_get_partitioned_indices):
+    every padded document cut into 2P chunks, rank r holding chunks r and 2P-1-r."""
+    if cp_size == 1:
+        return torch.arange(padded_bounds[-1])
+    parts = []
+    for start, end in zip(padded_bounds[:-1], padded_bounds[1:]):
+        c = (end - start) // (2 * cp_size)
+        for chunk in (rank, 2 * cp_size - 1 - rank):
+            parts.append(torch.arange(start + chunk * c, start + (chunk + 1) * c))
+    return torch.cat(parts)
+
+
+def _thd_visible(q_pos, k_pos, real_bounds, padded_bounds):
+    """[q, k] True where megatron/TE's packed causal attention lets query q see key k:
+    same document, k not after q, k a real token (not padding). A pad query sees
+    only itself (its output is zeroed afterwards), so no row is empty."""
+    starts = torch.tensor(padded_bounds[:-1])
+    lengths = torch.tensor(real_bounds[1:]) - torch.tensor(real_bounds[:-1])
+
+    def doc_and_offset(pos):
+        doc = torch.bucketize(pos, starts, right=True) - 1
+        return doc, pos - starts[doc]
+
+    q_doc, q_off = doc_and_offset(q_pos)
+    k_doc, k_off = doc_and_offset(k_pos)
+    k_real = k_off < lengths[k_doc]
+    q_real = q_off < lengths[q_doc]
+    visible = (q_doc[:, None] == k_doc[None, :]) & (k_pos[None, :] <= q_pos[:, None]) & k_real
+    return visible | (~q_real[:, None] & (q_pos[:, None] == k_pos[None, :])), q_real
+
+
 class CPBaselineAttention(torch.nn.Module):
     """Plain softmax attention that serves megatron's unpatched MLA forward under CP.
 
@@ -137,6 +173,10 @@ class CPBaselineAttention(torch.nn.Module):
     ``gather_from_sequence_parallel_region`` (backward: reduce-scatter of dK,
     dV), and masks key j for query i iff pos(j) > pos(i). No reordering: the
     mask comes from true positions. Independent of mindspeed_laga on purpose.
+
+    Packed (THD) calls, [t, n, d]: TE's semantics, attention inside each
+    document over its real tokens (``cu_seqlens_q``), documents stored at their
+    padded lengths (``cu_seqlens_q_padded``), pad queries output zero.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type=None,
@@ -154,8 +194,10 @@ class CPBaselineAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **unused):
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-        if attention_mask is not None or packed_seq_params is not None:
-            raise ValueError("CPBaselineAttention takes attention_mask=None and no packed seqs")
+        if packed_seq_params is not None:
+            return self._thd_forward(query, key, value, packed_seq_params)
+        if attention_mask is not None:
+            raise ValueError("CPBaselineAttention takes attention_mask=None")
         size, rank = self.cp_group.size(), self.cp_group.rank()
         s = query.shape[0]
         q_pos = zigzag_positions(size, rank, s)
@@ -168,6 +210,26 @@ class CPBaselineAttention(torch.nn.Module):
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
         out = torch.einsum("bnst,tbnv->sbnv", probs, value)
         return out.reshape(s, query.shape[1], -1)
+
+    def _thd_forward(self, query, key, value, params):
+        """[t, n, d] of this rank's THD tokens -> [t, n*d_v]."""
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+        if params.qkv_format != "thd":
+            raise ValueError("CPBaselineAttention takes packed sequences in THD format only")
+        real = [int(x) for x in params.cu_seqlens_q.tolist()]
+        padded = real if params.cu_seqlens_q_padded is None else \
+            [int(x) for x in params.cu_seqlens_q_padded.tolist()]
+        size, rank = self.cp_group.size(), self.cp_group.rank()
+        q_pos = thd_positions(padded, size, rank)
+        k_pos = torch.cat([thd_positions(padded, size, r) for r in range(size)])
+        if size > 1:
+            key = gather_from_sequence_parallel_region(key, True, group=self.cp_group)
+            value = gather_from_sequence_parallel_region(value, True, group=self.cp_group)
+        visible, q_real = _thd_visible(q_pos, k_pos, real, padded)
+        scores = torch.einsum("snd,tnd->nst", query, key) * self.softmax_scale
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out = torch.einsum("nst,tnv->snv", probs, value) * q_real[:, None, None].to(query.dtype)
+        return out.reshape(query.shape[0], -1)
 
 
 # ----------------------------------------------------------------- the tiny model
@@ -329,7 +391,79 @@ def shard_contiguous(batch):
     return {k: layout.shard(v, "contiguous", size, rank, dim=1) for k, v in batch.items()}
 
 
+def shard_hybrid(batch, ulysses_degree: int):
+    """Hybrid CP's zigzag (2R chunks, each pair cut over U ranks), via mindspeed_laga.layout."""
+    from megatron.core import parallel_state
+    from mindspeed_laga import layout
+    size = parallel_state.get_context_parallel_world_size()
+    rank = parallel_state.get_context_parallel_rank()
+    return {k: layout.shard(v, "zigzag", size, rank, dim=1, ulysses_degree=ulysses_degree)
+            for k, v in batch.items()}
+
+
 SHARDERS: Dict[str, Callable] = {"zigzag": shard_zigzag, "contiguous": shard_contiguous}
+
+
+# ----------------------------------------------------------------- packed documents (THD)
+
+@dataclass(frozen=True)
+class PackedDocs:
+    """Documents packed into one sequence: real lengths and the lengths they are stored at."""
+
+    real: Tuple[int, ...]
+    padded: Tuple[int, ...]
+
+    @staticmethod
+    def bounds(lengths) -> List[int]:
+        out = [0]
+        for n in lengths:
+            out.append(out[-1] + n)
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.padded)
+
+
+def make_packed_batches(tiny: TinyMLA, docs: PackedDocs, steps: int,
+                        seed: int = 11) -> List[Dict[str, torch.Tensor]]:
+    """Packed batches [1, T]: random tokens, a loss mask that is 0 on padding (and a few
+    holes), position_ids = offset in the document."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = PackedDocs.bounds(docs.padded)
+    real = torch.zeros(docs.total, dtype=torch.bool)
+    offsets = torch.zeros(docs.total, dtype=torch.long)
+    for start, n, padded in zip(starts, docs.real, docs.padded):
+        real[start:start + n] = True
+        offsets[start:start + padded] = torch.arange(padded)
+    batches = []
+    for _ in range(steps):
+        seq = torch.randint(0, tiny.vocab_size, (1, docs.total + 1), generator=gen)
+        holes = (torch.rand(1, docs.total, generator=gen) > 0.1)
+        batches.append({"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
+                        "loss_mask": (holes & real).float(), "position_ids": offsets[None].clone()})
+    return batches
+
+
+def packed_seq_params(docs: PackedDocs, padded_field: bool = True):
+    """megatron's PackedSeqParams for ``docs`` (as get_thd_batch_on_this_cp_rank builds it)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    real = torch.tensor(PackedDocs.bounds(docs.real), dtype=torch.int32)
+    padded = torch.tensor(PackedDocs.bounds(docs.padded), dtype=torch.int32)
+    longest = max(docs.padded)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real.clone(),
+                           cu_seqlens_q_padded=padded if padded_field else None,
+                           cu_seqlens_kv_padded=padded.clone() if padded_field else None,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def shard_thd(batch, docs: PackedDocs):
+    """This CP rank's tokens of megatron's THD split (see thd_positions)."""
+    from megatron.core import parallel_state
+    index = thd_positions(PackedDocs.bounds(docs.padded),
+                          parallel_state.get_context_parallel_world_size(),
+                          parallel_state.get_context_parallel_rank())
+    return {k: v.index_select(1, index) for k, v in batch.items()}
 
 
 @dataclass
@@ -345,7 +479,7 @@ def _wrap_ddp(model):
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
-def global_loss(model, local_batch):
+def global_loss(model, local_batch, packed_seq_params=None):
     """(this rank's backward term, the global mean loss) for one CP-sharded batch.
 
     The global mean over every unmasked token equals the CP=1 loss. megatron's
@@ -353,8 +487,9 @@ def global_loss(model, local_batch):
     """
     from megatron.core import parallel_state
     cp_group = parallel_state.get_context_parallel_group()
+    extra = {} if packed_seq_params is None else {"packed_seq_params": packed_seq_params}
     per_token = model(local_batch["tokens"], local_batch["position_ids"], None,
-                      labels=local_batch["labels"])
+                      labels=local_batch["labels"], **extra)
     mask = local_batch["loss_mask"]
     local_sum = (per_token * mask).sum()
     stats = torch.stack([local_sum.detach(), mask.sum()])
@@ -377,10 +512,13 @@ def full_grads(model, tp: int) -> Dict[str, torch.Tensor]:
     return out
 
 
-def train(model, batches, layout: str = "zigzag", tp: int = 1, lr: float = 0.5,
-          on_step: Optional[Callable[[int, float], None]] = None) -> TrainResult:
+def train(model, batches, layout: Union[str, Callable] = "zigzag", tp: int = 1,
+          lr: float = 0.5, on_step: Optional[Callable[[int, float], None]] = None,
+          packed_seq_params=None) -> TrainResult:
     """SGD steps through megatron's DDP and finalize_model_grads; losses and step-1 grads.
 
+    ``layout``: a name of SHARDERS or a function batch -> this rank's batch.
+    ``packed_seq_params``: THD batches (shard them with :func:`shard_thd`).
     SGD, not Adam: Adam's first step is nearly lr * sign(grad), which would let
     later losses agree even if grad magnitudes did not.
     """
@@ -388,13 +526,13 @@ def train(model, batches, layout: str = "zigzag", tp: int = 1, lr: float = 0.5,
     ddp = _wrap_ddp(model)
     params = [p for p in ddp.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr)
-    shard = SHARDERS[layout]
+    shard = layout if callable(layout) else SHARDERS[layout]
     result = TrainResult()
     ddp.train()
     for step, batch in enumerate(batches, start=1):
         ddp.zero_grad_buffer()
         optimizer.zero_grad(set_to_none=True)
-        backward_term, loss = global_loss(ddp, shard(batch))
+        backward_term, loss = global_loss(ddp, shard(batch), packed_seq_params)
         backward_term.backward()
         finalize_model_grads([ddp])  # dp x cp averaging (+ megatron's TP norm-grad sums)
         if step == 1:

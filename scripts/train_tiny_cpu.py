@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 scripts/train_tiny_cpu.py --cp-algo allgather --laga
     torchrun --standalone --nproc-per-node 4 scripts/train_tiny_cpu.py --cp-algo ulysses --laga
+    torchrun --standalone --nproc-per-node 4 scripts/train_tiny_cpu.py --cp-algo hybrid \
+        --ulysses-degree 2 --laga                                              # hybrid CP
     torchrun --standalone --nproc-per-node 2 scripts/train_tiny_cpu.py          # megatron's own
 
 Every rank runs gloo on CPU; CP size = world size / TP size. Without --laga,
@@ -22,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # megatron_cpu, beside
 warnings.filterwarnings("ignore", message=r".*(Apex|full scope is deprecated|is deprecated\. "
                                           r"Please use|CUDA_DEVICE_MAX_CONNECTIONS).*")
 
+import functools  # noqa: E402
+
 import torch.distributed as dist  # noqa: E402
 
 import megatron_cpu as mc  # noqa: E402
@@ -32,10 +36,13 @@ def parse_args(argv=None):
     p.add_argument("--laga", action="store_true", help="patch MLASelfAttention with LAGA")
     p.add_argument("--form", choices=("laga", "explicit"), default="laga",
                    help="core behind the patch (explicit: per-head K/V on the wire)")
-    p.add_argument("--cp-algo", choices=("allgather", "ulysses"), default="allgather")
+    p.add_argument("--cp-algo", choices=("allgather", "ulysses", "hybrid"), default="allgather")
+    p.add_argument("--ulysses-degree", type=int, default=None,
+                   help="hybrid: CP ranks per Ulysses group (batches get the hybrid zigzag)")
     p.add_argument("--layout", choices=("zigzag", "contiguous"), default=None,
-                   help="how batches are split over CP (default: zigzag for allgather, "
-                        "contiguous for ulysses); the demo shards accordingly and tells the patch")
+                   help="how batches are split over CP (default: zigzag for allgather and "
+                        "hybrid, contiguous for ulysses); the demo shards accordingly and tells "
+                        "the patch")
     p.add_argument("--kernel", choices=("auto", "eager", "sdpa"), default="auto")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--steps", type=int, default=5)
@@ -49,7 +56,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    layout = args.layout or ("zigzag" if args.cp_algo == "allgather" else "contiguous")
+    layout = args.layout or ("contiguous" if args.cp_algo == "ulysses" else "zigzag")
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % args.tp:
@@ -58,13 +65,15 @@ def main(argv=None):
     if not args.laga and cp > 1 and layout != "zigzag":
         raise ValueError("without --laga megatron's forward needs zigzag batches: drop --layout "
                          "contiguous or add --laga")
+    if not args.laga and args.cp_algo == "hybrid":
+        raise ValueError("--cp-algo hybrid needs --laga: megatron's own MLA has no hybrid CP")
     import mindspeed_laga
     from mindspeed_laga import count_bytes
 
     mc.init_parallel(tp=args.tp, cp=cp)
     if args.laga:
         mindspeed_laga.patch_megatron_mla(cp_algo=args.cp_algo, layout=layout, form=args.form,
-                                          kernel=args.kernel)
+                                          kernel=args.kernel, ulysses_degree=args.ulysses_degree)
     tiny = mc.TinyMLA(seq_length=args.seq_length, rope_type=args.rope_type)
     model = mc.build_tiny_mla_gpt(tiny, tp=args.tp, cp=cp)
     if rank == 0:
@@ -85,8 +94,16 @@ def main(argv=None):
     if not args.fresh_batches:
         batches = batches[:1] * args.steps
     with count_bytes() as counter:
-        mc.train(model, batches, layout=layout, tp=args.tp, lr=args.lr, on_step=report)
+        mc.train(model, batches, layout=_sharder(args, layout), tp=args.tp, lr=args.lr,
+                 on_step=report)
     dist.destroy_process_group()
+
+
+def _sharder(args, layout):
+    """The batch split the patch is told: hybrid zigzag needs its own (not megatron's)."""
+    if args.cp_algo == "hybrid" and layout == "zigzag":
+        return functools.partial(mc.shard_hybrid, ulysses_degree=args.ulysses_degree)
+    return layout
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #   LAGA=0 scripts/train_tiny_cpu.sh                  # megatron's own MLA forward
 #   LAGA=1 NPROC=4 CP_ALGO=ulysses scripts/train_tiny_cpu.sh
 #   LAGA=1 FORM=explicit scripts/train_tiny_cpu.sh    # explicit core through the same patch
+#   LAGA=1 NPROC=4 CP_ALGO=hybrid ULYSSES_DEGREE=2 scripts/train_tiny_cpu.sh
 #
 # Extra arguments go to train_tiny_cpu.py (e.g. --steps 10 --tp 2).
 set -euo pipefail
@@ -18,6 +19,9 @@ PYTHON=${PYTHON:-python}
 args=(--cp-algo "$CP_ALGO" --form "$FORM")
 if [[ "$LAGA" == "1" ]]; then
     args+=(--laga)
+fi
+if [[ -n "${ULYSSES_DEGREE:-}" ]]; then
+    args+=(--ulysses-degree "$ULYSSES_DEGREE")
 fi
 
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \

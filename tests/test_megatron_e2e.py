@@ -12,6 +12,12 @@ Three spawned gloo worlds, each running several configurations:
   fallback; a mis-declared layout (must be caught by the comparison).
 - world 4: CP=4 with the four patched forms; then TP=2 x CP=2, compared with
   megatron's own TP=2 run (TP=2 x DP=2, same batch on both replicas).
+- packed (THD) worlds 1, 2, 4: documents packed into one sequence (padded to
+  megatron's THD split, and unpadded), megatron's own CP=1 forward on them
+  vs the patch at CP=2 and 4 (split per document as get_thd_batch_on_this_cp_rank
+  does), bytes compared with an unpacked run of the same length; the packed
+  world 4 also runs hybrid CP (CP=4, ulysses_degree=2) on hybrid-zigzag batches
+  against the unpacked CP=1 reference.
 
 Batches: allgather runs use megatron's get_batch_on_this_cp_rank (zigzag);
 ulysses runs use contiguous shards (mindspeed_laga.layout.shard) and declare
@@ -22,6 +28,7 @@ reduction (TP shards gathered).
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -41,7 +48,12 @@ GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 VARIANTS = {
     "yarn-qlora": mc.TinyMLA(),
     "rope-no-qlora": mc.TinyMLA(rope_type="rope", q_lora_rank=None),
+    "packed": mc.TinyMLA(seq_length=64, micro_batch=1),  # one sequence of packed documents
 }
+# Documents of the packed runs: stored at padded lengths (multiples of 2*CP for CP <= 4,
+# as megatron's THD split needs), real lengths shorter; and the same without padding.
+DOCS = {"padded": mc.PackedDocs(real=(13, 24, 5, 16), padded=(16, 24, 8, 16)),
+        "exact": mc.PackedDocs(real=(16, 24, 8, 16), padded=(16, 24, 8, 16))}
 RECOMPUTE_CORE_ATTN = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
 OPTIONS = {  # core options through patch_megatron_mla: (patch arguments, batch layout)
     "laga-allgather+trim": (dict(cp_algo="allgather", trim_causal_prefix=True), "zigzag"),
@@ -79,7 +91,7 @@ def _run(name, results, tp, cp, variant="yarn-qlora", patch=None, layout="zigzag
     with count_bytes() as counter, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = mc.train(model, mc.make_batches(tiny, STEPS), layout=layout, tp=tp)
-    results[name] = dict(losses=res.losses, grads=res.grads,
+    results[name] = dict(losses=res.losses, grads=res.grads, bytes=counter.bytes(),
                          tags=sorted({r.tag for r in counter.records if r.kind != "handshake"}),
                          warnings=[str(w.message) for w in caught if "mindspeed_laga" in
                                    str(w.message)])
@@ -147,20 +159,124 @@ def _world_4(results):
         _run(f"tp2/{name}", results, 2, 2, patch=patch, layout=layout)
 
 
-WORLDS = {1: _world_1, 2: _world_2, 4: _world_4}
+# ----------------------------------------------------------------- packed (THD) and hybrid
+
+def _run_packed(name, results, cp, docs, patch=None, padded_field=True):
+    """Train the packed variant on THD batches (megatron's per-document CP split)."""
+    import mindspeed_laga
+    from mindspeed_laga import count_bytes
+    tiny = VARIANTS["packed"]
+    if patch is None:
+        mindspeed_laga.unpatch_megatron_mla()
+    else:
+        mindspeed_laga.patch_megatron_mla(**patch)
+    model = mc.build_tiny_mla_gpt(tiny, cp=cp)
+    params = mc.packed_seq_params(DOCS[docs], padded_field=padded_field)
+    with count_bytes() as counter:
+        res = mc.train(model, mc.make_packed_batches(tiny, DOCS[docs], STEPS),
+                       layout=functools.partial(mc.shard_thd, docs=DOCS[docs]),
+                       packed_seq_params=params)
+    results[name] = dict(losses=res.losses, grads=res.grads, bytes=counter.bytes(),
+                         tags=sorted({r.tag for r in counter.records if r.kind != "handshake"}))
 
 
-def _worker(rank, world):
+def _expect_error(name, results, fn, *args, **kwargs):
+    try:
+        fn(name, {}, *args, **kwargs)
+    except ValueError as exc:
+        results[name] = dict(error=str(exc))
+    else:
+        results[name] = dict(error=None)
+
+
+def _mismatched_kv(docs):
+    """packed_seq_params whose cu_seqlens_kv differ from cu_seqlens_q."""
+    params = mc.packed_seq_params(docs)
+    params.cu_seqlens_kv = torch.tensor([0, docs.total], dtype=torch.int32)
+    return params
+
+
+def _run_mismatched_kv(name, results, cp):
+    import mindspeed_laga
+    tiny = VARIANTS["packed"]
+    mindspeed_laga.patch_megatron_mla(cp_algo="allgather")
+    model = mc.build_tiny_mla_gpt(tiny, cp=cp)
+    docs = DOCS["exact"]
+    mc.train(model, mc.make_packed_batches(tiny, docs, 1),
+             layout=functools.partial(mc.shard_thd, docs=docs),
+             packed_seq_params=_mismatched_kv(docs))
+
+
+PACKED = {  # name: (patch arguments, documents, cu_seqlens_*_padded given)
+    "laga-allgather/padded": (dict(cp_algo="allgather"), "padded", True),
+    "laga-allgather/exact": (dict(cp_algo="allgather"), "exact", False),
+    "laga-ulysses/padded": (dict(cp_algo="ulysses"), "padded", True),
+    "explicit-allgather/padded": (dict(form="explicit", cp_algo="allgather"), "padded", True),
+    "laga-allgather+recompute/padded": (dict(cp_algo="allgather", recompute_kv=True,
+                                             kv_block_size=8, trim_causal_prefix=True),
+                                        "padded", True),
+}
+HYBRID = {  # CP=4, ulysses_degree=2, hybrid-zigzag batches
+    "laga-hybrid": dict(cp_algo="hybrid", ulysses_degree=2),
+    "explicit-hybrid": dict(form="explicit", cp_algo="hybrid", ulysses_degree=2),
+    "laga-hybrid+recompute+overlap": dict(cp_algo="hybrid", ulysses_degree=2, recompute_kv=True,
+                                          kv_block_size=8, overlap_latent_gather=True),
+}
+
+
+def _packed_world_1(results):
+    mc.init_parallel(cp=1)
+    for docs, padded_field in (("padded", True), ("exact", False)):
+        _run_packed(f"reference/{docs}", results, 1, docs, padded_field=padded_field)
+    _run("reference/yarn-qlora", results, 1, 1, "yarn-qlora")
+
+
+def _packed_world_2(results):
+    mc.init_parallel(cp=2)
+    for name, (patch, docs, padded_field) in PACKED.items():
+        _run_packed(name, results, 2, docs, patch, padded_field)
+    # The same tokens unpacked (one sequence of 64): the bytes LAGA moves must not change.
+    _run("unpacked/laga-allgather", results, 1, 2, "packed", dict(cp_algo="allgather"))
+    _expect_error("mismatched-kv", results, _run_mismatched_kv, 2)
+    _expect_error("packed-contiguous", results, _run_packed, 2, "padded",
+                  dict(cp_algo="ulysses", layout="contiguous"))
+
+
+def _packed_world_4(results):
+    mc.init_parallel(cp=4)
+    _run_packed("laga-allgather/padded", results, 4, "padded", dict(cp_algo="allgather"))
+    _run_packed("laga-ulysses/padded", results, 4, "padded", dict(cp_algo="ulysses"))
+    hybrid_batches = functools.partial(mc.shard_hybrid, ulysses_degree=2)
+    for name, patch in HYBRID.items():
+        _run(f"hybrid/{name}", results, 1, 4, patch=patch, layout=hybrid_batches)
+    # Negative control: hybrid fed megatron's plain zigzag batches trains another model.
+    _run("hybrid/plain-zigzag-batches", results, 1, 4,
+         patch=dict(cp_algo="hybrid", ulysses_degree=2), layout="zigzag")
+    _expect_error("hybrid/degree-3", results, _run, 1, 4,
+                  patch=dict(cp_algo="hybrid", ulysses_degree=3), layout=hybrid_batches)
+    _expect_error("hybrid/packed", results, _run_packed, 4, "padded",
+                  dict(cp_algo="hybrid", ulysses_degree=2))
+    _expect_error("hybrid/fallback", results, _run, 1, 4,
+                  patch=dict(cp_algo="hybrid", ulysses_degree=2), layout=hybrid_batches,
+                  **RECOMPUTE_CORE_ATTN)
+
+
+WORLDS = {1: _world_1, 2: _world_2, 4: _world_4,
+          "packed1": _packed_world_1, "packed2": _packed_world_2, "packed4": _packed_world_4}
+
+
+def _worker(rank, size, world):
     warnings.filterwarnings("ignore", message=".*Apex.*")
     results = {}
     WORLDS[world](results)
     return results if rank == 0 else None
 
 
-def _spawn(world):
-    """One world's runs on ``world`` gloo ranks (bounded: a hang fails the fixture)."""
+def _spawn(world, size=None):
+    """One world's runs on ``size`` gloo ranks (bounded: a hang fails the fixture)."""
+    size = world if size is None else size
     try:
-        return run_on_ranks(_worker, world, timeout_s=600)[0]
+        return run_on_ranks(_worker, size, world, timeout_s=600)[0]
     except WorkerError as exc:
         raise AssertionError(f"world {world} failed:\n{exc}") from exc
 
@@ -327,3 +443,89 @@ def test_demo_script_trains_with_laga():
     losses, sent = [float(s[1]) for s in steps], [int(s[2]) for s in steps]
     assert losses[1] < losses[0]  # one batch, repeated: the loss falls
     assert 0 < sent[0] < sent[1]
+
+
+# ----------------------------------------------------------------- packed (THD) sequences
+
+@pytest.fixture(scope="module")
+def packed1():
+    return _spawn("packed1", 1)
+
+
+@pytest.fixture(scope="module")
+def packed2():
+    return _spawn("packed2", 2)
+
+
+@pytest.fixture(scope="module")
+def packed4():
+    return _spawn("packed4", 4)
+
+
+def test_packed_reference_is_not_degenerate(packed1):
+    """Megatron's own packed CP=1 runs: grads far from zero, the loss moves; padding changes
+    the model (the padded documents are other documents), so the two references differ."""
+    for docs in DOCS:
+        ref = packed1[f"reference/{docs}"]
+        small = [n for n, g in ref["grads"].items() if g.abs().max() < 1e-4]
+        assert not small, f"{docs}: near-zero grads {small}"
+        losses = ref["losses"]
+        assert min(abs(a - b) for a, b in zip(losses, losses[1:])) > 100 * LOSS_TOL
+    assert abs(packed1["reference/padded"]["losses"][0]
+               - packed1["reference/exact"]["losses"][0]) > 100 * LOSS_TOL
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_cp2_matches_megatron_cp1(packed1, packed2, name):
+    """THD at CP=2 (megatron's per-document split): the real tokens' loss and every grad
+    equal megatron's own CP=1 run on the same (padded) documents."""
+    docs = PACKED[name][1]
+    _assert_same_training(packed2[name], packed1[f"reference/{docs}"], f"packed {name} CP=2")
+    _assert_form_ran(packed2[name], name.split("/")[0].split("+")[0])
+
+
+@pytest.mark.parametrize("name", ["laga-allgather/padded", "laga-ulysses/padded"])
+def test_packed_cp4_matches_megatron_cp1(packed1, packed4, name):
+    _assert_same_training(packed4[name], packed1["reference/padded"], f"packed {name} CP=4")
+    _assert_form_ran(packed4[name], name.split("/")[0])
+
+
+def test_packing_moves_the_same_bytes(packed2):
+    """Documents change masks only: the collectives carry what the unpacked run carries."""
+    unpacked = packed2["unpacked/laga-allgather"]["bytes"]
+    assert unpacked > 0
+    for name in ("laga-allgather/padded", "laga-allgather/exact"):
+        assert packed2[name]["bytes"] == unpacked, name
+
+
+def test_packed_errors_name_the_argument(packed2, packed4):
+    """Raised on every rank before any collective (a hang would fail the fixture)."""
+    error = packed2["mismatched-kv"]["error"]
+    assert error is not None and "cu_seqlens_kv" in error and "cu_seqlens_q" in error
+    error = packed2["packed-contiguous"]["error"]
+    assert error is not None and "layout='contiguous'" in error and "THD" in error
+    error = packed4["hybrid/packed"]["error"]
+    assert error is not None and "cp_algo='hybrid'" in error and "THD" in error
+
+
+# ----------------------------------------------------------------- hybrid CP
+
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_hybrid_cp4_matches_cp1(packed1, packed4, name):
+    """CP=4 as 2 Ulysses groups of 2 (hybrid-zigzag batches) = megatron's unpatched CP=1."""
+    run = packed4[f"hybrid/{name}"]
+    _assert_same_training(run, packed1["reference/yarn-qlora"], f"hybrid {name}")
+    _assert_form_ran(run, name.split("+")[0].replace("hybrid", "ulysses"))
+
+
+def test_hybrid_on_plain_zigzag_batches_is_another_model(packed1, packed4):
+    """Negative control: megatron's get_batch_on_this_cp_rank split is not hybrid's."""
+    run, ref = packed4["hybrid/plain-zigzag-batches"], packed1["reference/yarn-qlora"]
+    assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])) > 100 * LOSS_TOL
+
+
+def test_hybrid_errors_name_the_fix(packed4):
+    error = packed4["hybrid/degree-3"]["error"]
+    assert error is not None and "ulysses_degree=3" in error and "does not divide" in error
+    error = packed4["hybrid/fallback"]["error"]
+    assert error is not None and "recompute of core_attn" in error and "hybrid" in error

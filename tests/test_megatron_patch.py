@@ -6,6 +6,7 @@ The training behaviour of the patched forward is proven in test_megatron_e2e.py.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -74,6 +75,14 @@ def test_defaults_and_pass_through_options(mla):
     (dict(latent_gather=object()), ["latent_gather", "overlap_latent_gather=True"]),
     (dict(overlap_latent_gather=1), ["overlap_latent_gather=1"]),
     (dict(form="explicit", overlap_latent_gather=True), ["overlap_latent_gather", "form='laga'"]),
+    (dict(ulysses_degree=2), ["ulysses_degree=2", "cp_algo='hybrid'"]),
+    (dict(cp_algo="ulysses", ulysses_degree=2), ["ulysses_degree=2", "cp_algo='ulysses'"]),
+    (dict(cp_algo="hybrid"), ["cp_algo='hybrid'", "ulysses_degree=U"]),
+    (dict(cp_algo="hybrid", ulysses_degree=0), ["ulysses_degree=0", "positive int"]),
+    (dict(cp_algo="hybrid", ulysses_degree=2.0), ["ulysses_degree=2.0", "positive int"]),
+    (dict(cp_algo="hybrid", ulysses_degree=2, ulysses_group=None), ["ulysses_group"]),
+    (dict(cu_seqlens=[0, 8]), ["cu_seqlens", "set by the patched forward"]),
+    (dict(layout="doc_zigzag"), ["layout='doc_zigzag'", "packed_seq_params"]),
 ])
 def test_bad_arguments_raise_before_patching(mla, kwargs, words):
     cls, original = mla
@@ -297,3 +306,110 @@ def test_down_projection_is_the_modules_own_where_it_has_one():
                             linear_kv_down_proj=lambda h: (h @ weight.T, None))
     q, kv = megatron_compat.qkv_down_projection(plain, hidden, tp_group=None)
     assert q is hidden and torch.equal(kv, hidden @ weight.T)
+
+
+# ----------------------------------------------------------------- hybrid CP settings
+
+def test_hybrid_settings_carry_the_degree_and_the_hybrid_zigzag(mla):
+    settings = mindspeed_laga.patch_megatron_mla(cp_algo="hybrid", ulysses_degree=2)
+    assert (settings.cp_algo, settings.ulysses_degree, settings.layout) == ("hybrid", 2, "zigzag")
+    assert mindspeed_laga.patch_megatron_mla().ulysses_degree == 1
+
+
+@pytest.mark.parametrize("degree, cp, heads, words", [
+    (3, 4, 6, ["ulysses_degree=3", "does not divide", "context-parallel size 4"]),
+    (2, 4, 3, ["ulysses_degree=2", "3 attention heads", "divides the heads"]),
+])
+def test_hybrid_shape_errors_name_the_fix(degree, cp, heads, words):
+    from mindspeed_laga.patches import megatron_hybrid
+    with pytest.raises(ValueError) as info:
+        megatron_hybrid.check_hybrid_shape(degree, cp, heads)
+    for word in words:
+        assert word in str(info.value)
+    megatron_hybrid.check_hybrid_shape(2, 4, 4)  # fine
+
+
+# ----------------------------------------------------------------- packed (THD) calls
+
+def _thd_params(real, padded=None, kv=None, max_seqlen=8):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    t = lambda b: None if b is None else torch.tensor(b, dtype=torch.int32)  # noqa: E731
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=t(real), cu_seqlens_kv=t(kv or real),
+                           cu_seqlens_q_padded=t(padded), cu_seqlens_kv_padded=t(padded),
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+@pytest.mark.parametrize("kwargs, hidden, causal, algo, layout, words", [
+    (dict(real=[0, 8, 16], kv=[0, 16]), (8, 1, 4), True, "allgather", "zigzag",
+     ["cu_seqlens_kv=[0, 16]", "cu_seqlens_q=[0, 8, 16]"]),
+    (dict(real=[0, 8, 16]), (4, 2, 4), True, "allgather", "zigzag", ["micro-batch 1"]),
+    (dict(real=[0, 5, 13], padded=[0, 8, 16]), (8, 1, 4), False, "allgather", "zigzag",
+     ["causal", "pad tokens"]),
+    (dict(real=[0, 8, 16]), (8, 1, 4), True, "hybrid", "zigzag", ["cp_algo='hybrid'"]),
+    (dict(real=[0, 8, 16]), (8, 1, 4), True, "ulysses", "contiguous", ["layout='contiguous'"]),
+    (dict(real=[0, 5, 13]), (8, 1, 4), True, "allgather", "zigzag",
+     ["end at 13", "16 tokens", "cu_seqlens_q_padded"]),
+])
+def test_packed_call_errors_name_the_argument(kwargs, hidden, causal, algo, layout, words):
+    from mindspeed_laga.patches import megatron_thd
+    with pytest.raises(ValueError) as info:
+        megatron_thd.packed_batch(_thd_params(**kwargs), torch.zeros(hidden), 2, causal, algo,
+                                  layout)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_packed_call_takes_the_padded_boundaries():
+    from mindspeed_laga.patches import megatron_thd
+    packed = megatron_thd.packed_batch(_thd_params([0, 5, 13], [0, 8, 16]), torch.zeros(8, 1, 4),
+                                       2, True, "allgather", "zigzag")
+    assert (packed.documents, packed.padded, packed.rope_rows) == ((0, 8, 16), True, 8)
+
+
+@pytest.mark.parametrize("max_seqlen", [12, 24])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_packed_rope_positions_follow_megatrons_thd_rope(max_seqlen, cp):
+    """The rope rows LAGA picks are those megatron's _apply_rotary_pos_emb_thd applies:
+    a table whose row i holds i, passed through megatron's own function."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from mindspeed_laga.patches import megatron_thd
+    bounds = [0, 8, 20, 24]
+    params = _thd_params([0, 6, 20, 23], bounds, max_seqlen=max_seqlen)
+    for rank in range(cp):
+        local = 24 // cp
+        packed = megatron_thd.packed_batch(params, torch.zeros(local, 1, 4), cp, True,
+                                           "allgather", "zigzag")
+        positions, rows = megatron_thd.packed_rope_positions(packed, cp, rank, local)
+        table = torch.arange(max(rows, max_seqlen), dtype=torch.float64)
+        freqs = table.view(-1, 1, 1, 1).expand(-1, 1, 1, 2).contiguous()
+        seen = []
+
+        def spy(t, f, **kwargs):
+            seen.append(f.reshape(f.shape[0], -1)[:, 0])
+            return t
+
+        group = SimpleNamespace(size=lambda: cp, rank=lambda: rank)
+        with mock.patch.object(rope_utils, "_apply_rotary_pos_emb_bshd", spy):
+            rope_utils._apply_rotary_pos_emb_thd(torch.zeros(local, 1, 2),
+                                                 torch.tensor(bounds), freqs[:max_seqlen],
+                                                 cp_group=group)
+        assert positions.tolist() == seen[0].long().tolist(), (rank, positions, seen[0])
+
+
+@pytest.mark.parametrize("cp_algo, degree", [("allgather", None), ("hybrid", 2)])
+def test_attention_dropout_still_raises_on_packed_and_hybrid_calls(cp_algo, degree):
+    """Neither a THD call nor hybrid CP gets past the dropout check (nor falls back)."""
+    calls = []
+
+    def original(self, hidden_states, attention_mask=None, packed_seq_params=None):
+        calls.append(hidden_states)
+        return "original"
+
+    settings = megatron_patch.make_settings(cp_algo=cp_algo, ulysses_degree=degree)
+    forward = megatron_mla.make_forward(original, settings)
+    module = SimpleNamespace(training=True, config=SimpleNamespace(attention_dropout=0.1),
+                             pg_collection=SimpleNamespace(cp=_Group(2)))
+    with pytest.raises(ValueError, match=r"attention_dropout=0\.0"):
+        forward(module, torch.zeros(8, 1, 4), None,
+                packed_seq_params=_thd_params([0, 8, 16]))
+    assert calls == []
