@@ -31,14 +31,16 @@ class QuerySegment:
 
 def query_segments(cfg: Config, rank: int) -> List[QuerySegment]:
     """The segments the kernel is called on at rank ``rank`` (ulysses: every rank's tokens)."""
-    segs = vocab.query_segments(cfg.seq_layout, cfg.cp_size, rank, cfg.local_len, cfg.heads_split)
+    segs = vocab.query_segments(cfg.seq_layout, cfg.cp_size, rank, cfg.local_len, cfg.heads_split,
+                                  ulysses_degree=cfg.ulysses_degree)
     return [QuerySegment(seg[1], seg[2], vocab.key_prefix(seg, cfg.seq_len, cfg.causal))
             for seg in segs]
 
 
 def visible_keys(cfg: Config, rank: int) -> int:
     """Keys [0, end) some query of this rank sees: what prefix trimming rebuilds."""
-    segs = vocab.query_segments(cfg.seq_layout, cfg.cp_size, rank, cfg.local_len, cfg.heads_split)
+    segs = vocab.query_segments(cfg.seq_layout, cfg.cp_size, rank, cfg.local_len, cfg.heads_split,
+                                  ulysses_degree=cfg.ulysses_degree)
     return vocab.visible_keys(segs, cfg.seq_len, cfg.causal)
 
 
