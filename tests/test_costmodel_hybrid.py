@@ -59,7 +59,7 @@ def _run(rank, world, degree, group, spec, lay):
         with saved:
             out = api.FORMS[spec.form](inputs["query"], inputs["kv_latent"], inputs["k_pos_emb"], weight,
                                        softmax_scale=SCALE, cp_group=dist.group.WORLD, cp_algo="hybrid",
-                                       layout=lay, kernel="auto" if spec.recompute_kv else "eager",
+                                       layout=lay, kernel="eager",
                                        ulysses_group=group, **spec.options())
         out.backward(local["d_out"])
     traffic = {}

@@ -58,7 +58,8 @@ from .flops import Flops, flops, query_projection_flops
 from .geometry import (Pairs, QuerySegment, attention_pairs, block_keys, blockwise_pairs,
                        query_segments, rebuilt_keys, segment_visible_pairs, visible_keys)
 from .memory import Term, saved_terms
-from .summary import FormCost, RankSummary, config_summary, form_cost, kernel_kind, rank_summary, summarize
+from .summary import (FormCost, RankSummary, comm_by_group, config_summary, form_cost, kernel_kind,
+                      rank_summary, summarize)
 from .time import MACHINES, Machine, TimeEstimate, estimate_seconds
 from .cluster import (CLUSTERS, Cluster, ClusterTime, collective_seconds, estimate_cluster_seconds,
                       group_members, group_nodes, link_bytes, ulysses_fits_node)
@@ -88,6 +89,7 @@ __all__ = [
     "query_projection_flops", "FormCost", "RankSummary", "form_cost", "kernel_kind", "summarize",
     "rank_summary", "config_summary", "Machine", "MACHINES", "TimeEstimate", "estimate_seconds",
     # hybrid CP on nodes with two links
-    "HYBRID_EXCHANGES", "Cluster", "CLUSTERS", "ClusterTime", "group_members", "group_nodes",
+    "HYBRID_EXCHANGES", "comm_by_group", "Cluster", "CLUSTERS", "ClusterTime", "group_members",
+    "group_nodes",
     "ulysses_fits_node", "link_bytes", "collective_seconds", "estimate_cluster_seconds",
 ]
