@@ -6,6 +6,7 @@ direction), both measures, and the saved-tensor hooks and FlopCounterMode of
 each rank are the expected values; the model must equal them exactly. The
 node split and the two-link time are checked on hand-built placements.
 """
+import json
 import math
 
 import pytest
@@ -171,3 +172,66 @@ def test_two_link_time_prefers_intra_node_all_to_all():
     assert h.inter_bytes < u.inter_bytes and h.total_s < u.total_s
     assert h.comm_s == pytest.approx(h.intra_bytes / (cluster.intra_gbps * 1e9)
                                      + h.inter_bytes / (cluster.inter_gbps * 1e9))
+
+
+# ---------------------------------------------------------------- plan
+
+def _plan(capsys, *argv):
+    from mindspeed_laga import cli
+    try:
+        code = cli.main(["plan", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+V3_131K = ("--seq-len", "131072", "--cp", "16", "--npus-per-node", "8")
+
+
+def test_plan_node_table_at_deepseek_v3_two_nodes(capsys):
+    """S=131072 on CP=16 over two 8-NPU nodes, bf16: s = 8192 tokens a rank.
+    LAGA hybrid U=8: Q (128 heads x 192) and O (128 x 128) all-to-all inside the
+    node (7/8 of each leaves the rank), the 576-wide latent ring-gathered over
+    both nodes (15 shards); fwd and bwd alike."""
+    code, out, err = _plan(capsys, *V3_131K, "--ulysses-degree", "8", "--json")
+    assert code == 0, err
+    nodes = json.loads(out)["nodes"]
+    rows = {(r["cp_algo"], r["ulysses_degree"], r["variant"]): r for r in nodes["rows"]}
+    s, e = 8192, 2
+    hybrid = rows[("hybrid", 8, "laga")]
+    assert hybrid["intra_bytes"] == 2 * (s * 128 * 192 * e + s * 128 * 128 * e) * 7 // 8
+    assert hybrid["inter_bytes"] == 2 * 15 * s * 576 * e
+    # ulysses over 16 ranks: of each all-to-all, 7 peers share the node, 8 do not.
+    ulysses = rows[("ulysses", 1, "laga")]
+    a2a = s * 128 * 192 * e + s * 128 * 128 * e
+    assert ulysses["intra_bytes"] == 2 * a2a * 7 // 16
+    assert ulysses["inter_bytes"] == 2 * a2a * 8 // 16 + 2 * 15 * s * 576 * e
+    # explicit hybrid: Q, K, V, O inside the node, its per-head K/V over the 2-rank ring.
+    explicit = rows[("hybrid", 8, "explicit")]
+    assert explicit["inter_bytes"] == 2 * s * 128 * (192 + 128) * e
+    assert ("allgather", 1, "laga") in rows
+    fastest = nodes["fastest"]
+    assert (fastest["cp_algo"], fastest["ulysses_degree"]) == ("hybrid", 8)
+    assert fastest["total_s"] == min(r["total_s"] for r in nodes["rows"])
+    code, out, _ = _plan(capsys, *V3_131K, "--ulysses-degree", "8")
+    assert "hybrid U=8     laga " in out and "fastest: laga" in out and "cp_algo=hybrid, U=8" in out
+
+
+def test_plan_hybrid_tables_and_spanning_note(capsys):
+    code, out, err = _plan(capsys, "--cp", "16", "--seq-len", "131072", "--cp-algo", "hybrid",
+                           "--ulysses-degree", "8", "--npus-per-node", "4", "--kernel", "fused")
+    assert code == 0, err
+    assert "cp_algo=hybrid (layout zigzag, U=8)" in out
+    assert "note: U=8 does not fit in a node of 4 devices" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--cp-algo", "hybrid"), "--cp-algo hybrid needs --ulysses-degree"),
+    (("--cp", "16", "--ulysses-degree", "3"), "ulysses_degree=3 must be a positive divisor of CP=16"),
+    (("--cp", "16", "--ulysses-degree", "0"), "--ulysses-degree must be positive"),
+    (("--npus-per-node", "-8"), "--npus-per-node must be positive"),
+])
+def test_plan_hybrid_errors(capsys, argv, message):
+    code, out, err = _plan(capsys, *argv)
+    assert code != 0 and message in err, err

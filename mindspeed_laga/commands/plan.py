@@ -95,7 +95,8 @@ def configs_from_args(args) -> List[cm.Config]:
                  "devices_per_node"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+            name = "npus-per-node" if flag == "devices_per_node" else flag.replace('_', '-')
+            raise ValueError(f"--{name} must be positive, got {value}")
     for flag in ("device_memory", "link_bandwidth", "device_tflops", "intra_node_bandwidth",
                  "inter_node_bandwidth"):
         value = getattr(args, flag)
