@@ -235,3 +235,26 @@ def test_plan_hybrid_tables_and_spanning_note(capsys):
 def test_plan_hybrid_errors(capsys, argv, message):
     code, out, err = _plan(capsys, *argv)
     assert code != 0 and message in err, err
+
+
+# ---------------------------------------------------------------- bench
+
+def test_bench_hybrid_rows(tmp_path, capsys):
+    """bench --cp-algo hybrid: spawned ranks build the Ulysses groups; every row is right
+    against the float64 reference and its bytes per group and saved bytes equal the model."""
+    from mindspeed_laga import cli
+    out_json = tmp_path / "bench.json"
+    code = cli.main(["bench", "--cp", "4", "--cp-algo", "hybrid", "--ulysses-degree", "2",
+                     "--seq-lens", "32", "--repeat", "1", "--warmup", "0", "--json", str(out_json),
+                     "--plot", "", "--heads", "8", "--kv-lora-rank", "16"])
+    assert code == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {r["variant"] for r in rows} >= {"explicit", "absorbed", "laga", "laga+overlap"}
+    for r in rows:
+        assert r["cp_algo"] == "hybrid" and r["ulysses_degree"] == 2
+        assert r["max_rel_err"] < 1e-4, (r["variant"], r["max_rel_err"])
+        assert r["comm_wire_by_group"] == r["model_comm_wire_by_group"], r["variant"]
+        assert r["saved_bytes"] == r["model_saved_bytes"], r["variant"]
+    groups = {r["variant"]: set(r["comm_wire_by_group"]) for r in rows}
+    assert groups["explicit"] == {"ulysses", "ring"} and groups["laga"] == {"ulysses", "cp"}
+    assert "cp_algo=hybrid U=2" in capsys.readouterr().out
