@@ -258,3 +258,10 @@ def test_bench_hybrid_rows(tmp_path, capsys):
     groups = {r["variant"]: set(r["comm_wire_by_group"]) for r in rows}
     assert groups["explicit"] == {"ulysses", "ring"} and groups["laga"] == {"ulysses", "cp"}
     assert "cp_algo=hybrid U=2" in capsys.readouterr().out
+
+
+def test_plan_hybrid_keeps_the_one_link_estimates(capsys):
+    code, out, err = _plan(capsys, "--cp", "16", "--seq-len", "131072", "--cp-algo", "hybrid",
+                           "--ulysses-degree", "8", "--kernel", "fused")
+    assert code == 0, err
+    assert "n/a" not in out and out.count("fastest:") == 3   # two one-link machines + the node table

@@ -152,7 +152,8 @@ def build_plan(args) -> dict:
                                       "notes": trade_off_notes(per_kernel[kernels[-1]])}
         if args.device_memory is not None:
             plan["algos"][cfg.cp_algo]["fit"] = fit_check(per_kernel, args.device_memory, args.num_layers)
-    plan["time"] = time_estimates(configs[0], variants, machines_from_args(args))
+    # The one-link estimates cover allgather and ulysses (U = 1); hybrid is in the node table.
+    plan["time"] = time_estimates(replace(configs[0], ulysses_degree=1), variants, machines_from_args(args))
     if args.devices_per_node is not None or args.ulysses_degree is not None or args.cp_algo == HYBRID:
         plan["nodes"] = node_estimates(replace(configs[0], ulysses_degree=1), variants,
                                        cluster_from_args(args), args.ulysses_degree)

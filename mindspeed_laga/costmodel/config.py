@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 from ..runspec import RunSpec
-from ..vocab import (ATTN_CP_ALGOS, CP_ALGOS, DEFAULT_LAYOUT, HYBRID, LAYOUTS, MLADims, ModelDims,
+from ..vocab import (ATTN_CP_ALGOS, DEFAULT_LAYOUT, HYBRID, LAYOUTS, MLADims, ModelDims,
                      check_seq_len, heads_split)
 
 # The cost model's kernel kinds: what a kernel keeps for backward and whether it
