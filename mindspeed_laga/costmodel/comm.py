@@ -6,7 +6,9 @@
 section 2's ``payload * (P-1)/P``. Equal to ``comm.count_bytes`` exactly.
 
 What each (form, cp_algo) exchanges forward is one table row; backward runs
-the same collectives, an all-gather's backward being a reduce-scatter.
+the same collectives, an all-gather's backward being a reduce-scatter. Hybrid
+CP has its own table (``HYBRID_EXCHANGES``): each collective names its group
+("ulysses": U ranks, "ring": R = P/U ranks, "cp": all P), as the counter does.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class Collective:
     wire: int
     design: float
     group: str = "cp"      # the byte counter's group name: "cp", "ulysses" or "ring"
-    group_size: int = 0    # ranks in that group (0: not recorded)
+    group_size: int = 0    # ranks in that group
 
 
 # (kind, tag, values per local token, group size) of one forward pass. A new algorithm
