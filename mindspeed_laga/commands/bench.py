@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
-from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, KERNELS, LAYOUTS, ModelDims
+from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, HYBRID, KERNELS, LAYOUTS, ModelDims  # noqa: F401
 from .output import MiB, check_output_path, one_line_errors, pad as _pad, ratio as _ratio
 from .plot import write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
@@ -53,7 +53,11 @@ def add_parser(sub):
     one_line_errors(p, "bench")
     p.add_argument("--cp", type=positive_int, default=4,
                    help="CP size: gloo processes to spawn (default 4); under torchrun the world size")
-    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="both")
+    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both", HYBRID), default="both",
+                   help="both = allgather and ulysses; hybrid needs --ulysses-degree (spawned ranks)")
+    p.add_argument("--ulysses-degree", type=positive_int, default=None, metavar="U",
+                   help="hybrid CP: heads split inside groups of U consecutive ranks, the latent "
+                        "(explicit: K/V) across them")
     p.add_argument("--seq-lens", default="128,256,512",
                    help="comma-separated full sequence lengths (default 128,256,512)")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
@@ -122,7 +126,8 @@ def variants_for(args, seq_len: int, cp_size: int) -> List[RunSpec]:
                          query_projection_pair=True, forms_only=args.forms_only)
 
 
-def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type: str) -> cm.Config:
+def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type: str,
+                 ulysses_degree: int = 1) -> cm.Config:
     dims = ModelDims(shape.heads, shape.qk_head_dim, shape.rope_dim, shape.v_head_dim, shape.kv_lora_rank)
     # torch SDPA's CPU dispatch is what the model's "sdpa" describes; on an accelerator
     # its kernels keep no score matrix: model them as "fused".
@@ -130,7 +135,23 @@ def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type:
         kernel = {"cpu": cm.SDPA, "npu": cm.NPU}.get(device_type, cm.FUSED)
     model_kernel = cm.FUSED if kernel == cm.SDPA and device_type != "cpu" else kernel
     return cm.Config(dims, shape.seq_len, shape.batch, cp_size, 1, algo, DEFAULT_LAYOUT[algo],
-                     args.dtype, model_kernel, True)
+                     args.dtype, model_kernel, True, ulysses_degree=ulysses_degree)
+
+
+def ulysses_degree_from_args(args, cp_size: int) -> int:
+    """U for --cp-algo hybrid (1 otherwise), checked before anything runs."""
+    degree = getattr(args, "ulysses_degree", None)
+    if args.cp_algo != HYBRID:
+        if degree is not None:
+            raise ValueError(f"--ulysses-degree goes with --cp-algo hybrid, not --cp-algo {args.cp_algo}")
+        return 1
+    if degree is None:
+        raise ValueError("--cp-algo hybrid needs --ulysses-degree U (a divisor of --cp)")
+    if _torchrun():
+        raise ValueError("--cp-algo hybrid runs on spawned gloo ranks; run it without torchrun")
+    if cp_size % degree:
+        raise ValueError(f"--ulysses-degree {degree} must divide --cp {cp_size}")
+    return degree
 
 
 def build_runs(args, cp_size: int, device_type: str):
@@ -141,12 +162,13 @@ def build_runs(args, cp_size: int, device_type: str):
     if (args.doc_lens or args.num_docs) and args.micro_batch != 1:
         raise ValueError(f"--doc-lens/--num-docs pack documents into one sequence: use "
                          f"--micro-batch 1 (got {args.micro_batch})")
+    degree = ulysses_degree_from_args(args, cp_size)
     runs, models = [], []
     for seq_len in parse_seq_lens(args.seq_lens):
         shape = shape_from_args(args, seq_len)
         for doc_lens, algo in [(d, a) for d in document_settings(args, seq_len) for a in algos]:
             layout = args.layout or DEFAULT_LAYOUT[algo]
-            cfg = replace(model_config(args, shape, cp_size, algo, args.kernel, device_type),
+            cfg = replace(model_config(args, shape, cp_size, algo, args.kernel, device_type, degree),
                           layout=layout, doc_lens=doc_lens)
             variants = variants_for(args, seq_len, cp_size)
             cm.validate(cfg, variants)
@@ -162,7 +184,7 @@ def build_runs(args, cp_size: int, device_type: str):
 
 # ---------------------------------------------------------------- rows
 
-def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
+def make_rows(runs, models, per_rank: List[List[dict]], ulysses_degree: int = 1) -> List[dict]:
     """One JSON row per run: measured (rank 0, worst error/time over ranks) and modelled."""
     from .. import equivalence as eq
     rows = []
@@ -172,7 +194,9 @@ def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
         key = (case.shape, case.dtype, case.seed, case.causal, case.cu_seqlens)
         if key not in refs:
             refs[key] = eq.reference(case) if case.cu_seqlens is None else document_reference(case)
-        err = max(eq.relative_errors(_assemble(ranks, case), refs[key]).values())
+        full = (_assemble(ranks, case) if ulysses_degree == 1
+                else _assemble_hybrid(ranks, case, ulysses_degree))
+        err = max(eq.relative_errors(full, refs[key]).values())
         r0 = ranks[0]
         fwd = _comm(r0, "forward", "payload")
         bwd = _comm(r0, "backward", "payload")
@@ -206,6 +230,10 @@ def make_rows(runs, models, per_rank: List[List[dict]]) -> List[dict]:
             "comm_seconds": r0.get("comm_seconds"),
             "max_rel_err": err,
         })
+        if ulysses_degree > 1:
+            rows[-1].update({"ulysses_degree": ulysses_degree,
+                             "comm_wire_by_group": r0["wire_by_group"],
+                             "model_comm_wire_by_group": cm.comm_by_group(model)})
     _add_relative(rows)
     return rows
 
@@ -281,16 +309,117 @@ def print_table(rows: List[dict], out=None) -> None:
         if _group(r) != current:
             current = _group(r)
             docs = f" documents={r['documents']}" if r["cu_seqlens"] else ""
-            print(f"\nS={r['seq_len']} cp_algo={r['cp_algo']} layout={r['layout']}{docs}", file=out)
+            hybrid = f" U={r['ulysses_degree']}" if "ulysses_degree" in r else ""
+            print(f"\nS={r['seq_len']} cp_algo={r['cp_algo']}{hybrid} layout={r['layout']}{docs}",
+                  file=out)
             print(header, file=out)
             print("-" * len(header), file=out)
         print(" ".join(fmt.format(r[key]) for _, key, fmt in COLUMNS), file=out)
+        if "comm_wire_by_group" in r:
+            got, model = r["comm_wire_by_group"], r["model_comm_wire_by_group"]
+            print("  wire by group (measured / model): " + ", ".join(
+                f"{g} {got.get(g, 0):,} / {model.get(g, 0):,.0f}" for g in sorted(set(got) | set(model))),
+                file=out)
         if "latent_comm_hidden_share" in r:
             b = r["latent_blocked_ms"]
             print(f"  overlap: fwd+bwd speedup {r['overlap_speedup']:.2f}x over laga+qproj (same "
                   "work, gather not overlapped); latent gather + "
                   f"reduce-scatter blocked {b['without_overlap']:.2f} ms -> {b['with_overlap']:.2f} ms "
                   f"({100 * r['latent_comm_hidden_share']:.0f}% hidden)", file=out)
+
+
+# ---------------------------------------------------------------- hybrid CP (spawned ranks)
+
+def _ulysses_groups(degree: int):
+    """Every Ulysses group (U consecutive ranks), created in the same order on every
+    rank (new_group is collective); returns this rank's."""
+    import torch.distributed as dist
+    mine = None
+    for first in range(0, dist.get_world_size(), degree):
+        group = dist.new_group(list(range(first, first + degree)))
+        if first <= dist.get_rank() < first + degree:
+            mine = group
+    return mine
+
+
+def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmup: int) -> List[dict]:
+    """:func:`run_on_ranks` entry for --cp-algo hybrid: one result per run, in the format
+    of ``measure.run_on_rank`` plus the wire bytes per group."""
+    group = _ulysses_groups(degree)
+    out = []
+    for i, case in enumerate(runs):
+        out.append(_run_hybrid(case, rank, cp_size, degree, group, repeat, warmup))
+        if rank == 0:
+            print(f"  [{i + 1}/{len(runs)}] {case.spec.name} S={case.shape.seq_len} hybrid U={degree}",
+                  flush=True)
+    return out
+
+
+def _run_hybrid(case, rank, cp_size, degree, ulysses_group, repeat, warmup) -> dict:
+    import statistics
+    import torch
+    import torch.distributed as dist
+    from .. import api, comm, layout as layouts
+    from ..cases import DTYPES, INPUTS, full_inputs
+    from ..measure import SavedBytes, _projection_weight
+    dtype = DTYPES[case.dtype]
+    proj = _projection_weight(case, "cpu", dtype) if case.spec.query_projection else None
+    full = full_inputs(case.shape, case.seed)
+
+    def local(name):
+        t = full[name]
+        part = t.clone() if t.dim() == 2 else layouts.shard(t, case.layout, cp_size, rank,
+                                                             ulysses_degree=degree)
+        return part.to(dtype)
+
+    grad_out = local("grad_out")
+    times = []
+    for _ in range(warmup + repeat):
+        inputs = {k: local(k).requires_grad_() for k in INPUTS}
+        saved = SavedBytes(exclude=[inputs["kv_up_weight"]] + ([proj[0]] if proj else []))
+        options = case.spec.options()
+        query = inputs["query"]
+        with comm.count_bytes() as counter:
+            dist.barrier()
+            start = time.perf_counter()
+            if case.spec.overlap:
+                from ..overlap import start_latent_gather
+                options["latent_gather"] = start_latent_gather(inputs["kv_latent"], inputs["k_pos_emb"],
+                                                               cp_group=dist.group.WORLD)
+            if proj is not None:  # as measure._forward: 0 * a projection, same work as the twin
+                x = torch.ones(*query.shape[:2], proj[1], dtype=dtype)
+                query = query + 0 * torch.nn.functional.linear(x, proj[0]).view_as(query)
+            with saved:
+                out = api.FORMS[case.form](
+                    query, *(inputs[k] for k in INPUTS[1:]), softmax_scale=case.shape.softmax_scale,
+                    cp_group=dist.group.WORLD, cp_algo=HYBRID, layout=case.layout, causal=case.causal,
+                    kernel=case.kernel, ulysses_group=ulysses_group, qk_head_dim=case.shape.qk_head_dim,
+                    v_head_dim=case.shape.v_head_dim, **options)
+            out.backward(grad_out)
+            times.append(time.perf_counter() - start)
+    by_group: Dict[str, int] = {}
+    for r in counter.records:
+        if r.kind != "handshake":
+            by_group[r.group] = by_group.get(r.group, 0) + r.wire
+    return {"out": out.detach(), "grads": {k: v.grad.detach() for k, v in inputs.items()},
+            "comm": counter.summary(),
+            "design_bytes": {d: counter.design_bytes(d) for d in ("forward", "backward")},
+            "comm_seconds": None, "saved_bytes": saved.bytes, "saved": list(saved.storages.values()),
+            "peak_bytes": None, "seconds": statistics.median(times[warmup:] or times),
+            "wire_by_group": by_group}
+
+
+def _assemble_hybrid(per_rank: List[dict], case, degree: int) -> dict:
+    """Rank shards of the hybrid layout -> full output and grads (weight grads summed)."""
+    from .. import layout as layouts
+    from ..cases import INPUTS
+    grads = {}
+    for name in INPUTS:
+        parts = [r["grads"][name].double() for r in per_rank]
+        grads[name] = sum(parts) if name == "kv_up_weight" else layouts.unshard(
+            parts, case.layout, ulysses_degree=degree)
+    return {"out": layouts.unshard([r["out"].double() for r in per_rank], case.layout,
+                                   ulysses_degree=degree), "grads": grads}
 
 
 # ---------------------------------------------------------------- running
@@ -336,9 +465,12 @@ def run(args) -> int:
         per_rank, rank = _run_torchrun(args, runs, args.repeat, args.warmup)
         if rank != 0:
             return 0
+    elif args.cp_algo == HYBRID:
+        per_rank = run_on_ranks(hybrid_worker, cp_size, args.ulysses_degree, runs, args.repeat,
+                                args.warmup, timeout_s=3600)
     else:
         per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True)
-    rows = make_rows(runs, models, per_rank)
+    rows = make_rows(runs, models, per_rank, args.ulysses_degree if args.cp_algo == HYBRID else 1)
     print_table(rows)
     print_document_trend(rows)
     print(f"\nbytes: rank 0's payload handed to the collectives (fwd, bwd) and bytes it sends "

@@ -6,18 +6,21 @@ bytes saved for backward by the attention block (eager and fused kernels),
 attention and K/V-rebuild FLOPs, each beside explicit. With --device-memory
 and --num-layers: whether each form's attention activations fit. With the
 910B link/throughput defaults (or yours): an estimated per-layer time for
-every form and cp_algo, the fastest named. Nothing runs; see
+every form and cp_algo, the fastest named. With --npus-per-node (or
+--ulysses-degree): hybrid CP beside allgather and ulysses on nodes with an
+intra-node and an inter-node link, the fastest (form, cp_algo, U) named.
+Nothing runs; see
 ``mindspeed-laga bench`` for measurements.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Dict, List
 
 from .. import costmodel as cm
 from ..runspec import standard_runs
-from ..vocab import CP_ALGOS, LAYOUTS, ModelDims
+from ..vocab import CP_ALGOS, HYBRID, LAYOUTS, ModelDims
 from .output import GiB, MiB, finite_float, fmt_bytes as _fmt_bytes, one_line_errors, ratio as _ratio
 
 KERNEL_CHOICES = (cm.EAGER, cm.FUSED, cm.NPU, "both")
@@ -42,7 +45,12 @@ def add_parser(sub):
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--cp", type=int, default=8, help="context-parallel size (default 8)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: heads per rank = n/TP")
-    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="ulysses")
+    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both", HYBRID), default="ulysses",
+                   help="both = allgather and ulysses; hybrid needs --ulysses-degree")
+    p.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
+                   help="hybrid CP: heads split inside groups of U consecutive CP ranks, the latent "
+                        "(explicit: K/V) across them; also the U of the node table's hybrid rows "
+                        "(default there: every U dividing CP)")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="default: zigzag for allgather, contiguous for ulysses")
     docs = p.add_mutually_exclusive_group()
@@ -66,6 +74,13 @@ def add_parser(sub):
                         "cross-node 25, both shown)")
     p.add_argument("--device-tflops", type=finite_float, default=None,
                    help="effective matmul throughput per device (default 160: ~50%% of 910B bf16 peak)")
+    g = p.add_argument_group("nodes (the two-link table: allgather, ulysses and hybrid CP)")
+    g.add_argument("--npus-per-node", "--gpus-per-node", dest="devices_per_node", type=int, default=None,
+                   metavar="N", help="devices per node (910B: 8); shows the node table")
+    g.add_argument("--intra-node-bandwidth", type=finite_float, default=None, metavar="GB/s",
+                   help="bytes per second a rank sends inside a node (default 196: 910B HCCS)")
+    g.add_argument("--inter-node-bandwidth", type=finite_float, default=None, metavar="GB/s",
+                   help="bytes per second a rank sends to other nodes (default 25: 200 Gb/s RoCE)")
     p.add_argument("--terms", action="store_true",
                    help="also list every saved tensor of every variant (rank 0, last kernel)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -82,16 +97,22 @@ def dims_from_args(args) -> ModelDims:
 def configs_from_args(args) -> List[cm.Config]:
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r} is unknown; use bf16, fp16 or fp32")
-    for flag in ("seq_len", "micro_batch", "cp", "tp", "kv_block_size", "num_layers"):
+    for flag in ("seq_len", "micro_batch", "cp", "tp", "kv_block_size", "num_layers", "ulysses_degree",
+                 "devices_per_node"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    for flag in ("device_memory", "link_bandwidth", "device_tflops"):
+            name = "npus-per-node" if flag == "devices_per_node" else flag.replace('_', '-')
+            raise ValueError(f"--{name} must be positive, got {value}")
+    for flag in ("device_memory", "link_bandwidth", "device_tflops", "intra_node_bandwidth",
+                 "inter_node_bandwidth"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     if (args.device_memory is None) != (args.num_layers is None):
         raise ValueError("--device-memory and --num-layers go together (the fit check needs both)")
+    if args.cp_algo == HYBRID and args.ulysses_degree is None:
+        raise ValueError("--cp-algo hybrid needs --ulysses-degree U (the Ulysses group's size, a "
+                         "divisor of --cp)")
     dims = dims_from_args(args)
     doc_lens = cm.doc_lens_for(args.seq_len, parse_doc_lens(args.doc_lens), args.num_docs)
     algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
@@ -99,7 +120,8 @@ def configs_from_args(args) -> List[cm.Config]:
     for algo in algos:
         cfg = cm.Config(dims=dims, seq_len=args.seq_len, micro_batch=args.micro_batch,
                         cp_size=args.cp, tp_size=args.tp, cp_algo=algo, layout=args.layout,
-                        dtype=DTYPES[args.dtype], kernel=cm.FUSED, doc_lens=doc_lens)
+                        dtype=DTYPES[args.dtype], kernel=cm.FUSED, doc_lens=doc_lens,
+                        ulysses_degree=args.ulysses_degree if algo == HYBRID else 1)
         cm.validate(cfg, standard_runs(args.kv_block_size))
         out.append(cfg)
     return out
@@ -142,11 +164,16 @@ def build_plan(args) -> dict:
     for cfg in configs:
         per_kernel = {k: {v.name: cm.rank_summary(replace(cfg, kernel=k), v) for v in variants}
                       for k in kernels}
-        plan["algos"][cfg.cp_algo] = {"layout": cfg.seq_layout, "kernels": per_kernel,
+        plan["algos"][cfg.cp_algo] = {"layout": cfg.seq_layout, "ulysses_degree": cfg.ulysses_degree,
+                                      "kernels": per_kernel,
                                       "notes": trade_off_notes(per_kernel[kernels[-1]])}
         if args.device_memory is not None:
             plan["algos"][cfg.cp_algo]["fit"] = fit_check(per_kernel, args.device_memory, args.num_layers)
-    plan["time"] = time_estimates(configs[0], variants, machines_from_args(args))
+    # The one-link estimates cover allgather and ulysses (U = 1); hybrid is in the node table.
+    plan["time"] = time_estimates(replace(configs[0], ulysses_degree=1), variants, machines_from_args(args))
+    if args.devices_per_node is not None or args.ulysses_degree is not None or args.cp_algo == HYBRID:
+        plan["nodes"] = node_estimates(replace(configs[0], ulysses_degree=1), variants,
+                                       cluster_from_args(args), args.ulysses_degree)
     return plan
 
 
@@ -227,6 +254,47 @@ def time_estimates(cfg: cm.Config, variants, machines) -> dict:
     return out
 
 
+def cluster_from_args(args) -> cm.Cluster:
+    base = cm.CLUSTERS["910b"]
+    cluster = replace(base, intra_gbps=args.intra_node_bandwidth or base.intra_gbps,
+                      inter_gbps=args.inter_node_bandwidth or base.inter_gbps,
+                      tflops=args.device_tflops or base.tflops,
+                      devices_per_node=args.devices_per_node or base.devices_per_node)
+    return cluster if cluster == base else replace(cluster, name="custom")
+
+
+def node_candidates(cfg: cm.Config, degree) -> List[cm.Config]:
+    """allgather, ulysses and hybrid (the given U, else every U with 1 < U < P)."""
+    degrees = [degree] if degree is not None else [u for u in range(2, cfg.cp_size) if cfg.cp_size % u == 0]
+    out = [replace(cfg, cp_algo=a, layout=None, kernel=cm.FUSED) for a in CP_ALGOS]
+    out += [replace(cfg, cp_algo=HYBRID, layout=None, kernel=cm.FUSED, ulysses_degree=u) for u in degrees]
+    return out
+
+
+def node_estimates(cfg: cm.Config, variants, cluster: cm.Cluster, degree=None) -> dict:
+    """Per-layer fwd+bwd time of every variant under allgather, ulysses and hybrid CP on
+    nodes with two links; the fastest (variant, cp_algo, U) named."""
+    rows = []
+    for c in node_candidates(cfg, degree):
+        label = {"cp_algo": c.cp_algo, "ulysses_degree": c.ulysses_degree}
+        try:
+            cm.validate(c)
+        except ValueError as exc:
+            if c.cp_algo == HYBRID and degree is not None:
+                raise
+            rows.append({**label, "error": str(exc)})
+            continue
+        spans = c.cp_algo == HYBRID and not cm.ulysses_fits_node(c, cluster.devices_per_node)
+        for v in variants:
+            t = cm.estimate_cluster_seconds(c, cm.summarize(c, v), cluster)
+            rows.append({**label, "variant": v.name, "ulysses_spans_nodes": spans, **t.as_dict()})
+    timed = [r for r in rows if "error" not in r]
+    best = min(timed, key=lambda r: r["total_s"]) if timed else None
+    return {"cluster": asdict(cluster), "rows": rows,
+            "fastest": {k: best[k] for k in ("variant", "cp_algo", "ulysses_degree", "total_s")}
+            if best else None}
+
+
 # ---------------------------------------------------------------- printing
 
 def print_plan(plan: dict) -> None:
@@ -242,7 +310,8 @@ def print_plan(plan: dict) -> None:
         kernels = list(entry["kernels"])
         rows = entry["kernels"][kernels[0]]
         ex = rows["explicit"]
-        print(f"\ncp_algo={algo} (layout {entry['layout']})")
+        hybrid = f", U={entry['ulysses_degree']}" if algo == HYBRID else ""
+        print(f"\ncp_algo={algo} (layout {entry['layout']}{hybrid})")
         head = (f"{'variant':<20} {'comm fwd+bwd':>13} {'explicit/':>9} {'wire fwd+bwd':>13} {'explicit/':>9}"
                 + "".join(f" {'saved ' + k:>14} {'form/expl':>9} {'peak ' + k:>14}" for k in kernels)
                 + f" {'attn TFLOP':>10} {'rebuild TFLOP':>13}")
@@ -274,6 +343,8 @@ def print_plan(plan: dict) -> None:
         if "fit" in entry:
             _print_fit(entry["fit"])
     _print_times(plan["time"])
+    if "nodes" in plan:
+        _print_nodes(plan["nodes"])
     print("\nsaved: activation bytes autograd keeps inside the attention call, worst CP rank "
           "(kv_up_weight excluded); peak: predicted peak memory of the call above its inputs (saved + "
           "output + the largest transient: kernel workspace, backward buffers or the blockwise "
@@ -336,6 +407,38 @@ def _print_times(times: dict) -> None:
         if m["fastest"]:
             f = m["fastest"]
             print(f"  fastest: {f['variant']} with cp_algo={f['cp_algo']} ({1e3 * f['seconds']:.2f} ms)")
+
+
+def _algo_label(r: dict) -> str:
+    return f"hybrid U={r['ulysses_degree']}" if r["cp_algo"] == HYBRID else r["cp_algo"]
+
+
+def _print_nodes(nodes: dict) -> None:
+    c = nodes["cluster"]
+    print(f"\nestimated per-layer fwd+bwd time on nodes of {c['devices_per_node']} devices ({c['name']}: "
+          f"intra-node {c['intra_gbps']:g} GB/s, inter-node {c['inter_gbps']:g} GB/s per rank, "
+          f"{c['tflops']:g} TFLOPS effective; fused kernel, worst rank; a group inside a node runs at the "
+          "intra-node link, an all-to-all across nodes sends to its node's peers intra-node and to the "
+          "rest inter-node, a gather across nodes runs at the inter-node link):")
+    head = (f"  {'cp_algo':<14} {'variant':<20} {'ms':>9} {'compute':>9} {'comm':>8} "
+            f"{'intra GiB':>10} {'inter GiB':>10}")
+    print(head)
+    print("  " + "-" * (len(head) - 2))
+    for r in nodes["rows"]:
+        if "error" in r:
+            print(f"  {_algo_label(r):<14} n/a: {r['error']}")
+            continue
+        print(f"  {_algo_label(r):<14} {r['variant']:<20} {1e3 * r['total_s']:>9.2f} "
+              f"{1e3 * r['compute_s']:>9.2f} {1e3 * (r['comm_s'] - r['hidden_s']):>8.2f} "
+              f"{r['intra_bytes'] / GiB:>10.3f} {r['inter_bytes'] / GiB:>10.3f}")
+    spanning = sorted({r["ulysses_degree"] for r in nodes["rows"] if r.get("ulysses_spans_nodes")})
+    for u in spanning:
+        print(f"  note: U={u} does not fit in a node of {c['devices_per_node']} devices: its all-to-alls "
+              "cross nodes (inter-node link for the remote peers)")
+    f = nodes["fastest"]
+    if f:
+        u = f", U={f['ulysses_degree']}" if f["cp_algo"] == HYBRID else ""
+        print(f"  fastest: {f['variant']} with cp_algo={f['cp_algo']}{u} ({1e3 * f['total_s']:.2f} ms)")
 
 
 def run(args) -> int:

@@ -51,14 +51,17 @@ set does not depend on the kernel.
 One concern per module: ``config`` (what is asked, presets, validation),
 ``geometry`` (segments, visible keys, pairs: closed form, constant time in S),
 ``comm`` (collectives per form and cp_algo: one table), ``memory`` (saved
-storages), ``peak`` (peak memory terms), ``flops``, ``summary`` (per rank and over the CP group, typed),
-``time`` (the per-layer time estimate). Variants are :class:`runspec.RunSpec`.
+storages), ``peak`` (peak memory terms), ``flops``, ``summary`` (per rank and over the CP
+group, typed), ``time`` (the per-layer time estimate), ``cluster`` (nodes, the intra- and
+inter-node link, hybrid CP's time). Hybrid CP is ``Config(cp_algo="hybrid",
+ulysses_degree=U)``; it stays out of ``CP_ALGOS`` (what the tables enumerate). Variants are
+:class:`runspec.RunSpec`.
 """
 from __future__ import annotations
 
 from ..runspec import RunSpec, standard_runs
 from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, FORMS, LAYOUTS, ModelDims
-from .comm import EXCHANGES, Collective, collectives, wire_bytes
+from .comm import EXCHANGES, HYBRID_EXCHANGES, Collective, collectives, wire_bytes
 from .config import (BLOCKWISE, DTYPE_BYTES, EAGER, FUSED, HALF, INDEX_BYTES, MODEL_KERNELS, NPU,
                      NPU_MASK_BYTES, PRESETS, RECOMPUTING_KINDS, SDPA, SDPA_FLASH, SDPA_MATH, Config,
                      Sizes, check_doc_lens, doc_lens_for, model_kernel_kind, preset, validate,
@@ -69,8 +72,11 @@ from .geometry import (Pairs, QuerySegment, attention_pairs, block_keys, blockwi
                        visible_keys, window_block_pairs)
 from .memory import Term, saved_terms
 from .peak import peak_terms
-from .summary import FormCost, RankSummary, config_summary, form_cost, kernel_kind, rank_summary, summarize
+from .summary import (FormCost, RankSummary, comm_by_group, config_summary, form_cost, kernel_kind,
+                      rank_summary, summarize)
 from .time import MACHINES, Machine, TimeEstimate, estimate_seconds
+from .cluster import (CLUSTERS, Cluster, ClusterTime, collective_seconds, estimate_cluster_seconds,
+                      group_members, group_nodes, link_bytes, ulysses_fits_node)
 
 # The kernel names the model knows (a superset of what plan offers).
 KERNELS = MODEL_KERNELS
@@ -98,4 +104,8 @@ __all__ = [
     "Flops", "flops",
     "query_projection_flops", "FormCost", "RankSummary", "form_cost", "kernel_kind", "summarize",
     "rank_summary", "config_summary", "Machine", "MACHINES", "TimeEstimate", "estimate_seconds",
+    # hybrid CP on nodes with two links
+    "HYBRID_EXCHANGES", "comm_by_group", "Cluster", "CLUSTERS", "ClusterTime", "group_members",
+    "group_nodes",
+    "ulysses_fits_node", "link_bytes", "collective_seconds", "estimate_cluster_seconds",
 ]

@@ -7,7 +7,8 @@ from functools import cached_property
 from typing import Iterable, Optional, Sequence, Tuple
 
 from ..runspec import RunSpec
-from ..vocab import (CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS, Documents, MLADims, ModelDims, check_documents,
+from ..vocab import (ATTN_CP_ALGOS, CP_ALGOS, DEFAULT_LAYOUT, HYBRID, LAYOUTS, Documents, MLADims,  # noqa: F401
+                     ModelDims, check_documents,
                      check_seq_len, heads_split)
 
 # The cost model's kernel kinds: what a kernel keeps for backward and whether it
@@ -79,6 +80,9 @@ class Config:
         for n in self.doc_lens:
             bounds.append(bounds[-1] + n)
         return tuple(bounds)
+    # cp_algo="hybrid" only: U, the Ulysses group's size (heads split inside it, the
+    # latent or K/V across the rest; docs/DESIGN.md "Hybrid CP"). 1 everywhere else.
+    ulysses_degree: int = 1
 
     @property
     def elem(self) -> int:
@@ -100,17 +104,28 @@ class Config:
 
     @property
     def heads_split(self) -> bool:
-        return heads_split(self.cp_algo, self.cp_size)
+        return heads_split(self.cp_algo, self.cp_size, self.ulysses_degree)
+
+    @property
+    def split_size(self) -> int:
+        """Ranks the heads are split over: P (ulysses) or U (hybrid)."""
+        return self.ulysses_degree if self.cp_algo == HYBRID else self.cp_size
+
+    @property
+    def ring_size(self) -> int:
+        """Hybrid: R = P/U, the ranks with the same Ulysses rank (explicit's K/V gather)."""
+        return self.cp_size // self.ulysses_degree
 
     @property
     def attended_heads(self) -> int:
-        """Heads this rank attends: n/TP (allgather) or n/(TP*P) (ulysses)."""
-        return self.tp_heads // self.cp_size if self.heads_split else self.tp_heads
+        """Heads this rank attends: n/TP (allgather), n/(TP*P) (ulysses), n/(TP*U) (hybrid)."""
+        return self.tp_heads // self.split_size if self.heads_split else self.tp_heads
 
     @property
     def query_len(self) -> int:
-        """Queries this rank attends: its own (allgather) or every rank's (ulysses)."""
-        return self.seq_len if self.heads_split else self.local_len
+        """Queries this rank attends: its own (allgather), every rank's (ulysses) or its
+        Ulysses group's (hybrid: U*s)."""
+        return self.split_size * self.local_len if self.heads_split else self.local_len
 
     @property
     def seq_layout(self) -> str:
@@ -157,8 +172,9 @@ def validate(cfg: Config, variants: Optional[Iterable[RunSpec]] = None) -> None:
     for name, value in (("hidden_size", d.hidden_size), ("q_lora_rank", d.q_lora_rank)):
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise ValueError(f"{name} must be positive, got {value}")
-    if cfg.cp_algo not in CP_ALGOS:
-        raise ValueError(f"cp_algo={cfg.cp_algo!r} is unknown; use one of {CP_ALGOS}")
+    if cfg.cp_algo not in ATTN_CP_ALGOS:
+        raise ValueError(f"cp_algo={cfg.cp_algo!r} is unknown; use one of {ATTN_CP_ALGOS}")
+    _validate_hybrid(cfg)
     if cfg.seq_layout not in LAYOUTS:
         raise ValueError(f"layout={cfg.layout!r} is unknown; use one of {LAYOUTS}")
     if cfg.dtype not in DTYPE_BYTES:
@@ -168,7 +184,7 @@ def validate(cfg: Config, variants: Optional[Iterable[RunSpec]] = None) -> None:
     if d.heads % cfg.tp_size:
         raise ValueError(f"heads={d.heads} is not divisible by TP={cfg.tp_size}; "
                          "use a TP size that divides the heads")
-    check_seq_len(cfg.seq_len, cfg.seq_layout, cfg.cp_size)
+    check_seq_len(cfg.seq_len, cfg.seq_layout, cfg.cp_size, ulysses_degree=cfg.ulysses_degree)
     if cfg.cp_algo == "ulysses" and cfg.tp_heads % cfg.cp_size:
         raise ValueError(f"cp_algo='ulysses' splits the {cfg.tp_heads} heads per TP rank over "
                          f"CP={cfg.cp_size}: not divisible; use cp_algo='allgather' or a CP size "
@@ -210,3 +226,20 @@ def check_doc_lens(cfg: Config) -> None:
         raise ValueError(f"--doc-lens sum to {sum(lens)}, not the sequence length {cfg.seq_len}: "
                          f"make them add up to {cfg.seq_len} (or set --seq-len {sum(lens)})")
     check_documents(cfg.documents, cfg.seq_len, cfg.seq_layout, cfg.cp_size)
+
+
+def _validate_hybrid(cfg: Config) -> None:
+    """U only with cp_algo='hybrid'; there a divisor of P dividing the heads per TP rank."""
+    U = cfg.ulysses_degree
+    if not isinstance(U, int) or isinstance(U, bool) or U <= 0:
+        raise ValueError(f"ulysses_degree must be a positive integer, got {U!r}")
+    if cfg.cp_algo != HYBRID:
+        if U != 1:
+            raise ValueError(f"ulysses_degree={U} is given but cp_algo={cfg.cp_algo!r}; use "
+                             "cp_algo='hybrid' (or drop ulysses_degree)")
+        return
+    if cfg.cp_size % U:
+        raise ValueError(f"ulysses_degree={U} must be a positive divisor of CP={cfg.cp_size}")
+    if (cfg.dims.heads // cfg.tp_size) % U:
+        raise ValueError(f"cp_algo='hybrid' splits the {cfg.dims.heads // cfg.tp_size} heads per TP "
+                         f"rank over ulysses_degree={U}: not divisible; use a U dividing heads/TP")

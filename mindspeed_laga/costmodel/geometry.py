@@ -45,7 +45,7 @@ class QuerySegment:
 
 def _vocab_segments(cfg: Config, rank: int) -> List[vocab.Segment]:
     return vocab.query_segments(cfg.seq_layout, cfg.cp_size, rank, cfg.local_len, cfg.heads_split,
-                                cfg.documents)
+                                cfg.documents, ulysses_degree=cfg.ulysses_degree)
 
 
 def query_segments(cfg: Config, rank: int) -> List[QuerySegment]:

@@ -138,7 +138,8 @@ def _query(cfg: Config, width: int, name: str = "query") -> _Operand:
     z = cfg.sizes
     e, b, s, S, n, h = z.elem, z.batch, z.local_len, z.seq_len, z.tp_heads, z.heads
     if cfg.heads_split:
-        return _Operand(f"{name}_a2a", f"{name} after all-to-all [S, b, {h}, {width}]", S * b * h * width * e)
+        return _Operand(f"{name}_a2a", f"{name} after all-to-all [{'U*s' if cfg.cp_algo == 'hybrid' else 'S'}, b, {h}, {width}]",
+                        cfg.query_len * b * h * width * e)
     return _Operand(name, f"{name} [s, b, {n}, {width}]", s * b * n * width * e)
 
 
@@ -193,7 +194,7 @@ def _laga_saved(cfg: Config, rank: int, kind: str, v: RunSpec) -> _Saved:
         if copied:
             lat = _Operand("latent", "trimmed latent [S_vis, b, d_c+d_r] (the key ranges, copied)",
                            keys * b * d.latent_dim * e)
-        s_q = S if cfg.heads_split else s
+        s_q = cfg.query_len
         saved.add(q.key, q.tensor, q.bytes)
         saved.add(lat.key, lat.tensor, lat.bytes)
         saved.add("attn_out", f"attention output [b, {h}, s_q, d_v]", b * h * s_q * d.v_head_dim * e)
@@ -227,7 +228,7 @@ def _absorbed_saved(cfg: Config, rank: int, kind: str) -> _Saved:
     _add_index(saved, cfg)
     segs = query_segments(cfg, rank)
     _kernel_saved(saved, kind, cfg, segs, h, d.latent_dim, d.kv_lora_rank, q_abs, key, value, 1)
-    s_q = S if cfg.heads_split else s
+    s_q = cfg.query_len
     # o_latent . W_UV per segment (einsum): a copy [h, b*s_q, d_c] unless b == 1 (then
     # a view of the attention output, which a fused kernel keeps anyway).
     shares = b == 1 and kind in RECOMPUTING_KINDS

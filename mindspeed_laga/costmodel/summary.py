@@ -99,6 +99,7 @@ class RankSummary:
                 "forward": {m: first.comm_bytes("forward", m) for m in MEASURES},
                 "backward": {m: first.comm_bytes("backward", m) for m in MEASURES},
                 "collectives": [asdict(c) for c in first.comm],
+                "wire_by_group": comm_by_group(first),
             },
             "saved_bytes": {"rank0": first.saved_bytes, "average": self.saved_average,
                             "worst": self.saved_worst, "worst_rank": self.saved_worst_rank},
@@ -132,6 +133,14 @@ def rank_summary(cfg: Config, variant: RunSpec) -> dict:
     return summarize(cfg, variant).as_dict()
 
 
+def comm_by_group(cost: FormCost, measure: str = "wire") -> Dict[str, float]:
+    """fwd+bwd bytes per group ("cp"; hybrid: "ulysses" and "cp" or "ring")."""
+    out: Dict[str, float] = {}
+    for c in cost.comm:
+        out[c.group] = out.get(c.group, 0) + getattr(c, measure)
+    return out
+
+
 def config_summary(cfg: Config) -> dict:
     d = cfg.dims
     return {"heads": d.heads, "qk_head_dim": d.qk_head_dim, "qk_pos_emb_head_dim": d.rope_dim,
@@ -139,4 +148,5 @@ def config_summary(cfg: Config) -> dict:
             "q_lora_rank": d.q_lora_rank, "seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch,
             "cp_size": cfg.cp_size, "tp_size": cfg.tp_size, "cp_algo": cfg.cp_algo,
             "layout": cfg.seq_layout, "dtype": cfg.dtype, "kernel": cfg.kernel, "causal": cfg.causal,
-            "doc_lens": list(cfg.doc_lens) if cfg.doc_lens else None}
+            "doc_lens": list(cfg.doc_lens) if cfg.doc_lens else None,
+            "ulysses_degree": cfg.ulysses_degree}
