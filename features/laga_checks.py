@@ -81,6 +81,8 @@ def _check_incompatible(args: Namespace) -> None:
         if getattr(args, attr, None):
             raise ValueError(f"{FLAG} with {flag} is not supported: " + why.format(flag=flag))
     for attr, value, flag, why in _INCOMPATIBLE_VALUES:
+        if attr == "shape_order" and _documents(args):
+            continue  # MindSpeed-LLM sets TND itself under --reset-attention-mask
         if getattr(args, attr, None) == value:
             raise ValueError(f"{FLAG} with {flag} is not supported: " + why.format(flag=flag))
     # Megatron adds biases to every linear unless told otherwise

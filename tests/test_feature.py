@@ -87,6 +87,11 @@ def test_supported_configurations_validate(algo):
                       "--reset-position-ids", "--micro-batch-size", "1"])
 
 
+def test_tnd_shape_order_is_accepted_with_documents():
+    # MindSpeed-LLM's training_basic feature sets --shape-order TND under --reset-attention-mask
+    validate(VALID + ["--reset-attention-mask", "--micro-batch-size", "1", "--shape-order", "TND"])
+
+
 def test_hybrid_validates_with_a_ulysses_degree_dividing_heads_and_cp():
     # 8 heads, TP 2 x U 2 = 4 divides them; CP 4 = ring 2 x U 2
     validate(VALID[:-3] + ["--context-parallel-size", "4", "--context-parallel-algo",
