@@ -44,7 +44,9 @@ What it checks (exit status 0 = all passed):
    explicit document mask (the local core attention's CPU path: MindSpeed's own
    document attention is NPU-only) and rope at the reset positions.
 4. ``hybrid_cp_algo`` at CP = 4 with ``--ulysses-degree-in-cp 2`` (MindSpeed's own
-   hybrid groups and batch layout) against the real forward at CP = 1.
+   hybrid groups; the layout checked against its ``get_batch_on_this_cp_rank``)
+   against the real forward at CP = 1. The documents' tokens per rank come from that
+   function too, so LAGA's layout mapping is checked by the host's own split.
 """
 from __future__ import annotations
 
@@ -324,6 +326,9 @@ def worker(rank, world_size, tp_size, sequence_parallel, cases):
                 t = layouts.shard(t, layout, cp_size, cp_rank, dim=0, ulysses_degree=degree)
                 return t.chunk(tp)[tp_rank] if sp else t
 
+            if degree > 1:  # the hybrid layout is MindSpeed's own split of the batch
+                tokens = _host_cp_split(dict(tokens=torch.arange(SEQ)[None]))["tokens"][0]
+                assert torch.equal(tokens, local(torch.arange(SEQ))), tokens
             inputs = (local(hidden), layouts.shard(_rope_table(SEQ, 8), layout, cp_size, cp_rank,
                                                    dim=0, ulysses_degree=degree), local(grad_out))
             if cp_size == 1:
@@ -367,8 +372,9 @@ def _documents_case(module, args, cp_size, cp_rank, layout):
     explicit attention mask (how its local core attention applies --reset-attention-mask
     on CPU) and rope at the reset positions; at CP > 1 the patched forward fed as
     MindSpeed feeds it: document ends from MindSpeed-LLM's loader (``pad_data``, divided
-    by ``get_ring_degree``) in ``set_actual_seq_len``, ``packed_seq_params`` carrying
-    this rank's position ids, the full rope table, and MindSpeed-LLM's THD rope."""
+    by ``get_ring_degree``) in ``set_actual_seq_len``, this rank's tokens from MindSpeed's
+    ``get_batch_on_this_cp_rank``, ``packed_seq_params`` carrying their position ids, the
+    full rope table, and MindSpeed-LLM's THD rope."""
     from mindspeed.core.context_parallel.get_batch_utils import (get_ring_degree,
                                                                  set_actual_seq_len)
     from mindspeed.core.context_parallel.utils import pad_data
@@ -399,19 +405,42 @@ def _documents_case(module, args, cp_size, cp_rank, layout):
     set_actual_seq_len(actual_seq_len)
     _install_thd_rope()
 
-    def local(t):
-        return layouts.shard(t, layout, cp_size, cp_rank, dim=0, cu_seqlens=cu_seqlens)
-
+    # this rank's tokens as MindSpeed's own get_batch_on_this_cp_rank splits them (the
+    # results are put back together with LAGA's layout, so a wrong mapping fails)
+    # (it splits [b, s] token tensors: split the token indices and take those rows)
+    split = _host_cp_split(dict(tokens=torch.arange(SEQ)[None], position_ids=position_ids[None]))
+    tokens = split["tokens"][0]
+    assert torch.equal(split["position_ids"][0], position_ids[tokens])
+    assert torch.equal(tokens, layouts.shard(torch.arange(SEQ), layout, cp_size, cp_rank, dim=0,
+                                             cu_seqlens=cu_seqlens))
     packed = SimpleNamespace(qkv_format="thd", cu_seqlens_q=actual_seq_len,
-                             cu_seqlens_kv=actual_seq_len, position_ids=local(position_ids)[:, None])
+                             cu_seqlens_kv=actual_seq_len, position_ids=position_ids[tokens][:, None])
     patched = laga_mla_forward_wrapper(type(module).forward)
     try:
         res["laga"] = _run(module, lambda h, r: patched(module, h, None, rotary_pos_emb=r,
                                                         packed_seq_params=packed),
-                           local(hidden), table, local(grad_out))
+                           hidden[tokens], table, grad_out[tokens])
     finally:
         set_actual_seq_len(None)
     return res
+
+
+def _host_cp_split(batch):
+    """MindSpeed's real ``get_batch_on_this_cp_rank`` on [b, s, ...] tensors; its
+    per-document split moves an index to 'npu', which is the CPU here."""
+    from mindspeed.core.context_parallel.get_batch_utils import get_batch_on_this_cp_rank
+
+    to = torch.Tensor.to
+
+    def to_cpu_for_npu(self, *args, **kwargs):
+        args = tuple("cpu" if a == "npu" else a for a in args)
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = to_cpu_for_npu
+    try:
+        return get_batch_on_this_cp_rank(dict(batch))
+    finally:
+        torch.Tensor.to = to
 
 
 def _install_thd_rope():
