@@ -12,11 +12,16 @@ layout, so the algorithm maps to a (cp_algo, layout) pair of the core:
 - ``kvallgather_cp_algo`` and ``megatron_cp_algo``: queries stay local, the
   batch is the load-balanced 2*CP-chunk zigzag -> ("allgather", "zigzag").
   For the ring algorithm LAGA replaces the ring with one latent all-gather.
-- ``hybrid_cp_algo`` is not mapped: it nests Ulysses groups inside a ring,
-  so there are two CP groups and each rank holds a contiguous piece of a
-  zigzag pair of chunks, a layout the core does not describe. Use
-  ``ulysses_cp_algo`` or ``kvallgather_cp_algo`` (with LAGA the all-gather
-  moves 576 values per token, so the ring/Ulysses mix buys little).
+- ``hybrid_cp_algo`` with ``--ulysses-degree-in-cp U``: Ulysses groups of U
+  consecutive CP ranks inside a ring; each rank holds a contiguous piece of
+  its ring rank's zigzag chunk pair -> ("hybrid", "zigzag") with MindSpeed's
+  hybrid Ulysses group.
+
+With ``--reset-attention-mask`` (packed documents, micro-batch 1) MindSpeed's
+``get_batch_on_this_cp_rank`` splits the batch differently:
+``ulysses_cp_algo`` and ``kvallgather_cp_algo`` cut it into CP contiguous
+slices (-> "contiguous"), ``megatron_cp_algo`` cuts every document into 2*CP
+chunks (-> "doc_zigzag"). Hybrid is not covered with documents.
 """
 from __future__ import annotations
 
@@ -32,6 +37,13 @@ CP_ALGO_MAP = {
     "ulysses_cp_algo": ("ulysses", "contiguous"),
     "kvallgather_cp_algo": ("allgather", "zigzag"),
     "megatron_cp_algo": ("allgather", "zigzag"),
+    "hybrid_cp_algo": ("hybrid", "zigzag"),
+}
+# the same under --reset-attention-mask (MindSpeed's get_batch_on_this_cp_rank)
+DOCUMENT_CP_ALGO_MAP = {
+    "ulysses_cp_algo": ("ulysses", "contiguous"),
+    "kvallgather_cp_algo": ("allgather", "contiguous"),
+    "megatron_cp_algo": ("allgather", "doc_zigzag"),
 }
 # MindSpeed's default when --context-parallel-algo is not given
 DEFAULT_CP_ALGO = "megatron_cp_algo"
@@ -62,9 +74,10 @@ def register_laga_args(parser: ArgumentParser) -> None:
                             "overlap its backward reduce-scatter with the dq work")
 
 
-def cp_algo_and_layout(context_parallel_algo: str):
-    """(core cp_algo, core layout) for a MindSpeed --context-parallel-algo, or None."""
-    return CP_ALGO_MAP.get(context_parallel_algo)
+def cp_algo_and_layout(context_parallel_algo: str, documents: bool = False):
+    """(core cp_algo, core layout) for a MindSpeed --context-parallel-algo, or None;
+    ``documents``: under --reset-attention-mask."""
+    return (DOCUMENT_CP_ALGO_MAP if documents else CP_ALGO_MAP).get(context_parallel_algo)
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,8 @@ class MindSpeedLAGASettings:
     trim_causal_prefix: bool = False
     overlap: bool = False
     pad_v: bool = False
+    # --reset-attention-mask: documents from MindSpeed's actual_seq_len
+    documents: bool = False
 
     def core_options(self) -> dict:
         """Keywords of ``laga_attention`` besides the tensors, scale and group."""
@@ -94,12 +109,15 @@ LagaSettings = MindSpeedLAGASettings
 def laga_settings(args: Namespace) -> MindSpeedLAGASettings:
     """Settings for the core; ``validate_args`` has already rejected unmapped algorithms."""
     algo = getattr(args, "context_parallel_algo", None) or DEFAULT_CP_ALGO
-    mapped = cp_algo_and_layout(algo)
+    documents = bool(getattr(args, "reset_attention_mask", False))
+    mapped = cp_algo_and_layout(algo, documents)
     if mapped is None:
-        raise ValueError(f"{FLAG} does not support --context-parallel-algo {algo}; "
-                         f"use one of {sorted(CP_ALGO_MAP)}")
+        supported = DOCUMENT_CP_ALGO_MAP if documents else CP_ALGO_MAP
+        raise ValueError(f"{FLAG} does not support --context-parallel-algo {algo}"
+                         f"{' with --reset-attention-mask' if documents else ''}; "
+                         f"use one of {sorted(supported)}")
     cp_algo, layout = mapped
-    return MindSpeedLAGASettings(cp_algo=cp_algo, layout=layout,
+    return MindSpeedLAGASettings(cp_algo=cp_algo, layout=layout, documents=documents,
                                  kernel=getattr(args, "mla_laga_kernel", None) or "auto",
                                  recompute_kv=bool(getattr(args, "mla_laga_recompute_kv", False)),
                                  kv_block_size=getattr(args, "mla_laga_kv_block_size", None),

@@ -11,10 +11,11 @@ from __future__ import annotations
 import importlib.util
 from argparse import Namespace
 
-from .laga_args import CP_ALGO_MAP, DEFAULT_CP_ALGO, FLAG, cp_algo_and_layout
+from .laga_args import (CP_ALGO_MAP, DEFAULT_CP_ALGO, DOCUMENT_CP_ALGO_MAP, FLAG,
+                        cp_algo_and_layout)
 
-_PACKED = ("packed (THD) sequences are not covered by LAGA: train on unpacked causal "
-           "sequences (drop {flag}) or drop " + FLAG)
+_PACKED = ("this packed (THD) form is not covered by LAGA: pack documents with "
+           "--reset-attention-mask and --micro-batch-size 1 instead (drop {flag}), or drop " + FLAG)
 _UP_PROJ = ("LAGA rebuilds K/V itself after the latent all-gather, so this option of the "
             "original up-projection does not apply: drop {flag} or drop " + FLAG)
 
@@ -28,8 +29,6 @@ _INCOMPATIBLE = (
     ("enable_dsa_indexer", "--enable-dsa-indexer",
      "the DSA indexer needs sparse per-head attention that LAGA does not run: drop {flag} "
      "or drop " + FLAG),
-    ("reset_attention_mask", "--reset-attention-mask", _PACKED),
-    ("reset_position_ids", "--reset-position-ids", _PACKED),
     ("neat_pack", "--neat-pack", _PACKED),
     ("tp_2d", "--tp-2d",
      "2-D tensor parallelism splits the CP batch in its own way, not one LAGA knows: "
@@ -65,6 +64,7 @@ def check_laga_args(args: Namespace) -> bool:
         return False
     _check_incompatible(args)
     _check_attention_dropout(args)
+    _check_documents(args)
     cp_algo, layout = _check_cp_algo(args)
     _check_split(args, cp_size, cp_algo, layout)
     _check_kernel(args)
@@ -81,6 +81,8 @@ def _check_incompatible(args: Namespace) -> None:
         if getattr(args, attr, None):
             raise ValueError(f"{FLAG} with {flag} is not supported: " + why.format(flag=flag))
     for attr, value, flag, why in _INCOMPATIBLE_VALUES:
+        if attr == "shape_order" and _documents(args):
+            continue  # MindSpeed-LLM sets TND itself under --reset-attention-mask
         if getattr(args, attr, None) == value:
             raise ValueError(f"{FLAG} with {flag} is not supported: " + why.format(flag=flag))
     # Megatron adds biases to every linear unless told otherwise
@@ -100,22 +102,38 @@ def _check_attention_dropout(args: Namespace) -> None:
                          f"--attention-dropout 0.0, as the DeepSeek scripts do, or drop {FLAG}")
 
 
+def _documents(args: Namespace) -> bool:
+    return bool(getattr(args, "reset_attention_mask", False))
+
+
+def _check_documents(args: Namespace) -> None:
+    """--reset-attention-mask: one packed sequence per micro-batch (the document
+    boundaries MindSpeed keeps are those of one sequence)."""
+    if not _documents(args):
+        return
+    micro_batch = int(getattr(args, "micro_batch_size", None) or 1)
+    if micro_batch != 1:
+        raise ValueError(f"{FLAG} with --reset-attention-mask needs --micro-batch-size 1 (the "
+                         "document boundaries describe one packed sequence); got "
+                         f"--micro-batch-size {micro_batch}: pass --micro-batch-size 1 (raise "
+                         "--global-batch-size's accumulation instead), or drop " + FLAG)
+
+
 def _algo(args: Namespace) -> str:
     return getattr(args, "context_parallel_algo", None) or DEFAULT_CP_ALGO
 
 
 def _check_cp_algo(args: Namespace):
     algo = _algo(args)
-    mapped = cp_algo_and_layout(algo)
+    mapped = cp_algo_and_layout(algo, _documents(args))
     if mapped is not None:
         return mapped
-    if algo == "hybrid_cp_algo":
+    if algo == "hybrid_cp_algo" and _documents(args):
         raise ValueError(
-            f"{FLAG} with --context-parallel-algo hybrid_cp_algo is not supported: it nests "
-            "Ulysses groups inside a ring (two CP groups, each rank holding a contiguous piece "
-            "of a zigzag chunk pair), a layout LAGA does not cover. Use --context-parallel-algo "
-            "ulysses_cp_algo or kvallgather_cp_algo (the latent all-gather is 576 values per "
-            f"token), or drop {FLAG}")
+            f"{FLAG} with --context-parallel-algo hybrid_cp_algo and --reset-attention-mask is "
+            "not supported: MindSpeed splits packed documents per ring there, a layout LAGA "
+            f"does not cover. Use one of {', '.join(sorted(DOCUMENT_CP_ALGO_MAP))} with "
+            f"--reset-attention-mask, or drop {FLAG}")
     raise ValueError(f"{FLAG} with --context-parallel-algo {algo} is not supported: use one of "
                      f"{', '.join(sorted(CP_ALGO_MAP))}, or drop {FLAG}")
 
@@ -130,13 +148,31 @@ def _check_split(args: Namespace, cp_size: int, cp_algo: str, layout: str) -> No
             f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
             f"{tp_size} x --context-parallel-size {cp_size}; choose sizes whose product divides "
             "the heads, or use --context-parallel-algo kvallgather_cp_algo")
-    chunks = 2 * cp_size if layout == "zigzag" else cp_size
+    if cp_algo == "hybrid":
+        _check_hybrid(args, heads, tp_size, cp_size)
+    chunks = cp_size if layout == "contiguous" else 2 * cp_size
     if seq_length % chunks:
-        what = "2 x --context-parallel-size" if layout == "zigzag" else "--context-parallel-size"
+        what = "--context-parallel-size" if layout == "contiguous" else "2 x --context-parallel-size"
         raise ValueError(
             f"{FLAG} with --context-parallel-algo {_algo(args)} cuts the sequence into {what} "
             f"= {chunks} equal chunks: --seq-length {seq_length} is not divisible by {chunks}; "
             f"pad --seq-length to a multiple of {chunks}")
+
+
+def _check_hybrid(args: Namespace, heads: int, tp_size: int, cp_size: int) -> None:
+    """hybrid_cp_algo: heads split over each Ulysses group of --ulysses-degree-in-cp ranks."""
+    degree = getattr(args, "ulysses_degree_in_cp", None)
+    if not degree or degree <= 1 or cp_size % degree or degree == cp_size:
+        raise ValueError(
+            f"{FLAG} with --context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp U "
+            f"with 1 < U < --context-parallel-size {cp_size} and U dividing it; got {degree}: "
+            "set it, or use --context-parallel-algo ulysses_cp_algo or kvallgather_cp_algo")
+    if heads % (tp_size * degree):
+        raise ValueError(
+            f"{FLAG} with hybrid_cp_algo splits each TP rank's heads over the Ulysses group: "
+            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
+            f"{tp_size} x --ulysses-degree-in-cp {degree}; choose sizes whose product divides "
+            "the heads")
 
 
 def _check_kernel(args: Namespace) -> None:

@@ -1,12 +1,14 @@
 #!/bin/bash
 # DeepSeek-V3 (671B) pretraining on Ascend with context parallelism, with or without LAGA.
 #
-# Modelled on MindSpeed-LLM's examples/mcore/deepseek3/pretrain_deepseek3_671b_4k_ptd.sh.
-# Differences from that script:
-#   - CP=2 (CP_TYPE kvallgather_cp_algo by default; ulysses_cp_algo and megatron_cp_algo
-#     also work with LAGA, hybrid_cp_algo does not), so DP halves at the same world size;
-#   - no --reset-attention-mask: LAGA covers unpacked causal sequences, and the baseline
-#     (LAGA=0) drops it too so both runs train on the same data layout;
+# MindSpeed-LLM's examples/mcore/deepseek3/pretrain_deepseek3_671b_4k_ptd.sh, flag for
+# flag (packed documents with --reset-attention-mask included), except:
+#   - CP=2 (CP_TYPE ulysses_cp_algo as upstream; kvallgather_cp_algo and megatron_cp_algo
+#     also work with LAGA, and hybrid_cp_algo with ULYSSES_DEGREE=U and RESET_MASK=0),
+#     so DP halves at the same world size;
+#   - with CP > 1 the DualPipe group (--schedules-method dualpipev --moe-fb-overlap) is
+#     left out: MindSpeed rejects dualpipev with context parallelism, and --moe-fb-overlap
+#     with --noop-layers then needs a virtual pipeline;
 #   - LAGA=1 (default) adds --mla-latent-all-gather and launches through
 #     `-m mindspeed_laga.launch`, the one-line change docs/INTEGRATION.md describes.
 #
@@ -52,7 +54,9 @@ TP=4
 PP=8
 EP=32
 CP=${CP:-2}
-CP_TYPE=${CP_TYPE:-kvallgather_cp_algo}
+CP_TYPE=${CP_TYPE:-ulysses_cp_algo}
+ULYSSES_DEGREE=${ULYSSES_DEGREE:-}   # hybrid_cp_algo's --ulysses-degree-in-cp
+RESET_MASK=${RESET_MASK:-1}          # packed documents, as upstream
 NUM_LAYERS=64
 SEQ_LEN=${SEQ_LEN:-4096}   # a multiple of 2*CP (zigzag) and of CP (ulysses)
 MBS=1
@@ -81,6 +85,9 @@ CP_ARGS="
     --context-parallel-size ${CP} \
     --context-parallel-algo ${CP_TYPE} \
 "
+[ -n "$ULYSSES_DEGREE" ] && CP_ARGS="$CP_ARGS --ulysses-degree-in-cp $ULYSSES_DEGREE"
+RESET_ARGS=""
+[ "$RESET_MASK" = "1" ] && RESET_ARGS="--reset-attention-mask"
 
 LAUNCHER=""
 LAGA_ARGS=""
@@ -140,6 +147,7 @@ DUALPIPE_ARGS="
     --moe-fb-overlap \
     --schedules-method dualpipev \
 "
+[ "$CP" -gt 1 ] && DUALPIPE_ARGS=""  # MindSpeed: dualpipev and context parallelism exclude
 
 MEM_ARGS="
     --swap-optimizer \
@@ -152,6 +160,7 @@ MEM_ARGS="
 
 GPT_ARGS="
     --spec mindspeed_llm.tasks.models.spec.deepseek_spec layer_spec \
+    $RESET_ARGS \
     --gemm-gradient-accumulation-fusion \
     --noop-layers 61,62,63 \
     --manual-gc \

@@ -19,6 +19,8 @@ def upstream_flags(parser):
     add("--seq-length", type=int, default=None)
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--context-parallel-size", type=int, default=1)
+    add("--micro-batch-size", type=int, default=None)
+    add("--ulysses-degree-in-cp", type=int, default=None)
     add("--context-parallel-algo", default="megatron_cp_algo",
         choices=["megatron_cp_algo", "hybrid_cp_algo", "hybrid_adaptive_cp_algo",
                  "kvallgather_cp_algo", "ulysses_cp_algo"])

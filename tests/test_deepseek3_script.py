@@ -1,5 +1,6 @@
-"""scripts/pretrain_deepseek3_laga.sh, dry-run: the LAGA=1 toggle changes exactly the
-launcher and LAGA's flags, and the flags it passes satisfy LAGAFeature's checks."""
+"""scripts/pretrain_deepseek3_laga.sh, dry-run: at CP=1 and LAGA=0 it is MindSpeed-LLM's
+stock DeepSeek-V3 recipe flag for flag; the LAGA=1 toggle changes exactly the launcher
+and LAGA's flags, and the flags it passes satisfy LAGAFeature's checks."""
 import os
 import shlex
 import subprocess
@@ -45,12 +46,50 @@ def test_laga_toggle_adds_launcher_and_flags_only():
 def test_script_flags_pass_laga_validation(cp_type):
     args = validate(dry_run(LAGA="1", CP_TYPE=cp_type))
     assert args.mla_latent_all_gather and args.context_parallel_size == 2
-    assert not args.reset_attention_mask  # LAGA rejects packed sequences
+    assert args.reset_attention_mask and args.micro_batch_size == 1  # packed, as upstream
 
 
-def test_an_unsupported_override_is_caught():
-    with pytest.raises(ValueError, match="hybrid_cp_algo"):
-        validate(dry_run(LAGA="1", CP_TYPE="hybrid_cp_algo"))
+def test_hybrid_runs_unpacked_and_packed_hybrid_is_caught():
+    args = validate(dry_run(LAGA="1", CP="4", CP_TYPE="hybrid_cp_algo", ULYSSES_DEGREE="2",
+                            RESET_MASK="0"))
+    assert args.ulysses_degree_in_cp == 2 and not args.reset_attention_mask
+    with pytest.raises(ValueError, match="hybrid_cp_algo and --reset-attention-mask"):
+        validate(dry_run(LAGA="1", CP="4", CP_TYPE="hybrid_cp_algo", ULYSSES_DEGREE="2"))
+
+
+def _flags(argv):
+    """{flag: [its values, per occurrence]} of a pretrain_gpt.py argument list."""
+    flags, current = {}, None
+    for token in argv:
+        if token.startswith("--"):
+            current = flags.setdefault(token, [])
+            current.append([])
+        else:
+            current[-1].append(token)
+    return flags
+
+
+PATH_FLAGS = ("--save", "--load", "--data-path", "--tokenizer-name-or-path")
+
+
+def test_without_cp_and_laga_it_is_the_stock_recipe(host_sources):
+    from test_stock_recipe import RECIPE_DIR, RECIPES, recipe_argv
+
+    stock, _world = recipe_argv(Path(host_sources["MINDSPEED_LLM_SRC"]) / RECIPE_DIR / RECIPES[0],
+                                "ulysses_cp_algo")
+    stock = _flags(stock)
+    ours = _flags(script_args(dry_run(LAGA="0", CP="1")))
+    stock["--context-parallel-size"] = [["1"]]  # the stock test sets CP=8
+    for flag in PATH_FLAGS:
+        assert len(stock.pop(flag)) == len(ours.pop(flag)) == 1, flag
+    assert ours == stock
+
+
+def test_with_cp_only_the_dualpipe_group_goes():
+    at_cp1, at_cp2 = _flags(script_args(dry_run(LAGA="0", CP="1"))), _flags(
+        script_args(dry_run(LAGA="0")))
+    gone = set(at_cp1) - set(at_cp2)
+    assert gone == {"--schedules-method", "--moe-fb-overlap"} and not set(at_cp2) - set(at_cp1)
 
 
 def test_option_toggles_reach_the_feature():

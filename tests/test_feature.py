@@ -83,6 +83,20 @@ def test_feature_name_and_is_need_apply():
 @pytest.mark.parametrize("algo", ["ulysses_cp_algo", "kvallgather_cp_algo", "megatron_cp_algo"])
 def test_supported_configurations_validate(algo):
     validate(VALID + ["--context-parallel-algo", algo])
+    validate(VALID + ["--context-parallel-algo", algo, "--reset-attention-mask",
+                      "--reset-position-ids", "--micro-batch-size", "1"])
+
+
+def test_tnd_shape_order_is_accepted_with_documents():
+    # MindSpeed-LLM's training_basic feature sets --shape-order TND under --reset-attention-mask
+    validate(VALID + ["--reset-attention-mask", "--micro-batch-size", "1", "--shape-order", "TND"])
+
+
+def test_hybrid_validates_with_a_ulysses_degree_dividing_heads_and_cp():
+    # 8 heads, TP 2 x U 2 = 4 divides them; CP 4 = ring 2 x U 2
+    validate(VALID[:-3] + ["--context-parallel-size", "4", "--context-parallel-algo",
+                           "hybrid_cp_algo", "--ulysses-degree-in-cp", "2",
+                           "--tensor-model-parallel-size", "2", "--mla-latent-all-gather"])
 
 
 def test_disabled_feature_validates_nothing():
@@ -94,8 +108,7 @@ REJECTED = [
     (["--enable-mla-absorb"], "--enable-mla-absorb"),
     (["--use-sparse-flash-attn"], "--use-sparse-flash-attn"),
     (["--enable-dsa-indexer"], "--enable-dsa-indexer"),
-    (["--reset-attention-mask"], "--reset-attention-mask"),
-    (["--reset-position-ids"], "--reset-position-ids"),
+    (["--reset-attention-mask", "--micro-batch-size", "2"], "--micro-batch-size 1"),
     (["--neat-pack"], "--neat-pack"),
     (["--shape-order", "TND"], "--shape-order TND"),
     (["--attention-mask-type", "general"], "--attention-mask-type general"),
@@ -107,7 +120,20 @@ REJECTED = [
     (["--add-qkv-bias"], "--add-qkv-bias"),
     (["--fp8-format", "hybrid"], "--fp8-format"),
     (["--recompute-granularity", "selective"], "--recompute-granularity selective"),
-    (["--context-parallel-algo", "hybrid_cp_algo"], "hybrid_cp_algo"),
+    (["--context-parallel-algo", "hybrid_cp_algo"], "--ulysses-degree-in-cp"),
+    (["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2",
+      "--reset-attention-mask", "--micro-batch-size", "1"], "--reset-attention-mask"),
+    # 8 heads over TP 4 x U 4 = 16 (CP 8 = ring 2 x U 4)
+    (["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "4",
+      "--context-parallel-size", "8", "--tensor-model-parallel-size", "4"],
+     "--ulysses-degree-in-cp 4"),
+    # hybrid zigzag: 2 x CP = 8 chunks; 68 % 8 != 0
+    (["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2",
+      "--context-parallel-size", "4", "--seq-length", "68"], "--seq-length 68"),
+    # documents, megatron_cp: every document in 2 x CP chunks -> seq 2 x CP divisible
+    (["--context-parallel-algo", "megatron_cp_algo", "--reset-attention-mask",
+      "--micro-batch-size", "1", "--context-parallel-size", "4", "--seq-length", "68"],
+     "2 x --context-parallel-size"),
     (["--context-parallel-algo", "hybrid_adaptive_cp_algo"], "hybrid_adaptive_cp_algo"),
     # 8 heads over TP 2 x CP 8 = 16
     (["--context-parallel-algo", "ulysses_cp_algo", "--tensor-model-parallel-size", "2",
@@ -195,11 +221,40 @@ def test_npu_kernel_without_torch_npu_is_rejected():
     ("ulysses_cp_algo", ("ulysses", "contiguous")),
     ("kvallgather_cp_algo", ("allgather", "zigzag")),
     ("megatron_cp_algo", ("allgather", "zigzag")),
+    ("hybrid_cp_algo", ("hybrid", "zigzag")),
 ])
 def test_cp_algo_mapping(algo, expected):
     settings = laga_settings(parse(VALID + ["--context-parallel-algo", algo,
                                             "--mla-laga-kernel", "eager"]))
     assert (settings.cp_algo, settings.layout, settings.kernel) == expected + ("eager",)
+    assert settings.documents is False
+
+
+# MindSpeed's get_batch_on_this_cp_rank under --reset-attention-mask (causal):
+# ulysses and kvallgather take CP contiguous slices, megatron_cp zigzags every document
+@pytest.mark.parametrize("algo,expected", [
+    ("ulysses_cp_algo", ("ulysses", "contiguous")),
+    ("kvallgather_cp_algo", ("allgather", "contiguous")),
+    ("megatron_cp_algo", ("allgather", "doc_zigzag")),
+])
+def test_cp_algo_mapping_with_documents(algo, expected):
+    args = validate(VALID + ["--context-parallel-algo", algo, "--reset-attention-mask",
+                             "--reset-position-ids", "--micro-batch-size", "1"])
+    settings = laga_settings(args)
+    assert (settings.cp_algo, settings.layout, settings.documents) == expected + (True,)
+
+
+def test_document_layouts_are_mindspeeds(host_sources):
+    """The branch of MindSpeed's get_batch_on_this_cp_rank each algo takes under
+    --reset-attention-mask, read from its source: ulysses/kvallgather -> the
+    contiguous split, the others -> the per-document (eod padding) zigzag."""
+    root = Path(host_sources["MINDSPEED_SRC"])
+    source = (root / "mindspeed" / "core" / "context_parallel" / "get_batch_utils.py").read_text()
+    branch = source[source.index("if args.reset_attention_mask and"):]
+    branch = branch[:branch.index("elif")]
+    assert "['ulysses_cp_algo', 'kvallgather_cp_algo']" in branch
+    assert "_get_batch_on_this_cp_rank_in_ulysses_cp(batch)" in branch
+    assert "_get_batch_on_this_cp_rank_in_megatron_cp_eod_padding" in branch
 
 
 def test_default_cp_algo_maps_like_megatron_cp_algo():
@@ -208,8 +263,11 @@ def test_default_cp_algo_maps_like_megatron_cp_algo():
 
 
 def test_unmapped_cp_algo_has_no_settings():
-    with pytest.raises(ValueError, match="hybrid_cp_algo"):
-        laga_settings(parse(VALID + ["--context-parallel-algo", "hybrid_cp_algo"]))
+    with pytest.raises(ValueError, match="hybrid_adaptive_cp_algo"):
+        laga_settings(parse(VALID + ["--context-parallel-algo", "hybrid_adaptive_cp_algo"]))
+    with pytest.raises(ValueError, match="hybrid_cp_algo with --reset-attention-mask"):
+        laga_settings(parse(VALID + ["--context-parallel-algo", "hybrid_cp_algo",
+                                     "--reset-attention-mask"]))
 
 
 # --- patch registration --------------------------------------------------------------------
