@@ -9,7 +9,7 @@ exact sizes, both read off the tensors handed to the collective:
 
 - ``payload``: this rank's sequence-sharded tensor (the all-gather input, the
   reduce-scatter output, the all-to-all input). ``payload * (P-1)/P`` is the
-  convention of DESIGN.md section 2 and of the paper.
+  convention of the paper (docs/DESIGN.md, sections 'Communication' and 'Byte counter').
 - ``wire``: the bytes this rank sends to other ranks under the standard
   algorithms (ring all-gather / reduce-scatter: ``(P-1) * shard``; all-to-all:
   ``(P-1)/P`` of the input). This is what a link actually carries.
@@ -70,7 +70,7 @@ class CommCounter:
                    and (group is None or r.group == group))
 
     def design_bytes(self, direction: Optional[str] = None) -> float:
-        """DESIGN.md section 2 convention: payload * (P-1)/P, summed."""
+        """payload * (P-1)/P, summed: the paper's convention (docs/DESIGN.md, section 'Byte counter')."""
         return sum(r.payload * (r.group_size - 1) / r.group_size for r in self.records
                    if r.kind in DATA_KINDS and (direction is None or r.direction == direction))
 

@@ -9,7 +9,7 @@ fixture (tests/thirdparty.py), or directly:
 
 (six, regex, pyyaml, tqdm and einops must be importable, e.g. via PYTHONPATH.)
 The sources go first on sys.path, so Megatron core_v0.12.1 shadows an installed
-megatron-core. Following DESIGN.md section 8: ``TRAINING_BACKEND=none`` (no
+megatron-core. Following docs/DESIGN.md, section 'MindSpeed-LLM on CPU': ``TRAINING_BACKEND=none`` (no
 MindSpeed patches, no ``transfer_to_npu``), stub modules for what is missing
 (torch_npu, transformer_engine, scipy, torchair, acl, apex; any attribute is a
 class that also passes decorated functions through), ``torch.cuda.current_device``
@@ -33,7 +33,7 @@ What it checks (exit status 0 = all passed):
    parameter grad (TP shards concatenated, replicated grads summed over SP
    ranks, all summed over CP ranks as Megatron's reduction does). Runs: the LAGA
    path at TP = CP = 1; the patched forward at CP = 2 for all three mapped
-   algorithms (config.context_parallel_size = 1, as MindSpeed sets it); TP = 2
+   algorithms (config.context_parallel_size = 1, as MindSpeed sets it while building its CP attention, so the patch must not read it); TP = 2
    with sequence parallelism and CP = 2; TP = 2 without it at CP = 1 and 2
    (reference: the real forward at TP = 2, see ``check_numerics``).
 3. Packed documents (``--reset-attention-mask --reset-position-ids``, micro-batch 1,
@@ -243,7 +243,7 @@ def check_pipeline() -> None:
         patched = mla.CustomMLASelfAttention.forward
         assert patched.__wrapped__ is original and patched.__code__ is \
             laga_mla_forward_wrapper(original).__code__
-    finally:  # remove_patches does not always restore class methods (DESIGN.md section 8)
+    finally:  # remove_patches skips modules named *mindspeed* (docs/DESIGN.md, section 'Host facts')
         MindSpeedPatchesManager.remove_patches()
         mla.CustomMLASelfAttention.forward = original
     print("pipeline: ok")
@@ -271,7 +271,7 @@ def _build(argv, tp_size, cp_size, sequence_parallel):
             initialize_context_parallel_group_for_hybrid_cp)
         initialize_context_parallel_group_for_hybrid_cp(tp_size, 1, cp_size, {})
     config = core_transformer_config_from_args(args)
-    config.context_parallel_size = 1  # what MindSpeed's CP attention leaves in the shared config
+    config.context_parallel_size = 1  # what code sees while MindSpeed's CP attention is built: the patch must not depend on the config
     submodules = mla.get_mla_self_attn_submodules(
         qk_layernorm=args.qk_layernorm, mla_mm_split=args.mla_mm_split, enable_dsa_indexer=False)
     torch.manual_seed(SEED)  # with CPU initialization every TP rank slices the same master weights

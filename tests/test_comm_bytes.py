@@ -1,4 +1,4 @@
-"""The byte counter against the per-token formulas of DESIGN.md section 2.
+"""The byte counter against the per-token formulas of docs/DESIGN.md, section 'Communication'.
 
 DESIGN counts, per token and layer, the values a rank hands to the
 collectives times (P-1)/P. The counter reads the real tensors; these tests
@@ -15,7 +15,7 @@ SHAPE = eq.MLAShape(seq_len=32, heads=8, qk_head_dim=16, rope_dim=8, v_head_dim=
 
 
 def values_per_token(form, cp_algo, s):
-    """DESIGN.md section 2 (explicit, LAGA) and the absorbed form's own exchange."""
+    """docs/DESIGN.md, section 'Communication' (explicit, absorbed, LAGA)."""
     n, d_n, d_r, d_v, d_c = s.heads, s.qk_head_dim, s.rope_dim, s.v_head_dim, s.kv_lora_rank
     table = {
         ("explicit", "allgather"): n * (d_n + d_r + d_v),

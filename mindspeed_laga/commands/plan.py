@@ -1,7 +1,7 @@
 """``mindspeed-laga plan``: the cost model's table for one configuration.
 
 Per layer and per CP rank, for every form and LAGA option: collective bytes
-(DESIGN.md's payload*(P-1)/P and the wire bytes a rank sends), activation
+(the paper's payload*(P-1)/P and the wire bytes a rank sends), activation
 bytes saved for backward by the attention block (eager and fused kernels),
 attention and K/V-rebuild FLOPs, each beside explicit. With --device-memory
 and --num-layers: whether each form's attention activations fit. With the
@@ -157,7 +157,7 @@ def build_plan(args) -> dict:
     kernels = kernels_from_args(args)
     plan = {"config": cm.config_summary(configs[0]), "units": {
         "bytes": "per layer, per CP rank", "flops": "per layer, per CP rank (worst rank)",
-        "comm_design": "payload*(P-1)/P (DESIGN.md section 2, the paper's convention)",
+        "comm_design": "payload*(P-1)/P (the paper's convention; docs/DESIGN.md, section 'Communication')",
         "comm_wire": "bytes this rank sends (ring all-gather/reduce-scatter: (P-1) shards)"},
         "algos": {}}
     plan["config"]["cp_algo"] = [c.cp_algo for c in configs]
@@ -178,7 +178,7 @@ def build_plan(args) -> dict:
 
 
 def trade_off_notes(rows: Dict[str, dict]) -> Dict[str, float]:
-    """DESIGN.md section 9's trade-offs as numbers (fused kernel rows unless only eager)."""
+    """The allgather trade-offs of docs/DESIGN.md, sections 'Memory' and 'FLOPs', as numbers (fused kernel rows unless only eager)."""
     ex, ab, la = rows["explicit"], rows["absorbed"], rows["laga"]
 
     def comm(r):

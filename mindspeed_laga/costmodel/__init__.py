@@ -8,7 +8,7 @@ absorbed, LAGA and LAGA's options, forward and backward:
   (``payload`` = this rank's sequence-sharded tensor handed to the
   collective; ``wire`` = the bytes this rank sends: ring all-gather /
   reduce-scatter ``(P-1) * payload``, all-to-all ``payload * (P-1)/P``) and
-  DESIGN.md section 2's ``payload * (P-1)/P``. Equal to ``comm.count_bytes``
+  the paper's ``payload * (P-1)/P`` (docs/DESIGN.md, section 'Communication'). Equal to ``comm.count_bytes``
   exactly (tests/test_costmodel.py).
 - ``saved``: activation bytes autograd keeps for backward inside the
   attention call, one named term per tensor *storage* (a view keeps its whole

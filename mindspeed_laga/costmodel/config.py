@@ -30,7 +30,7 @@ NPU_MASK_BYTES = 2048 * 2048  # the compressed causal mask (bool), cached and sh
 INDEX_BYTES = 8               # int64 position-order index
 
 PRESETS = {
-    # config.json of deepseek-ai/DeepSeek-V3 (and DESIGN.md section 5's pretrain flags)
+    # config.json of deepseek-ai/DeepSeek-V3 (and the MLA flags of scripts/pretrain_deepseek3_laga.sh)
     "deepseek-v3": ModelDims(heads=128, qk_head_dim=128, rope_dim=64, v_head_dim=128,
                              kv_lora_rank=512, hidden_size=7168, q_lora_rank=1536),
     # config.json of deepseek-ai/DeepSeek-V2-Lite: no q_lora (q_proj straight from hidden)

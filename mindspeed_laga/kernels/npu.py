@@ -1,6 +1,6 @@
 """Ascend ``torch_npu.npu_fusion_attention``.
 
-The recipe of DESIGN.md section 3: keys are sliced to the segment's causal
+The recipe of docs/DESIGN.md, section 'Kernels': keys are sliced to the segment's causal
 prefix and the call uses ``sparse_mode=3`` (right-down causal) with the
 compressed 2048x2048 ``triu(diagonal=1)`` bool mask (True = masked). Layout
 BNSD; ``n_k`` may divide ``n`` (grouped heads).
