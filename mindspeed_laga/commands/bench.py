@@ -178,7 +178,8 @@ def build_runs(args, cp_size: int, device_type: str):
                 case = Case(spec=v, cp_algo=algo, layout=layout, kernel=kernel, dtype=args.dtype,
                             shape=shape, cu_seqlens=bounds)
                 runs.append(case)
-                models.append(cm.form_cost(case_config(case, cp_size, device_type), v, 0))
+                model_cfg = replace(case_config(case, cp_size, device_type), ulysses_degree=degree)
+                models.append(cm.form_cost(model_cfg, v, 0))
     return runs, models
 
 
