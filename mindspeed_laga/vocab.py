@@ -37,15 +37,8 @@ Segment = Tuple[int, int, int]  # (local_start, length, global_start)
 Documents = Optional[Tuple[int, ...]]  # cu_seqlens: global document boundaries, 0 ... S
 
 
-@dataclass(frozen=True)
-class MLADims:
-    """MLA sizes as one TP rank holds them (DeepSeek-V3 at TP=1: 128, 128, 64, 128, 512)."""
-
-    heads: int          # n: heads on this TP rank
-    qk_head_dim: int    # d_n
-    rope_dim: int       # d_r (qk_pos_emb_head_dim)
-    v_head_dim: int     # d_v
-    kv_lora_rank: int   # d_c
+class _DerivedDims:
+    """The widths both kinds of dims derive alike."""
 
     @property
     def qk_dim(self) -> int:
@@ -59,7 +52,18 @@ class MLADims:
 
 
 @dataclass(frozen=True)
-class ModelDims:
+class MLADims(_DerivedDims):
+    """MLA sizes as one TP rank holds them (DeepSeek-V3 at TP=1: 128, 128, 64, 128, 512)."""
+
+    heads: int          # n: heads on this TP rank
+    qk_head_dim: int    # d_n
+    rope_dim: int       # d_r (qk_pos_emb_head_dim)
+    v_head_dim: int     # d_v
+    kv_lora_rank: int   # d_c
+
+
+@dataclass(frozen=True)
+class ModelDims(_DerivedDims):
     """MLA sizes of the whole model (heads before TP), as a model config states them."""
 
     heads: int
@@ -69,14 +73,6 @@ class ModelDims:
     kv_lora_rank: int
     hidden_size: Optional[int] = None   # only for the query-projection (overlap) estimate
     q_lora_rank: Optional[int] = None
-
-    @property
-    def qk_dim(self) -> int:
-        return self.qk_head_dim + self.rope_dim
-
-    @property
-    def latent_dim(self) -> int:
-        return self.kv_lora_rank + self.rope_dim
 
     def per_tp_rank(self, tp_size: int) -> MLADims:
         """The sizes one of ``tp_size`` tensor-parallel ranks holds."""

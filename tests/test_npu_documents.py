@@ -19,7 +19,8 @@ import torch
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.spawn import run_on_ranks
 
-from test_documents import FORMS, S, SCALE, document_sets, doc_zigzag_ok, full_inputs, reference
+from test_documents import (FORMS, S, SCALE, assemble, document_sets, doc_zigzag_ok, full_inputs,
+                            reference)
 
 try:
     from . import fake_torch_npu
@@ -96,19 +97,6 @@ def worker(rank, cp, cases):
     module = fake_torch_npu.install()
     group = dist.group.WORLD if cp > 1 else None
     return [run_case(rank, cp, case, group, module) for case in cases]
-
-
-def assemble(per_rank, case, cp):
-    if cp == 1:
-        return per_rank[0]["out"], per_rank[0]["grads"]
-    bounds = case["bounds"]
-
-    def full(parts):
-        return layouts.unshard(parts, case["layout"], cu_seqlens=bounds)
-
-    grads = {k: full([r["grads"][k] for r in per_rank]) for k in ("query", "kv_latent", "k_pos_emb")}
-    grads["kv_up_weight"] = sum(r["grads"]["kv_up_weight"] for r in per_rank)
-    return full([r["out"] for r in per_rank]), grads
 
 
 _RESULTS = {}
