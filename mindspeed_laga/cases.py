@@ -55,6 +55,7 @@ class Case:
     options: tuple = ()
     spec: Optional[RunSpec] = None
     cu_seqlens: Optional[Tuple[int, ...]] = None   # packed documents' global boundaries (batch 1)
+    ulysses_degree: int = 1                        # cp_algo="hybrid": U (its layout too)
 
     def __post_init__(self):
         if self.spec is None:
@@ -91,4 +92,5 @@ def shard(t: torch.Tensor, case: Case, rank: int, cp_size: int) -> torch.Tensor:
     """This rank's part of a full input; ``kv_up_weight`` is replicated over CP."""
     if t.dim() == 2:
         return t.clone()
-    return layouts.shard(t, case.layout, cp_size, rank, cu_seqlens=case.cu_seqlens)
+    return layouts.shard(t, case.layout, cp_size, rank, cu_seqlens=case.cu_seqlens,
+                         ulysses_degree=case.ulysses_degree)

@@ -30,12 +30,13 @@ def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: 
 
 def assemble(per_rank: List[dict], case: Case) -> dict:
     """Rank shards -> full output and grads (weight grads summed over ranks)."""
-    grads = {}
-    for name in INPUTS:
-        parts = [r["grads"][name].double() for r in per_rank]
-        grads[name] = sum(parts) if name == "kv_up_weight" else layouts.unshard(parts, case.layout)
-    return {"out": layouts.unshard([r["out"].double() for r in per_rank], case.layout),
-            "grads": grads}
+    def full(parts):
+        return layouts.unshard([p.double() for p in parts], case.layout, cu_seqlens=case.cu_seqlens,
+                               ulysses_degree=case.ulysses_degree)
+
+    grads = {name: (sum(r["grads"][name].double() for r in per_rank) if name == "kv_up_weight"
+                    else full([r["grads"][name] for r in per_rank])) for name in INPUTS}
+    return {"out": full([r["out"] for r in per_rank]), "grads": grads}
 
 
 def reference(case: Case) -> dict:

@@ -111,9 +111,10 @@ def _projection_weight(case: Case, device, dtype):
 
 
 def run_on_rank(case: Case, rank: int, cp_size: int, group, repeat: int = 1, warmup: int = 0,
-                count_flops: bool = False, device=None) -> dict:
+                count_flops: bool = False, device=None, ulysses_group=None) -> dict:
     """Forward+backward of one case on this rank, ``warmup + repeat`` times
-    (``device``: where to run; default the device the process group drives, or the CPU)."""
+    (``device``: where to run; default the device the process group drives, or the CPU;
+    ``ulysses_group``: this rank's Ulysses group for ``cp_algo="hybrid"``)."""
     device = torch.device(device) if device is not None else _device()
     dtype = DTYPES[case.dtype]
     full = full_inputs(case.shape, case.seed)
@@ -136,7 +137,7 @@ def run_on_rank(case: Case, rank: int, cp_size: int, group, repeat: int = 1, war
             if dist.is_initialized() and cp_size > 1:
                 dist.barrier(group=group)
             start = time.perf_counter()
-            out = _forward(fn, local, case, cp_group, proj, saved)
+            out = _forward(fn, local, case, cp_group, proj, saved, ulysses_group)
             out.backward(grad_out)
             if mem is not None:
                 mem.synchronize()
@@ -149,19 +150,22 @@ def run_on_rank(case: Case, rank: int, cp_size: int, group, repeat: int = 1, war
                   "saved_bytes": saved.bytes,
                   "saved": list(saved.storages.values()),
                   "peak_bytes": (mem.max_memory_allocated() - base) if mem is not None else None,
-                  "flops": _flop_totals(flop_mode) if count_flops and i == warmup + repeat - 1 else None}
+                  "flops": _flop_totals(flop_mode) if count_flops and i == warmup + repeat - 1 else None,
+                  "wire_by_group": _wire_by_group(counter)}
     timed = times[warmup:] or times
     result["seconds"] = statistics.median(timed)
     return result
 
 
-def _forward(fn, local, case: Case, cp_group, proj, saved: SavedBytes):
+def _forward(fn, local, case: Case, cp_group, proj, saved: SavedBytes, ulysses_group=None):
     """The attention call (saved tensors counted inside it only), optionally after a
     stand-in query projection, with the latent gather started before it (overlap)."""
     query = local["query"]
     kwargs = case.spec.options()
     if case.cu_seqlens is not None:
         kwargs["cu_seqlens"] = list(case.cu_seqlens)
+    if ulysses_group is not None:
+        kwargs["ulysses_group"] = ulysses_group
     # Without CP there is no gather to overlap: the case runs plain.
     if case.spec.overlap and cp_group is not None:
         from .overlap import start_latent_gather
@@ -179,6 +183,15 @@ def _forward(fn, local, case: Case, cp_group, proj, saved: SavedBytes):
                   softmax_scale=case.shape.softmax_scale, cp_group=cp_group, cp_algo=case.cp_algo,
                   layout=case.layout, causal=case.causal, kernel=case.kernel,
                   qk_head_dim=case.shape.qk_head_dim, v_head_dim=case.shape.v_head_dim, **kwargs)
+
+
+def _wire_by_group(counter) -> Dict[str, int]:
+    """Wire bytes of the data collectives by group ("cp"; hybrid: "ulysses", "ring")."""
+    out: Dict[str, int] = {}
+    for r in counter.records:
+        if r.kind in comm.DATA_KINDS:
+            out[r.group] = out.get(r.group, 0) + r.wire
+    return out
 
 
 def _comm_seconds(counter) -> Dict[str, float]:
@@ -233,7 +246,7 @@ def case_config(case: Case, cp_size: int, device_type: str = "cpu"):
     doc_lens = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])) if bounds else None
     return cm.Config(ModelDims(s.heads, s.qk_head_dim, s.rope_dim, s.v_head_dim, s.kv_lora_rank),
                      s.seq_len, s.batch, cp_size, 1, case.cp_algo, case.layout, case.dtype, kernel,
-                     case.causal, doc_lens=doc_lens)
+                     case.causal, doc_lens=doc_lens, ulysses_degree=case.ulysses_degree)
 
 
 def predicted_peak(case: Case, cp_size: int = 1, rank: int = 0, device_type: str = "cpu"):

@@ -176,10 +176,10 @@ def build_runs(args, cp_size: int, device_type: str):
             for v in variants:
                 kernel = "auto" if v.recompute_kv else args.kernel
                 case = Case(spec=v, cp_algo=algo, layout=layout, kernel=kernel, dtype=args.dtype,
-                            shape=shape, cu_seqlens=bounds)
+                            shape=shape, cu_seqlens=bounds,
+                            ulysses_degree=degree if algo == HYBRID else 1)
                 runs.append(case)
-                model_cfg = replace(case_config(case, cp_size, device_type), ulysses_degree=degree)
-                models.append(cm.form_cost(model_cfg, v, 0))
+                models.append(cm.form_cost(case_config(case, cp_size, device_type), v, 0))
     return runs, models
 
 
@@ -195,9 +195,7 @@ def make_rows(runs, models, per_rank: List[List[dict]], ulysses_degree: int = 1)
         key = (case.shape, case.dtype, case.seed, case.causal, case.cu_seqlens)
         if key not in refs:
             refs[key] = eq.reference(case) if case.cu_seqlens is None else document_reference(case)
-        full = (_assemble(ranks, case) if ulysses_degree == 1
-                else _assemble_hybrid(ranks, case, ulysses_degree))
-        err = max(eq.relative_errors(full, refs[key]).values())
+        err = max(eq.relative_errors(eq.assemble(ranks, case), refs[key]).values())
         r0 = ranks[0]
         fwd = _comm(r0, "forward", "payload")
         bwd = _comm(r0, "backward", "payload")
@@ -245,19 +243,6 @@ def _comm(result, direction, measure) -> int:
 
 def _group(r: dict) -> tuple:
     return r["seq_len"], r["cp_algo"], r["documents"]
-
-
-def _assemble(ranks: List[dict], case) -> dict:
-    """Rank shards -> full output and grads (``doc_zigzag`` needs the boundaries)."""
-    from .. import layout as layouts
-    from ..cases import INPUTS
-
-    def full(parts):
-        return layouts.unshard([p.double() for p in parts], case.layout, cu_seqlens=case.cu_seqlens)
-
-    grads = {k: (sum(r["grads"][k].double() for r in ranks) if k == "kv_up_weight"
-                 else full([r["grads"][k] for r in ranks])) for k in INPUTS}
-    return {"out": full([r["out"] for r in ranks]), "grads": grads}
 
 
 def document_reference(case) -> dict:
@@ -346,81 +331,17 @@ def _ulysses_groups(degree: int):
 def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmup: int) -> List[dict]:
     """:func:`run_on_ranks` entry for --cp-algo hybrid: one result per run, in the format
     of ``measure.run_on_rank`` plus the wire bytes per group."""
+    import torch.distributed as dist
+    from ..measure import run_on_rank
     group = _ulysses_groups(degree)
     out = []
     for i, case in enumerate(runs):
-        out.append(_run_hybrid(case, rank, cp_size, degree, group, repeat, warmup))
+        out.append(run_on_rank(case, rank, cp_size, dist.group.WORLD, repeat, warmup,
+                               ulysses_group=group))
         if rank == 0:
             print(f"  [{i + 1}/{len(runs)}] {case.spec.name} S={case.shape.seq_len} hybrid U={degree}",
                   flush=True)
     return out
-
-
-def _run_hybrid(case, rank, cp_size, degree, ulysses_group, repeat, warmup) -> dict:
-    import statistics
-    import torch
-    import torch.distributed as dist
-    from .. import api, comm, layout as layouts
-    from ..cases import DTYPES, INPUTS, full_inputs
-    from ..measure import SavedBytes, _projection_weight
-    dtype = DTYPES[case.dtype]
-    proj = _projection_weight(case, "cpu", dtype) if case.spec.query_projection else None
-    full = full_inputs(case.shape, case.seed)
-
-    def local(name):
-        t = full[name]
-        part = t.clone() if t.dim() == 2 else layouts.shard(t, case.layout, cp_size, rank,
-                                                             ulysses_degree=degree)
-        return part.to(dtype)
-
-    grad_out = local("grad_out")
-    times = []
-    for _ in range(warmup + repeat):
-        inputs = {k: local(k).requires_grad_() for k in INPUTS}
-        saved = SavedBytes(exclude=[inputs["kv_up_weight"]] + ([proj[0]] if proj else []))
-        options = case.spec.options()
-        query = inputs["query"]
-        with comm.count_bytes() as counter:
-            dist.barrier()
-            start = time.perf_counter()
-            if case.spec.overlap:
-                from ..overlap import start_latent_gather
-                options["latent_gather"] = start_latent_gather(inputs["kv_latent"], inputs["k_pos_emb"],
-                                                               cp_group=dist.group.WORLD)
-            if proj is not None:  # as measure._forward: 0 * a projection, same work as the twin
-                x = torch.ones(*query.shape[:2], proj[1], dtype=dtype)
-                query = query + 0 * torch.nn.functional.linear(x, proj[0]).view_as(query)
-            with saved:
-                out = api.FORMS[case.form](
-                    query, *(inputs[k] for k in INPUTS[1:]), softmax_scale=case.shape.softmax_scale,
-                    cp_group=dist.group.WORLD, cp_algo=HYBRID, layout=case.layout, causal=case.causal,
-                    kernel=case.kernel, ulysses_group=ulysses_group, qk_head_dim=case.shape.qk_head_dim,
-                    v_head_dim=case.shape.v_head_dim, **options)
-            out.backward(grad_out)
-            times.append(time.perf_counter() - start)
-    by_group: Dict[str, int] = {}
-    for r in counter.records:
-        if r.kind != "handshake":
-            by_group[r.group] = by_group.get(r.group, 0) + r.wire
-    return {"out": out.detach(), "grads": {k: v.grad.detach() for k, v in inputs.items()},
-            "comm": counter.summary(),
-            "design_bytes": {d: counter.design_bytes(d) for d in ("forward", "backward")},
-            "comm_seconds": None, "saved_bytes": saved.bytes, "saved": list(saved.storages.values()),
-            "peak_bytes": None, "seconds": statistics.median(times[warmup:] or times),
-            "wire_by_group": by_group}
-
-
-def _assemble_hybrid(per_rank: List[dict], case, degree: int) -> dict:
-    """Rank shards of the hybrid layout -> full output and grads (weight grads summed)."""
-    from .. import layout as layouts
-    from ..cases import INPUTS
-    grads = {}
-    for name in INPUTS:
-        parts = [r["grads"][name].double() for r in per_rank]
-        grads[name] = sum(parts) if name == "kv_up_weight" else layouts.unshard(
-            parts, case.layout, ulysses_degree=degree)
-    return {"out": layouts.unshard([r["out"].double() for r in per_rank], case.layout,
-                                   ulysses_degree=degree), "grads": grads}
 
 
 # ---------------------------------------------------------------- running
