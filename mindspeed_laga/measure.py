@@ -185,22 +185,23 @@ def _forward(fn, local, case: Case, cp_group, proj, saved: SavedBytes, ulysses_g
                   qk_head_dim=case.shape.qk_head_dim, v_head_dim=case.shape.v_head_dim, **kwargs)
 
 
-def _wire_by_group(counter) -> Dict[str, int]:
-    """Wire bytes of the data collectives by group ("cp"; hybrid: "ulysses", "ring")."""
-    out: Dict[str, int] = {}
+def _data_totals(counter, key: str, value: str) -> Dict[str, float]:
+    """A field of the data collectives' records summed per ``key`` (tag, group)."""
+    out: Dict[str, float] = {}
     for r in counter.records:
         if r.kind in comm.DATA_KINDS:
-            out[r.group] = out.get(r.group, 0) + r.wire
+            out[getattr(r, key)] = out.get(getattr(r, key), 0) + getattr(r, value)
     return out
+
+
+def _wire_by_group(counter) -> Dict[str, int]:
+    """Wire bytes by group ("cp"; hybrid: "ulysses", "ring")."""
+    return _data_totals(counter, "group", "wire")
 
 
 def _comm_seconds(counter) -> Dict[str, float]:
     """Blocked time in data collectives, by tag."""
-    out: Dict[str, float] = {}
-    for r in counter.records:
-        if r.kind in comm.DATA_KINDS:
-            out[r.tag] = out.get(r.tag, 0.0) + r.seconds
-    return out
+    return _data_totals(counter, "tag", "seconds")
 
 
 def _flop_counter():

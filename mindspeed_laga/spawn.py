@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # Modules the fork server imports once so that ranks start warm; of WARM_IF_LOADED, those
-# the caller has already imported when the server starts (a test session has, say,
+# the caller has already imported when the server starts (a pytest run has, say,
 # pytest and megatron.core, whose imports would otherwise cost every rank seconds).
 PRELOAD = ["torch", "torch.distributed", "mindspeed_laga", "mindspeed_laga.equivalence",
            "mindspeed_laga.measure"]

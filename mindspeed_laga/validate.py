@@ -282,13 +282,17 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group,
         if cp_size == 1:
             raise
         error = str(exc)
-    values = _agreed_values(form, cp_algo, layout, causal, softmax_scale, check_ranks, query,
-                            (query, kv_latent, k_pos_emb, kv_up_weight), dims, options)
-    values["ulysses_degree"] = _ulysses_degree_value(cp_algo, ulysses_group)
-    if error is None:
-        values["documents"] = documents_code(documents)
-    agreement.agree(values, error, cp_group, query.device if isinstance(query, torch.Tensor) else "cpu",
-                    names=_NAMES)
+    if agreement.skips(cp_group):  # every rank agreed to skip: build no row on the hot path
+        if error is not None:
+            raise ValueError(error)
+    else:
+        values = _agreed_values(form, cp_algo, layout, causal, softmax_scale, check_ranks, query,
+                                (query, kv_latent, k_pos_emb, kv_up_weight), dims, options)
+        values["ulysses_degree"] = _ulysses_degree_value(cp_algo, ulysses_group)
+        if error is None:
+            values["documents"] = documents_code(documents)
+        device = query.device if isinstance(query, torch.Tensor) else "cpu"
+        agreement.agree(values, error, cp_group, device, names=_NAMES)
     return AttnSetup(dims=dims, local_len=query.shape[0], batch=query.shape[1],
                      cp_group=cp_group, cp_size=cp_size, cp_rank=comm.group_rank(cp_group),
                      cp_algo=cp_algo, layout=layout, causal=causal, kernel=kernel,

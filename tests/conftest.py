@@ -1,4 +1,4 @@
 """Fixtures and plugins shared by the tests."""
-from thirdparty import host_sources  # noqa: F401  (session fixture: the real host sources)
+from thirdparty import host_sources  # noqa: F401  (the real host sources, unpacked once per run)
 
 pytest_plugins = ["bounded_tests"]

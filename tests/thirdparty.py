@@ -1,6 +1,6 @@
 """The host frameworks' real sources for the tests: MindSpeed-LLM, MindSpeed, Megatron-LM.
 
-The tests that run LAGA inside the real host code ask for the session fixture
+The tests that run LAGA inside the real host code ask for the run-wide fixture
 ``host_sources``: a dict ``{"MINDSPEED_LLM_SRC": path, "MINDSPEED_SRC": path,
 "MEGATRON_SRC": path}`` of source roots to put first on ``sys.path``. They come,
 in this order of preference, from
