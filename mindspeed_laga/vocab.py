@@ -347,6 +347,18 @@ def key_ranges(segments: Iterable[Segment], total: int, causal: bool,
     return [(lo, hi) for lo, hi in merged]
 
 
+# Query rows per row block of the blockwise walk, in keys per block. Each row block
+# rebuilds the K/V of the key blocks it sees, so rows per block trade rebuild work
+# (about ``(S / rows + 1) / 2`` rebuilds of every key, causal) against the float32
+# accumulators that live for one row block (dq in backward, the output in forward).
+QUERY_BLOCK_KEYS = 2
+
+
+def query_block_rows(block_size: Optional[int]) -> Optional[int]:
+    """Query rows a blockwise walk takes at once; None (one block of keys): whole segments."""
+    return None if block_size is None else QUERY_BLOCK_KEYS * block_size
+
+
 def key_blocks(num_keys: int, block_size: Optional[int]) -> List[Tuple[int, int]]:
     """Key blocks [k0, k1) in position order; None: one block of every key."""
     size = block_size or max(num_keys, 1)

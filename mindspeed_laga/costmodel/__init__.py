@@ -67,7 +67,8 @@ from .config import (BLOCKWISE, DTYPE_BYTES, EAGER, FUSED, HALF, INDEX_BYTES, MO
                      Sizes, check_doc_lens, doc_lens_for, model_kernel_kind, preset, validate,
                      with_)
 from .flops import Flops, flops, query_projection_flops
-from .geometry import (Pairs, QuerySegment, attention_pairs, block_keys, blockwise_pairs, key_ranges,
+from .geometry import (Pairs, QuerySegment, attention_pairs, block_keys, blockwise_pairs,
+                       blockwise_rebuilds, key_ranges, largest_row_block,
                        query_segments, rebuilt_keys, run_visible_pairs, segment_visible_pairs,
                        visible_keys, window_block_pairs)
 from .memory import Term, saved_terms
@@ -98,7 +99,7 @@ __all__ = [
     # geometry
     "QuerySegment", "Pairs", "query_segments", "visible_keys", "rebuilt_keys", "block_keys",
     "attention_pairs", "segment_visible_pairs", "blockwise_pairs", "key_ranges", "run_visible_pairs",
-    "window_block_pairs",
+    "window_block_pairs", "blockwise_rebuilds", "largest_row_block",
     # costs
     "Collective", "EXCHANGES", "collectives", "wire_bytes", "Term", "saved_terms", "peak_terms",
     "Flops", "flops",

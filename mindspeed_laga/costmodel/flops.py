@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 from ..runspec import RunSpec
 from .config import RECOMPUTING_KINDS, Config
-from .geometry import attention_pairs, rebuilt_keys
+from .geometry import attention_pairs, blockwise_rebuilds, rebuilt_keys
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,9 @@ def flops(cfg: Config, rank: int, kind: str, spec: RunSpec) -> Flops:
         if spec.form == "explicit":  # local latent -> K/V of every local head
             rebuild = 2 * s * b * d.kv_lora_rank * n * kv_rows
         else:  # gathered latent -> K/V of every (visible) key, this rank's heads; blockwise:
-            # the blocks tile the same keys
-            rebuild = rebuilt_keys(cfg, rank, spec) * 2 * b * d.kv_lora_rank * h * kv_rows
+            # every row block rebuilds the keys it sees
+            keys = blockwise_rebuilds(cfg, rank, spec) if spec.recompute_kv else rebuilt_keys(cfg, rank, spec)
+            rebuild = keys * 2 * b * d.kv_lora_rank * h * kv_rows
         # recompute: rebuilt again in backward, then dK/dV -> d(latent), d(kv_up_weight)
         rebuild_bwd = (3 if spec.recompute_kv else 2) * rebuild
     return Flops(fwd, bwd_recomputed if recomputes else bwd_kept, visible_fwd, rebuild, rebuild_bwd)

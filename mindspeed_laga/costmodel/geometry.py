@@ -1,7 +1,7 @@
 """Which (query, key) pairs and keys a rank works on, in closed form.
 
-Every count here is O(segments), never a loop over keys or key blocks, so the
-model answers for any sequence length at once. Segments, visible keys and the
+Every count here is O(segments) (the blockwise walk's: O(row blocks)), never a
+loop over keys or key blocks, so the model answers for any sequence length at once. Segments, visible keys and the
 chunk rule come from ``vocab``; the counts are what ``forms/`` executes:
 
 - ``executed``: the rectangles the segment recipe hands to the kernel (each
@@ -9,8 +9,9 @@ chunk rule come from ``vocab``; the counts are what ``forms/`` executes:
 - ``visible``: the causal pairs within documents only (the floor of a causal
   fused kernel);
 - ``blockwise``: what ``laga_blockwise`` computes per key block and run (runs
-  are segments cut at document boundaries; rows before the block and keys
-  outside the run's window are cut).
+  are row blocks of the segments cut at document boundaries; rows before the
+  block and keys outside the run's window are cut), and the keys it rebuilds
+  (each row block rebuilds its runs' windows).
 
 Documents (``Config.doc_lens``): a query sees only keys of its own document;
 each segment's kernel call gets its key window (``vocab.key_window``) and
@@ -86,9 +87,55 @@ class Pairs:
     visible: int    # causal pairs within documents only
 
 
+def largest_row_block(cfg: Config, rank: int, spec: RunSpec) -> int:
+    """Rows of the largest row block the blockwise walk takes (``laga_blockwise.row_blocks``:
+    segments cut into blocks of ``vocab.query_block_rows(kv_block_size)`` rows)."""
+    size = vocab.query_block_rows(spec.kv_block_size)
+    return max(min(size or n, n) for _, n, _ in _vocab_segments(cfg, rank))
+
+
+def _row_families(cfg: Config, rank: int, spec: RunSpec):
+    """The blockwise walk's runs (row blocks cut at document boundaries) as families
+    ``(rows, first query position, count, step)``: ``count`` runs of ``rows`` queries,
+    ``step`` positions apart, inside one document piece. Along a family every count the
+    model takes is affine in the run's index (the runs' offsets against the key blocks
+    repeat, ``step`` being a multiple of the block), so it sums in closed form."""
+    size = vocab.query_block_rows(spec.kv_block_size)
+    for seg in _vocab_segments(cfg, rank):
+        for local, n, g in vocab.doc_pieces(seg, cfg.documents):
+            if size is None:
+                yield n, g, 1, 0
+                continue
+            head = min(n, -(local - seg[0]) % size)  # rows up to the segment's next row block
+            middle, tail = divmod(n - head, size)
+            if head:
+                yield head, g, 1, 0
+            if middle:
+                yield size, g + head, middle, size
+            if tail:
+                yield tail, g + head + middle * size, 1, 0
+
+
+def _sum_runs(cfg: Config, rank: int, spec: RunSpec, per_run) -> int:
+    """Sum of ``per_run(rows, start, lo, hi)`` (``[lo, hi)`` the run's key window) over the
+    blockwise walk's runs: an affine family is its count times its mean."""
+    total = 0
+    for m, g, count, step in _row_families(cfg, rank, spec):
+        ends = [per_run(m, p, *vocab.key_window((0, m, p), cfg.seq_len, cfg.causal, cfg.documents))
+                for p in {g, g + (count - 1) * step}]
+        total += count * sum(ends) // len(ends)
+    return total
+
+
+def blockwise_rebuilds(cfg: Config, rank: int, spec: RunSpec) -> int:
+    """Keys the blockwise walk rebuilds in one pass: every row block rebuilds the keys its
+    runs see (their windows, which follow one another), once."""
+    return _sum_runs(cfg, rank, spec, lambda m, g, lo, hi: hi - lo)
+
+
 def _runs(cfg: Config, rank: int):
     """(length, query start, window start, window end) of every run: the query segments
-    cut at document boundaries, as ``laga_blockwise.visible_rows`` walks them."""
+    cut at document boundaries."""
     documents = cfg.documents
     for seg in _vocab_segments(cfg, rank):
         for piece in vocab.doc_pieces(seg, documents):
@@ -105,13 +152,13 @@ def attention_pairs(cfg: Config, rank: int, spec: RunSpec) -> Pairs:
     runs = list(_runs(cfg, rank))
     visible = sum(run_visible_pairs(n, g, lo, hi, cfg.causal) for n, g, lo, hi in runs)
     if spec.recompute_kv:
-        executed = _blockwise_executed(cfg, rank, spec, runs)
+        executed = _blockwise_executed(cfg, rank, spec)
     else:
         executed = sum(q.length * q.keys for q in query_segments(cfg, rank))
     return Pairs(executed, visible)
 
 
-def _blockwise_executed(cfg: Config, rank: int, spec: RunSpec, runs) -> int:
+def _blockwise_executed(cfg: Config, rank: int, spec: RunSpec) -> int:
     """Blocks tile the key index: positions when untrimmed, else the trimmed ranges laid
     end to end (a run's window lies inside one range, so it stays contiguous)."""
     if spec.trim_causal_prefix:
@@ -123,15 +170,15 @@ def _blockwise_executed(cfg: Config, rank: int, spec: RunSpec, runs) -> int:
         last = before[-1]
     else:
         last = cfg.seq_len
-    total = 0
-    for n, g, lo, hi in runs:
+
+    def pairs(n, g, lo, hi):
         base = 0
         if spec.trim_causal_prefix:
             i = bisect.bisect_right(starts, lo) - 1
             base = before[i] - ranges[i][0]
-        total += window_block_pairs(n, base + g, base + lo, base + hi, spec.kv_block_size, last,
-                                    cfg.causal)
-    return total
+        return window_block_pairs(n, base + g, base + lo, base + hi, spec.kv_block_size, last,
+                                  cfg.causal)
+    return _sum_runs(cfg, rank, spec, pairs)
 
 
 def run_visible_pairs(length: int, start: int, lo: int, hi: int, causal: bool) -> int:

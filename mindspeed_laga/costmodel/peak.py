@@ -17,10 +17,15 @@ What a device's allocator peaks at (``max_memory_allocated`` after
     under CP the gathered K/V grads before their reduce-scatter) plus, for the
     latent forms under CP, the gathered latent's grad, plus the kernel's
     backward workspace (eager: dP and dS, as big as the scores);
-  - blockwise (``recompute_kv``): one rebuilt block's K/V, its float32 dK/dV
-    accumulators, the float32 dq, d latent and d kv_up_weight accumulators and
-    the block kernel's scratch (eager: scores of a few heads; fused: the
-    block's float32 output and log-sum-exp).
+  - blockwise (``recompute_kv``), walked tile by tile (a row block of
+    queries against a block of keys): in backward, dq in q's dtype, the float32
+    latent and kv_up_weight grads and one row block's float32 dq, plus one
+    tile's K/V, their grads and the larger of the kernel call (its dq and
+    scratch: eager scores of a few heads, fused float32 output and lse) and the
+    push through the rebuild; in forward, one tile's K/V, the row block's
+    float32 running output and the kernel's block output. Without an
+    all-to-all after it the output autograd keeps is the caller's output, so
+    ``attn_out`` is not counted twice.
 
 An estimate written from the code, not a measurement: ``bench`` prints it
 beside ``max_memory_allocated`` on CUDA/NPU (:func:`mindspeed_laga.measure.peak_check`);
@@ -37,7 +42,7 @@ from .config import EAGER, HALF, RECOMPUTING_KINDS, Config
 SCORE_CHUNK_ELEMENTS = 1 << 25
 # Saved terms that are the call's own inputs (allocated before the peak is reset).
 INPUT_STORAGES = ("query", "kv_latent")
-from .geometry import block_keys, query_segments, rebuilt_keys
+from .geometry import block_keys, query_segments, rebuilt_keys, largest_row_block
 from .memory import Term, saved_terms
 
 
@@ -91,37 +96,78 @@ def _kernel_grads(cfg: Config, rank: int, spec: RunSpec) -> int:
     return b * h * (cfg.query_len * qk + keys * (qk + vd)) * e + latent
 
 
-def _blockwise_buffers(cfg: Config, rank: int, spec: RunSpec) -> int:
+def _kernel_grad_bytes(cfg: Config) -> int:
+    """Bytes per element of what a block kernel returns: float32 for the eager kernel,
+    the op's (the input) dtype for the fused and NPU ops."""
+    return _acc(cfg) if cfg.kernel == EAGER else cfg.sizes.elem
+
+
+def _block_scratch(cfg: Config, rows: int, block: int) -> int:
+    """A block kernel call's own scratch for ``rows`` query rows against ``block`` keys."""
     z = cfg.sizes
-    d, e, b, h = z.dims, z.elem, z.batch, z.heads
-    acc = _acc(cfg)
-    block = block_keys(cfg, rank, spec)
-    kv = d.qk_dim + d.v_head_dim
-    rows = max(q.length for q in query_segments(cfg, rank))
+    b, h, acc = z.batch, z.heads, _acc(cfg)
     if cfg.kernel == EAGER:  # EagerBlock: float32 scores and probabilities, a few heads at a time
         step = max(1, min(h, SCORE_CHUNK_ELEMENTS // max(1, b * rows * block)))
-        scratch = 2 * b * step * rows * block * acc
-    else:                    # fused block ops: float32 output and lse of the block, merged
-        scratch = 2 * b * h * rows * (d.v_head_dim + 1) * acc
-    return (b * h * block * kv * (e + acc)                    # block K/V and their dK/dV
-            + b * h * cfg.query_len * d.qk_dim * acc            # dq accumulator
-            + rebuilt_keys(cfg, rank, spec) * b * d.latent_dim * acc  # d latent accumulator
-            + z.tp_heads * (d.qk_head_dim + d.v_head_dim) * d.kv_lora_rank * acc
-            + scratch)
+        return 2 * b * step * rows * block * acc
+    # fused ops: float32 output and lse of the two calls of a diagonal block, merged
+    return 2 * b * h * rows * (z.dims.v_head_dim + 1) * acc
+
+
+def _blockwise_forward(cfg: Config, rows: int, block: int) -> int:
+    """Forward of one tile: its K/V, the row block's float32 running output, the kernel's
+    block output (with its scratch) and the merge's product."""
+    z = cfg.sizes
+    d, e, b, h, acc = z.dims, z.elem, z.batch, z.heads, _acc(cfg)
+    return (b * h * block * (d.qk_dim + d.v_head_dim) * e
+            + 2 * b * h * rows * d.v_head_dim * acc
+            + _block_scratch(cfg, rows, block))
+
+
+def _blockwise_backward(cfg: Config, rank: int, spec: RunSpec, rows: int, block: int) -> int:
+    """Backward: dq (q's dtype, written row block by row block), the float32 latent and
+    weight grads, one row block's float32 dq; per tile its K/V and their grads, then the
+    larger of the kernel call (its dq and scratch) and the push through the rebuild."""
+    z = cfg.sizes
+    d, e, b, h, acc = z.dims, z.elem, z.batch, z.heads, _acc(cfg)
+    g = _kernel_grad_bytes(cfg)
+    weight = z.tp_heads * (d.qk_head_dim + d.v_head_dim) * d.kv_lora_rank
+    kv = b * h * block * (d.qk_dim + d.v_head_dim)
+    whole = (b * h * cfg.query_len * d.qk_dim * e
+             + rebuilt_keys(cfg, rank, spec) * b * d.latent_dim * acc + weight * acc
+             + b * h * rows * d.qk_dim * acc)
+    if cfg.heads_split:  # the output grad after its all-to-all, [S, b, h, d_v]
+        whole += b * h * cfg.query_len * d.v_head_dim * e
+    call = b * h * rows * d.qk_dim * g + _block_scratch(cfg, rows, block)
+    push = b * h * block * (d.qk_head_dim + d.v_head_dim) * g + weight * g
+    return whole + kv * (e + g) + max(call, push)
+
+
+def _blockwise_buffers(cfg: Config, rank: int, spec: RunSpec) -> int:
+    rows = largest_row_block(cfg, rank, spec)
+    block = block_keys(cfg, rank, spec)
+    return max(_blockwise_forward(cfg, rows, block),
+               _blockwise_backward(cfg, rank, spec, rows, block))
+
+
+def _shares_output(spec: RunSpec, cfg: Config) -> bool:
+    """The blockwise output autograd keeps is the caller's output (no all-to-all after it)."""
+    return spec.recompute_kv and not cfg.heads_split
 
 
 def peak_terms(cfg: Config, rank: int, kind: str, spec: RunSpec) -> List[Term]:
     """``saved`` + ``output`` + the largest transient, each a named :class:`Term`."""
     z = cfg.sizes
-    saved = sum(t.bytes for t in saved_terms(cfg, rank, kind, spec) if t.name not in INPUT_STORAGES)
+    skip = INPUT_STORAGES + (("attn_out",) if _shares_output(spec, cfg) else ())
+    saved = sum(t.bytes for t in saved_terms(cfg, rank, kind, spec) if t.name not in skip)
     out = [Term("saved", "activations kept for backward (memory.saved_terms), less the "
-                "inputs' own storages", saved),
+                "inputs' own storages (and the output's, when it is the one kept)", saved),
            Term("output", f"attention output [s, b, {z.tp_heads}*d_v]",
                 z.local_len * z.batch * z.tp_heads * z.dims.v_head_dim * z.elem)]
     if spec.recompute_kv:
-        candidates = [Term("blockwise_buffers", "one rebuilt K/V block, its float32 dK/dV, the "
-                           "float32 dq/d latent/d kv_up_weight accumulators, block scores",
-                           _blockwise_buffers(cfg, rank, spec) + _input_grads(cfg))]
+        candidates = [Term("blockwise_buffers", "dq, the float32 latent/kv_up_weight grads "
+                           "and one row block's dq; one tile's K/V, their grads and the kernel "
+                           "call or the push through the rebuild (or the forward's tile)",
+                           _blockwise_buffers(cfg, rank, spec))]
     else:
         work = _kernel_workspace(cfg, rank, kind, spec)
         candidates = [

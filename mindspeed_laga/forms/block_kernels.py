@@ -21,7 +21,10 @@ inputs, the input dtype (float32, float64) otherwise.
   ``out`` [b, h, rows, d_v], the block's own softmax-normalized output, and
   float32 ``lse`` [b, h, rows], its log-sum-exp; the caller merges blocks.
 - ``backward(q, key, value, diagonal, scale, d_out, out, lse) -> (dq, dk, dv)``
-  float32, shaped like q/key/value; ``out``/``lse`` are the *final*
+  shaped like q/key/value, float32 or q's dtype (what the op gives: the walk
+  adds dq into its float32 accumulator and pushes dK/dV through the rebuild in
+  their own dtype, so a kernel makes no float32 copies of its grads);
+  ``out``/``lse`` are the *final*
   (all-block) output and log-sum-exp of these rows, so the block's
   probabilities ``exp(s - lse)`` are exactly the global ones.
   ``d_out`` and ``out`` come in q's dtype, ``lse`` in float32.
@@ -167,7 +170,7 @@ class NpuBlock:
             q, key, value, d_out.to(q.dtype), q.shape[1], "BNSD", softmax_max=stats,
             softmax_sum=torch.ones_like(stats), attention_in=out.to(q.dtype), scale_value=scale,
             keep_prob=1.0, **_mask_kwargs(q, key, diagonal))[:3]
-        return dq.float(), dk.float(), dv[..., :d_v].float()
+        return dq, dk, dv[..., :d_v]
 
 
     # ---- packed: all runs of one query segment against one block in at most two TND calls

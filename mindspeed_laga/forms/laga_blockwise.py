@@ -24,13 +24,13 @@ same way. Accumulation is float32 for half-precision inputs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..kernels import KeyIndex
-from ..vocab import Documents, Segment, doc_pieces, key_blocks, key_window
+from ..vocab import Documents, Segment, doc_pieces, key_blocks, key_window, query_block_rows
 from .block_kernels import acc_dtype, block_kernel
 from .common import rebuild_kv
 
@@ -121,59 +121,126 @@ def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockP
     return key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
 
 
+def row_blocks(plan: BlockPlan) -> List[Segment]:
+    """The query rows in blocks of ``vocab.query_block_rows``: every segment cut into
+    pieces (local start, rows, first position) that are walked one at a time."""
+    size = query_block_rows(plan.block_size)
+    out = []
+    for local, n, g in plan.segments:
+        step = size or n
+        out += [(local + i, min(step, n - i), g + i) for i in range(0, n, step)]
+    return out
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One (row block, key block) pair with visible keys: the key span [k0, k1) to rebuild
+    (the keys some row of the block sees, cut to the key block) and the walk's runs, key
+    slices relative to ``k0``."""
+    k0: int
+    k1: int
+    runs: List[Tuple[slice, slice, Optional[int]]]
+
+
+def tiles(plan: BlockPlan, rows: Segment, num_keys: int) -> List[Tile]:
+    """The key blocks a row block sees, each cut to the span its runs use."""
+    sub = replace(plan, segments=(rows,))
+    out = []
+    for k0, k1 in key_blocks(num_keys, plan.block_size):
+        runs = [run for seg in segment_runs(sub, k0, k1) for run in seg]
+        if runs:
+            a, e = min(r[1].start for r in runs), max(r[1].stop for r in runs)
+            out.append(Tile(k0 + a, k0 + e, [(r, slice(ks.start - a, ks.stop - a), c)
+                                              for r, ks, c in runs]))
+    return out
+
+
+def _shift(rows: slice, by: int) -> slice:
+    return slice(rows.start - by, rows.stop - by)
+
+
 def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
-    """Attention over rebuilt key blocks, merged by log-sum-exp -> (out, lse float32)."""
+    """Attention over rebuilt key blocks, merged by log-sum-exp -> (out, lse float32).
+
+    Row block by row block: the float32 running output and log-sum-exp exist for
+    one row block at a time. ``out`` is laid out [s, b, h, d_v] in memory (a BNSD
+    view), so the [s, b, h*d_v] output the caller gets is the same storage that
+    backward keeps."""
     kernel = block_kernel(plan.kernel, plan.pad_v)
     b, h, s_q, _ = q.shape
     acc = acc_dtype(q.dtype)
-    out = torch.zeros(b, h, s_q, plan.v_head_dim, dtype=acc, device=q.device)
+    out = torch.zeros(s_q, b, h, plan.v_head_dim, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
     lse = torch.full((b, h, s_q), float("-inf"), dtype=acc, device=q.device)
-    for k0, k1 in key_blocks(latent.shape[0], plan.block_size):
-        key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
-        for runs in segment_runs(plan, k0, k1):
-            for (rows, _, _), (block_out, block_lse) in zip(
-                    runs, forward_runs(kernel, q, key, value, runs, plan.scale)):
-                _merge(out, lse, rows, block_out, block_lse)
-    return out.to(q.dtype), lse
+    for rows in row_blocks(plan):
+        r0, n = rows[0], rows[1]
+        acc_out = torch.zeros(b, h, n, plan.v_head_dim, dtype=acc, device=q.device)
+        acc_lse = lse[:, :, r0:r0 + n]
+        for tile in tiles(plan, rows, latent.shape[0]):
+            key, value = rebuild(latent[tile.k0:tile.k1], kv_up_weight, plan)
+            for (r, _, _), (block_out, block_lse) in zip(
+                    tile.runs, forward_runs(kernel, q, key, value, tile.runs, plan.scale)):
+                _merge(acc_out, acc_lse, _shift(r, r0), block_out, block_lse)
+        out[:, :, r0:r0 + n] = acc_out
+    return out, lse
 
 
 def _merge(out, lse, rows, block_out, block_lse):
-    """Online softmax: fold one block's (out, lse) of these rows into the running ones."""
+    """Online softmax: fold one block's (out, lse) of these rows into the running ones
+    (in place: no copy of the running output)."""
     new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
-    out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
-                       + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    out[:, :, rows].mul_(torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)).add_(
+        block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
     lse[:, :, rows] = new_lse
 
 
 def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan):
-    """Grads of q, the gathered latent and kv_up_weight, one rebuilt key block at a time."""
+    """Grads of q, the gathered latent and kv_up_weight, one (row block, key block) tile
+    at a time: float32 dq for one row block, K/V and their grads for one tile."""
     kernel = block_kernel(plan.kernel, plan.pad_v)
     acc = acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = torch.zeros_like(q)  # q's dtype and memory layout; each row block written once
     d_latent = torch.zeros(latent.shape, dtype=acc, device=q.device)
     d_weight = torch.zeros(kv_up_weight.shape, dtype=acc, device=q.device)
-    for k0, k1 in key_blocks(latent.shape[0], plan.block_size):
-        key, value = rebuild(latent[k0:k1], kv_up_weight, plan)
-        d_key = torch.zeros(key.shape, dtype=acc, device=q.device)
-        d_value = torch.zeros(value.shape, dtype=acc, device=q.device)
-        for runs in segment_runs(plan, k0, k1):
-            grads = backward_runs(kernel, q, key, value, runs, plan.scale, d_out, out, lse)
-            for (rows, ks, _), (dq_b, dk_b, dv_b) in zip(runs, grads):
-                dq[:, :, rows] += dq_b
-                d_key[:, :, ks] += dk_b
-                d_value[:, :, ks] += dv_b
-        _through_rebuild(latent[k0:k1], kv_up_weight, d_key, d_value, d_latent[k0:k1], d_weight, plan)
-    return dq.to(q.dtype), d_latent.to(latent.dtype), d_weight.to(kv_up_weight.dtype)
+    for rows in row_blocks(plan):
+        r0, n = rows[0], rows[1]
+        dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)
+        for tile in tiles(plan, rows, latent.shape[0]):
+            key, value = rebuild(latent[tile.k0:tile.k1], kv_up_weight, plan)
+            grads = backward_runs(kernel, q, key, value, tile.runs, plan.scale, d_out, out, lse)
+            for (r, _, _), (dq_b, _, _) in zip(tile.runs, grads):
+                dq_rows[:, :, _shift(r, r0)] += dq_b
+            d_key, d_value = _tile_grads(key, value, tile.runs, grads)
+            _through_rebuild(latent[tile.k0:tile.k1], kv_up_weight, d_key, d_value,
+                             d_latent[tile.k0:tile.k1], d_weight, plan)
+            del key, value, grads, d_key, d_value
+        dq[:, :, r0:r0 + n] = dq_rows
+    return dq, d_latent.to(latent.dtype), d_weight.to(kv_up_weight.dtype)
+
+
+def _tile_grads(key, value, runs, grads):
+    """dK, dV of the tile from its runs' grads. The runs of one row block are documents
+    of one segment: their key slices are disjoint, so they are placed, never summed, and
+    stay in the kernel's dtype (one run over the whole span is used as it is)."""
+    (_, ks, _), (_, dk, dv) = runs[0], grads[0]
+    if len(runs) == 1 and ks.start == 0 and ks.stop == key.shape[2]:
+        return dk, dv
+    d_key = key.new_zeros(key.shape, dtype=dk.dtype)
+    d_value = value.new_zeros(value.shape, dtype=dv.dtype)
+    for (_, ks, _), (_, dk, dv) in zip(runs, grads):
+        d_key[:, :, ks] = dk
+        d_value[:, :, ks] = dv
+    return d_key, d_value
 
 
 def _through_rebuild(latent_block, kv_up_weight, d_key, d_value, d_latent_block, d_weight, plan):
-    """Backward of :func:`rebuild`: dK, dV [b,h,B,.] -> latent block and weight grads."""
+    """Backward of :func:`rebuild`, added into the float32 accumulators: dK, dV [b,h,B,.]
+    -> latent block and weight grads (matmuls in the grads' dtype, one rounding a tile)."""
     d_nope, d_pe = torch.split(d_key, [plan.qk_head_dim, plan.rope_dim], dim=-1)
-    d_kv = torch.cat([d_nope, d_value], dim=-1).permute(2, 0, 1, 3)  # [B, b, h, d_n + d_v]
+    d_kv = torch.cat([d_nope, d_value.to(d_nope.dtype)], dim=-1).permute(2, 0, 1, 3)  # [B,b,h,d_n+d_v]
     d_kv = d_kv.reshape(*d_kv.shape[:2], -1)
     kv_c = latent_block[..., :plan.kv_lora_rank].to(d_kv.dtype)
-    d_latent_block[..., :plan.kv_lora_rank] = torch.matmul(d_kv, kv_up_weight.to(d_kv.dtype))
-    d_latent_block[..., plan.kv_lora_rank:] = d_pe.sum(dim=1).permute(1, 0, 2)
+    d_latent_block[..., :plan.kv_lora_rank] += torch.matmul(d_kv, kv_up_weight.to(d_kv.dtype))
+    d_latent_block[..., plan.kv_lora_rank:] += d_pe.sum(dim=1).permute(1, 0, 2)
     d_weight += torch.matmul(d_kv.reshape(-1, d_kv.shape[-1]).t(), kv_c.reshape(-1, kv_c.shape[-1]))
 
 
@@ -190,6 +257,6 @@ class BlockwiseLAGA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, latent, kv_up_weight, out, lse = ctx.saved_tensors
-        dq, d_latent, d_weight = blockwise_backward(q, latent, kv_up_weight, out, lse,
-                                                    d_out.contiguous(), ctx.plan)
+        dq, d_latent, d_weight = blockwise_backward(q, latent, kv_up_weight, out, lse, d_out,
+                                                    ctx.plan)
         return dq, d_latent, d_weight, None

@@ -124,16 +124,23 @@ def fused_forward(ops, q, key, value, offset, scale):
 
 
 def fused_backward(ops, q, key, value, offset, scale, d_out, out, lse):
-    """-> (dq, dk, dv) in the accumulation dtype from the final out and lse."""
-    acc = acc_dtype(q.dtype)
+    """-> (dq, dk, dv) from the final out and lse, in the op's dtype (dq of two calls
+    summed in the accumulation dtype); no float32 copies of the op's grads."""
     dq, dks, dvs = None, [], []
     for keys, causal in block_calls(offset, key.shape[2]):
         g_q, g_k, g_v = ops.backward(q, key[:, :, keys], value[:, :, keys], causal, scale,
                                      d_out, out, lse)
-        dq = g_q.to(acc) if dq is None else dq + g_q.to(acc)
-        dks.append(g_k.to(acc))
-        dvs.append(g_v.to(acc))
-    return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
+        if dq is None:
+            dq = g_q
+        else:  # a second call: sum in the accumulation dtype
+            dq = (dq if dq.dtype == acc_dtype(q.dtype) else dq.to(acc_dtype(q.dtype))).add_(g_q)
+        dks.append(g_k)
+        dvs.append(g_v)
+    return dq, _cat_keys(dks), _cat_keys(dvs)
+
+
+def _cat_keys(parts):
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 class FusedSegment(torch.autograd.Function):
