@@ -39,6 +39,10 @@ class CpuPeak:
         self._prof = None
 
     def __enter__(self):
+        if _profiler_running():
+            # A second profiler would end the first one's session when it stops.
+            self.reason = "another torch profiler is running"
+            return self
         try:
             from torch.profiler import ProfilerActivity, profile
             prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -57,6 +61,11 @@ class CpuPeak:
         if exc[0] is None:
             self.bytes, self.reason = _peak_from(prof)
         return False
+
+
+def _profiler_running() -> bool:
+    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return bool(enabled()) if enabled is not None else False
 
 
 def _start_quietly(prof) -> None:

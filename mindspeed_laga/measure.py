@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from . import api, comm
-from .cpu_peak import CpuPeak
 from .cases import DTYPES, INPUTS, Case, full_inputs, shard
+from .cpu_peak import CpuPeak
 
 
 class SavedBytes:

@@ -220,7 +220,7 @@ def make_rows(runs, models, per_rank: List[List[dict]], ulysses_degree: int = 1)
             "model_saved_terms": [t.__dict__ for t in model.saved],
             "saved_measured_over_model": _ratio(r0["saved_bytes"], model.saved_bytes),
             "peak_bytes": max(peak) if peak else None,
-            "peak_mib": f"{max(peak) / MiB:.1f}" if peak else "n/a",
+            "peak_mib": f"{max(peak) / MiB:.2f}" if peak else "n/a",
             "peak_reason": None if peak else (unmeasured[0] if unmeasured else None),
             "model_peak_bytes": model.peak_bytes, "model_peak_mib": model.peak_bytes / MiB,
             "model_peak_terms": [t.__dict__ for t in model.peak],
