@@ -12,8 +12,11 @@ Used by ``mindspeed-laga bench`` and the cost-model tests.
   torch's CPU flash SDPA has no FLOP formula and counts 0).
 - Time: median fwd+bwd wall time of the timed runs after the warm-up.
 - Peak memory: ``max_memory_allocated`` above the inputs (after
-  ``reset_peak_memory_stats``) on CUDA/NPU; None on CPU. :func:`peak_check`
-  puts it beside the cost model's prediction (``costmodel.peak``).
+  ``reset_peak_memory_stats``) on CUDA/NPU; on CPU, when asked
+  (``cpu_peak=True``), the CPU allocator's peak above the inputs in one extra
+  untimed pass under the profiler (:class:`mindspeed_laga.cpu_peak.CpuPeak`),
+  else None. :func:`peak_check` puts it beside the cost model's prediction
+  (``costmodel.peak``).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch.distributed as dist
 
 from . import api, comm
 from .cases import DTYPES, INPUTS, Case, full_inputs, shard
+from .cpu_peak import CpuPeak
 
 
 class SavedBytes:
@@ -111,10 +115,14 @@ def _projection_weight(case: Case, device, dtype):
 
 
 def run_on_rank(case: Case, rank: int, cp_size: int, group, repeat: int = 1, warmup: int = 0,
-                count_flops: bool = False, device=None, ulysses_group=None) -> dict:
+                count_flops: bool = False, device=None, ulysses_group=None,
+                cpu_peak: bool = False) -> dict:
     """Forward+backward of one case on this rank, ``warmup + repeat`` times
     (``device``: where to run; default the device the process group drives, or the CPU;
-    ``ulysses_group``: this rank's Ulysses group for ``cp_algo="hybrid"``)."""
+    ``ulysses_group``: this rank's Ulysses group for ``cp_algo="hybrid"``;
+    ``cpu_peak``: on CPU, one more untimed pass under the profiler measures
+    ``peak_bytes``, else None there; every rank of ``group`` must pass the same value,
+    the pass runs the collectives too). ``peak_reason`` says why ``peak_bytes`` is None."""
     device = torch.device(device) if device is not None else _device()
     dtype = DTYPES[case.dtype]
     full = full_inputs(case.shape, case.seed)
@@ -125,8 +133,7 @@ def run_on_rank(case: Case, rank: int, cp_size: int, group, repeat: int = 1, war
     mem = _memory_api(device)
     times, result = [], None
     for i in range(warmup + repeat):
-        local = {k: shard(full[k], case, rank, cp_size).to(device, dtype).requires_grad_()
-                 for k in INPUTS}
+        local = _local_inputs(full, case, rank, cp_size, device, dtype)
         flops = _flop_counter() if count_flops and i == warmup + repeat - 1 else contextlib.nullcontext()
         if mem is not None:
             mem.synchronize()
@@ -150,11 +157,28 @@ def run_on_rank(case: Case, rank: int, cp_size: int, group, repeat: int = 1, war
                   "saved_bytes": saved.bytes,
                   "saved": list(saved.storages.values()),
                   "peak_bytes": (mem.max_memory_allocated() - base) if mem is not None else None,
+                  "peak_reason": None if mem is not None else "not asked (cpu_peak=False)",
                   "flops": _flop_totals(flop_mode) if count_flops and i == warmup + repeat - 1 else None,
                   "wire_by_group": _wire_by_group(counter)}
     timed = times[warmup:] or times
     result["seconds"] = statistics.median(timed)
+    if cpu_peak and mem is None:
+        # After the timed runs: the profiler slows every op and must not touch the times.
+        # The last run's graph (its leaves) goes before the window opens: a free of memory
+        # allocated before the window has no size in the profiler's events.
+        del out, local
+        local = _local_inputs(full, case, rank, cp_size, device, dtype)
+        with CpuPeak() as peak:
+            out = _forward(fn, local, case, cp_group, proj, SavedBytes(), ulysses_group)
+            out.backward(grad_out)
+        result["peak_bytes"], result["peak_reason"] = peak.bytes, peak.reason
     return result
+
+
+def _local_inputs(full, case: Case, rank: int, cp_size: int, device, dtype) -> dict:
+    """This rank's shard of every input, a fresh leaf on ``device``."""
+    return {k: shard(full[k], case, rank, cp_size).to(device, dtype).requires_grad_()
+            for k in INPUTS}
 
 
 def _forward(fn, local, case: Case, cp_group, proj, saved: SavedBytes, ulysses_group=None):
@@ -216,15 +240,17 @@ def _flop_totals(mode) -> dict:
 
 
 def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: int = 0,
-           count_flops: bool = False, progress: bool = False) -> List[dict]:
-    """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`: every run, in order.
+           count_flops: bool = False, progress: bool = False, cpu_peak: bool = False) -> List[dict]:
+    """Entry point for :func:`mindspeed_laga.spawn.run_on_ranks`: every run, in order
+    (``cpu_peak``: see :func:`run_on_rank`).
 
     The one per-rank runner: ``equivalence.worker``, ``verify``, ``bench`` and the
     tests all measure through it."""
     group = dist.group.WORLD if dist.is_initialized() else None
     out = []
     for i, case in enumerate(cases):
-        out.append(run_on_rank(case, rank, cp_size, group, repeat, warmup, count_flops))
+        out.append(run_on_rank(case, rank, cp_size, group, repeat, warmup, count_flops,
+                               cpu_peak=cpu_peak))
         if progress and rank == 0:
             print(f"  [{i + 1}/{len(cases)}] {case.spec.name} S={case.shape.seq_len} "
                   f"{case.cp_algo}", flush=True)
@@ -259,9 +285,11 @@ def predicted_peak(case: Case, cp_size: int = 1, rank: int = 0, device_type: str
 def peak_check(case: Case, device="cuda", rank: int = 0, cp_size: int = 1,
                group=None) -> Tuple[int, Optional[int]]:
     """(predicted, measured) peak bytes of one case's forward+backward above its inputs
-    on ``device`` (CUDA or NPU; measured is None on CPU, where nothing measures it).
-    One process without CP by default; under a process group pass its rank, size, group."""
+    on ``device``: CUDA or NPU (``max_memory_allocated``) or CPU (the allocator's events
+    under the profiler, :class:`mindspeed_laga.cpu_peak.CpuPeak`; None where this torch's
+    profiler has none). One process without CP by default; under a process group pass its
+    rank, size, group (every rank calls it)."""
     device = torch.device(device)
-    measured = run_on_rank(case, rank, cp_size, group, 1, 1, device=device)["peak_bytes"]
+    measured = run_on_rank(case, rank, cp_size, group, 1, 1, device=device, cpu_peak=True)["peak_bytes"]
     predicted = sum(t.bytes for t in predicted_peak(case, cp_size, rank, device.type))
     return predicted, measured

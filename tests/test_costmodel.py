@@ -564,12 +564,12 @@ def test_peak_is_saved_plus_output_plus_the_largest_transient():
     assert small.peak_bytes < big.peak_bytes and small.saved_bytes == big.saved_bytes
 
 
-def test_peak_check_on_cpu_gives_the_prediction_and_no_measurement():
+def test_peak_check_on_cpu_gives_the_prediction_and_a_measurement():
     from mindspeed_laga.measure import peak_check, predicted_peak
     case = eq.Case(spec=VARIANTS["laga+blockwise"], kernel="eager", shape=SHAPES["mla"],
                    cu_seqlens=None)
     predicted, measured = peak_check(case, "cpu")
-    assert measured is None
+    assert measured > 0  # the CPU allocator's peak (test_cpu_peak.py)
     cfg = model_config(case, 1)
     assert predicted == cm.form_cost(cfg, case.spec).peak_bytes == sum(t.bytes for t in predicted_peak(case))
 

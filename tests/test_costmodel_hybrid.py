@@ -255,6 +255,7 @@ def test_bench_hybrid_rows(tmp_path, capsys):
         assert r["max_rel_err"] < 1e-4, (r["variant"], r["max_rel_err"])
         assert r["comm_wire_by_group"] == r["model_comm_wire_by_group"], r["variant"]
         assert r["saved_bytes"] == r["model_saved_bytes"], r["variant"]
+        assert r["peak_bytes"] > 0, r["variant"]  # the CPU allocator's peak, every rank's pass
     groups = {r["variant"]: set(r["comm_wire_by_group"]) for r in rows}
     assert groups["explicit"] == {"ulysses", "ring"} and groups["laga"] == {"ulysses", "cp"}
     assert "cp_algo=hybrid U=2" in capsys.readouterr().out

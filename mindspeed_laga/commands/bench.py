@@ -6,8 +6,9 @@ on CPU by default, or this process's rank under torchrun (RANK/WORLD_SIZE
 set; any backend). For each variant and sequence length: collective bytes
 (byte counter), activation bytes saved for backward (saved-tensor hooks,
 each storage once, kv_up_weight excluded) beside the cost model's figure,
-peak accelerator memory where there is one beside the model's peak, the
-model's attention FLOPs, median fwd+bwd time, and the worst relative error
+peak memory above the inputs beside the model's peak (an accelerator's
+max_memory_allocated; on CPU the allocator's events under the torch profiler,
+in one extra untimed run per variant), the model's attention FLOPs, median fwd+bwd time, and the worst relative error
 against the float64 single-process reference. With --doc-lens/--num-docs
 the forms get cu_seqlens (packed documents).
 Writes JSON (every figure in the table) and, with matplotlib, PNG plots.
@@ -201,6 +202,7 @@ def make_rows(runs, models, per_rank: List[List[dict]], ulysses_degree: int = 1)
         bwd = _comm(r0, "backward", "payload")
         wire = _comm(r0, "forward", "wire") + _comm(r0, "backward", "wire")
         peak = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
+        unmeasured = [r.get("peak_reason") for r in ranks if r["peak_bytes"] is None]
         rows.append({
             "seq_len": case.shape.seq_len, "cp_algo": case.cp_algo, "layout": case.layout,
             "documents": len(case.cu_seqlens) - 1 if case.cu_seqlens else 1,
@@ -218,7 +220,8 @@ def make_rows(runs, models, per_rank: List[List[dict]], ulysses_degree: int = 1)
             "model_saved_terms": [t.__dict__ for t in model.saved],
             "saved_measured_over_model": _ratio(r0["saved_bytes"], model.saved_bytes),
             "peak_bytes": max(peak) if peak else None,
-            "peak_mib": f"{max(peak) / MiB:.1f}" if peak else "n/a",
+            "peak_mib": f"{max(peak) / MiB:.2f}" if peak else "n/a",
+            "peak_reason": None if peak else (unmeasured[0] if unmeasured else None),
             "model_peak_bytes": model.peak_bytes, "model_peak_mib": model.peak_bytes / MiB,
             "model_peak_terms": [t.__dict__ for t in model.peak],
             "peak_measured_over_model": _ratio(max(peak), model.peak_bytes) if peak else None,
@@ -328,7 +331,8 @@ def _ulysses_groups(degree: int):
     return mine
 
 
-def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmup: int) -> List[dict]:
+def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmup: int,
+                  cpu_peak: bool = False) -> List[dict]:
     """:func:`run_on_ranks` entry for --cp-algo hybrid: one result per run, in the format
     of ``measure.run_on_rank`` plus the wire bytes per group."""
     import torch.distributed as dist
@@ -337,7 +341,7 @@ def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmu
     out = []
     for i, case in enumerate(runs):
         out.append(run_on_rank(case, rank, cp_size, dist.group.WORLD, repeat, warmup,
-                               ulysses_group=group))
+                               ulysses_group=group, cpu_peak=cpu_peak))
         if rank == 0:
             print(f"  [{i + 1}/{len(runs)}] {case.spec.name} S={case.shape.seq_len} hybrid U={degree}",
                   flush=True)
@@ -358,7 +362,8 @@ def _run_torchrun(args, runs, repeat, warmup):
     set_local_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     try:
-        mine = worker(dist.get_rank(), dist.get_world_size(), runs, repeat, warmup, False, True)
+        mine = worker(dist.get_rank(), dist.get_world_size(), runs, repeat, warmup, False, True,
+                      cpu_peak=True)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return gathered, dist.get_rank()
@@ -389,9 +394,10 @@ def run(args) -> int:
             return 0
     elif args.cp_algo == HYBRID:
         per_rank = run_on_ranks(hybrid_worker, cp_size, args.ulysses_degree, runs, args.repeat,
-                                args.warmup, timeout_s=3600)
+                                args.warmup, True, timeout_s=3600)
     else:
-        per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True)
+        # (count_flops, progress, cpu_peak): spawned ranks run on the CPU, measure its peak
+        per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True, True)
     rows = make_rows(runs, models, per_rank, args.ulysses_degree if args.cp_algo == HYBRID else 1)
     print_table(rows)
     print_document_trend(rows)
@@ -400,18 +406,24 @@ def run(args) -> int:
           f"kv_up_weight excluded (rank 0), beside the cost model; ms: slowest rank's median "
           f"fwd+bwd; err: worst output/grad error vs the float64 reference; attn GFLOP: the "
           f"model's attention FLOPs (fwd+bwd, rank 0, as the kernels execute them).")
-    print(peak_note(device_type) + f" {time.perf_counter() - start:.1f} s.")
+    reasons = [r["peak_reason"] for r in rows if r["peak_reason"]]
+    print(peak_note(device_type, reasons[0] if reasons else None)
+          + f" {time.perf_counter() - start:.1f} s.")
     _write_outputs(args, rows, cp_size, where)
     return 0
 
 
-def peak_note(device_type: str) -> str:
-    """What the two peak columns are, and whether this machine checks the model's."""
+def peak_note(device_type: str, unmeasured: Optional[str] = None) -> str:
+    """What the two peak columns are, and whether this machine checks the model's
+    (``unmeasured``: why the measured peak is n/a, if it is)."""
     what = ("model peak: the cost model's prediction in MiB (saved + output + the largest "
             "transient, costmodel/peak.py)")
+    if unmeasured:
+        return f"peak: n/a ({unmeasured}); {what}, unchecked on this machine."
     if device_type == "cpu":
-        return (f"peak: n/a on CPU (no allocator statistics); {what}, unchecked on this machine "
-                "(run under torchrun on CUDA/NPU to compare).")
+        return ("peak: the CPU allocator's peak above the inputs, from the torch profiler's "
+                "memory events in one extra untimed fwd+bwd per variant (worst rank); "
+                f"{what}.")
     return (f"peak: max_memory_allocated above the inputs after reset_peak_memory_stats "
             f"({device_type}, worst rank); {what}.")
 
