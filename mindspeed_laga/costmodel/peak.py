@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import List
 
 from ..runspec import RunSpec
-from .config import EAGER, HALF, RECOMPUTING_KINDS, Config
+from .config import EAGER, HALF, RECOMPUTING_KINDS, SDPA, Config
 
 # forms/block_kernels.SCORE_CHUNK_ELEMENTS (that module imports torch; the model does not)
 SCORE_CHUNK_ELEMENTS = 1 << 25
@@ -67,10 +67,22 @@ def _kernel_workspace(cfg: Config, rank: int, kind: str, spec: RunSpec) -> int:
     if kind in RECOMPUTING_KINDS:
         # a segment whose window is longer than its queries runs as two calls merged by
         # log-sum-exp (kernels/sdpa.py): float32 output and lse of both; else the lse only
-        _, v_dim = _widths(cfg, spec)
+        qk_dim, v_dim = _widths(cfg, spec)
         return max(2 * z.batch * z.heads * q.length * (v_dim + 1) * acc if q.keys != q.length
-                   else z.batch * z.heads * q.length * acc for q in query_segments(cfg, rank))
+                   else z.batch * z.heads * q.length * acc for q in query_segments(cfg, rank)) \
+            + _cpu_padding(cfg, rank, qk_dim, v_dim)
     return 2 * _largest_scores(cfg, rank, z.heads) * acc  # scores and masked scores (or dP, dS)
+
+
+def _cpu_padding(cfg: Config, rank: int, qk_dim: int, v_dim: int) -> int:
+    """The CPU flash op takes one head dim (kernels/sdpa.CpuFlash): its backward gets V,
+    dO and O zero-padded to d_qk and returns a padded dV, four [b, h, rows|keys, d_qk]
+    copies of the largest segment's call."""
+    if cfg.kernel != SDPA or v_dim >= qk_dim:
+        return 0
+    z = cfg.sizes
+    return max(4 * z.batch * z.heads * max(q.length, q.keys) * qk_dim * z.elem
+               for q in query_segments(cfg, rank))
 
 
 def _input_grads(cfg: Config) -> int:
@@ -137,8 +149,12 @@ def _blockwise_backward(cfg: Config, rank: int, spec: RunSpec, rows: int, block:
              + b * h * rows * d.qk_dim * acc)
     if cfg.heads_split:  # the output grad after its all-to-all, [S, b, h, d_v]
         whole += b * h * cfg.query_len * d.v_head_dim * e
+    # the push through the rebuild: on CPU in the accumulation dtype (its weight copied once)
+    p = acc if cfg.kernel in (EAGER, SDPA) else e
+    if p != e:
+        whole += weight * p
     call = b * h * rows * d.qk_dim * g + _block_scratch(cfg, rows, block)
-    push = b * h * block * (d.qk_head_dim + d.v_head_dim) * g + weight * g
+    push = 2 * b * h * block * (d.qk_head_dim + d.v_head_dim) * p + weight * p
     return whole + kv * (e + g) + max(call, push)
 
 

@@ -5,17 +5,20 @@ per rank, the largest activation of the block at long sequence. Every rank
 already holds the gathered latent (d_c + d_r per token), so K/V can be
 rebuilt when needed instead of kept.
 
-Forward walks the (position-ordered) keys in blocks of ``block_size``:
-rebuild the block's K/V from the latent, attend every query segment that can
-see the block, and merge with an online softmax (running max and sum, as
-ring/flash attention do). Only ``q``, the gathered latent, the output and
-the float32 log-sum-exp are saved. Backward walks the blocks again, rebuilds
-each block's K/V, forms the block's probabilities from the saved
-log-sum-exp, and pushes dK/dV straight back through the up-projection to
-the latent and ``kv_up_weight``. Full-sequence K/V never exist, in forward
-or backward.
+The walk goes tile by tile: each query segment in row blocks of
+``vocab.query_block_rows(block_size)`` rows, and for each row block the
+(position-ordered) keys in blocks of ``block_size`` it can see. Forward
+rebuilds the span of a key block the row block sees, attends it and merges
+with an online softmax (running max and sum, as ring/flash attention do).
+Only ``q``, the gathered latent, the output and the float32 log-sum-exp are
+saved. Backward walks the tiles again, rebuilds each tile's K/V, forms the
+probabilities from the saved log-sum-exp, and pushes dK/dV straight back
+through the up-projection to the latent and ``kv_up_weight``. Full-sequence
+K/V never exist, in forward or backward; the float32 running output (forward)
+and dq (backward) exist for one row block, which is why rows are blocked too:
+with keys outermost they would span the whole sequence.
 
-Each (block, query rows) pair goes to a block kernel (``block_kernels``; with
+Each tile's runs of query rows go to a block kernel (``block_kernels``; with
 documents, all runs of one query segment in a block go at once to a kernel
 that offers the packed entry):
 eager math with one block's scores materialized, or ``npu_fusion_attention``
@@ -201,6 +204,7 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
     dq = torch.zeros_like(q)  # q's dtype and memory layout; each row block written once
     d_latent = torch.zeros(latent.shape, dtype=acc, device=q.device)
     d_weight = torch.zeros(kv_up_weight.shape, dtype=acc, device=q.device)
+    weight = kv_up_weight.to(push_dtype(q))
     for rows in row_blocks(plan):
         r0, n = rows[0], rows[1]
         dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)
@@ -210,7 +214,7 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
             for (r, _, _), (dq_b, _, _) in zip(tile.runs, grads):
                 dq_rows[:, :, _shift(r, r0)] += dq_b
             d_key, d_value = _tile_grads(key, value, tile.runs, grads)
-            _through_rebuild(latent[tile.k0:tile.k1], kv_up_weight, d_key, d_value,
+            _through_rebuild(latent[tile.k0:tile.k1], weight, d_key, d_value,
                              d_latent[tile.k0:tile.k1], d_weight, plan)
             del key, value, grads, d_key, d_value
         dq[:, :, r0:r0 + n] = dq_rows
@@ -232,14 +236,22 @@ def _tile_grads(key, value, runs, grads):
     return d_key, d_value
 
 
-def _through_rebuild(latent_block, kv_up_weight, d_key, d_value, d_latent_block, d_weight, plan):
+def push_dtype(q: torch.Tensor) -> torch.dtype:
+    """dtype of the matmuls that push a tile's dK/dV through the rebuild: on accelerators
+    the input's (half-precision matmuls are their fast path; one rounding a tile, added
+    into float32), on CPU the accumulation dtype (its half-precision matmuls are slow)."""
+    return acc_dtype(q.dtype) if q.device.type == "cpu" else q.dtype
+
+
+def _through_rebuild(latent_block, weight, d_key, d_value, d_latent_block, d_weight, plan):
     """Backward of :func:`rebuild`, added into the float32 accumulators: dK, dV [b,h,B,.]
-    -> latent block and weight grads (matmuls in the grads' dtype, one rounding a tile)."""
+    -> latent block and weight grads, the matmuls in ``weight``'s dtype (:func:`push_dtype`)."""
     d_nope, d_pe = torch.split(d_key, [plan.qk_head_dim, plan.rope_dim], dim=-1)
-    d_kv = torch.cat([d_nope, d_value.to(d_nope.dtype)], dim=-1).permute(2, 0, 1, 3)  # [B,b,h,d_n+d_v]
+    d_kv = torch.cat([d_nope.to(weight.dtype), d_value.to(weight.dtype)], dim=-1)
+    d_kv = d_kv.permute(2, 0, 1, 3)  # [B, b, h, d_n + d_v]
     d_kv = d_kv.reshape(*d_kv.shape[:2], -1)
-    kv_c = latent_block[..., :plan.kv_lora_rank].to(d_kv.dtype)
-    d_latent_block[..., :plan.kv_lora_rank] += torch.matmul(d_kv, kv_up_weight.to(d_kv.dtype))
+    kv_c = latent_block[..., :plan.kv_lora_rank].to(weight.dtype)
+    d_latent_block[..., :plan.kv_lora_rank] += torch.matmul(d_kv, weight)
     d_latent_block[..., plan.kv_lora_rank:] += d_pe.sum(dim=1).permute(1, 0, 2)
     d_weight += torch.matmul(d_kv.reshape(-1, d_kv.shape[-1]).t(), kv_c.reshape(-1, kv_c.shape[-1]))
 
