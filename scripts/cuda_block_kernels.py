@@ -212,13 +212,13 @@ def main():
         compare_candidates()
     for seq_len in (int(s) for s in args.seq_lens.split(",")):
         extra = {"laga+blockwise (eager)": eager_blockwise(seq_len)} if seq_len <= 2048 else {}
-        table(seq_len, seq_len // 4, extra)
+        table(seq_len, seq_len // 8, extra)
     print(f"\n{time.time() - t_start:.0f} s")
 
 
 def eager_blockwise(seq_len):
     return eq.Case(form="laga", kernel="eager", dtype="bfloat16", shape=v3_shape(seq_len),
-                   options=(("recompute_kv", True), ("kv_block_size", seq_len // 4)))
+                   options=(("recompute_kv", True), ("kv_block_size", seq_len // 8)))
 
 
 def compare_candidates():
