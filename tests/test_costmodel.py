@@ -432,6 +432,25 @@ def _pairs_from_mask(cfg, rank, spec):
     return executed, visible
 
 
+def _rebuilds_from_mask(cfg, rank, spec):
+    """Keys the blockwise walk rebuilds: per (row block, key block), the span of the
+    block's keys that some row of the row block sees."""
+    keep = _mask(cfg.doc_lens, cfg.causal)
+    qpos = _query_positions(cfg, rank)
+    keys = keep[qpos].any(0).nonzero().flatten().tolist() if spec.trim_causal_prefix \
+        else list(range(cfg.seq_len))
+    size = spec.kv_block_size or len(keys)
+    rows = vocab.query_block_rows(spec.kv_block_size)
+    total = 0
+    for seg in _query_segments(cfg, rank):
+        for i in range(0, len(seg), rows or len(seg)):
+            for k0 in range(0, len(keys), size):
+                cols = keep[seg[i:i + (rows or len(seg))]][:, keys[k0:k0 + size]].any(0).nonzero()
+                if len(cols):
+                    total += int(cols.max() - cols.min() + 1)
+    return total
+
+
 def test_document_pair_counts_equal_counts_over_the_mask():
     checked = 0
     for (lens, cp, algo, lay, causal), block, trim in itertools.product(DOC_CASES, BLOCKS, (False, True)):
@@ -444,6 +463,9 @@ def test_document_pair_counts_equal_counts_over_the_mask():
             want = _pairs_from_mask(cfg, rank, spec)
             got = cm.attention_pairs(cfg, rank, spec)
             assert (got.executed, got.visible) == want, (lens, cp, algo, lay, causal, spec, rank)
+            if spec.recompute_kv:
+                assert cm.blockwise_rebuilds(cfg, rank, spec) == _rebuilds_from_mask(cfg, rank, spec), \
+                    (lens, cp, algo, lay, causal, spec, rank)
             if trim:  # what trimming rebuilds: the keys some query sees
                 keep = _mask(lens, causal)[_query_positions(cfg, rank)]
                 assert cm.rebuilt_keys(cfg, rank, spec) == int(keep.any(0).sum())
@@ -587,3 +609,28 @@ def test_peak_prediction_against_cuda():
                        kernel=kernel, dtype="bfloat16", shape=shape)
         predicted, measured = peak_check(case, "cuda")
         assert 0.5 <= measured / predicted <= 2.0, (name, predicted, measured)
+
+
+class _OneDocument:
+    """A config without documents, seen by the mask helpers as one document of S tokens."""
+
+    def __init__(self, cfg):
+        self._cfg = cfg
+
+    def __getattr__(self, name):
+        return (self._cfg.seq_len,) if name == "doc_lens" else getattr(self._cfg, name)
+
+
+def test_blockwise_counts_without_documents_equal_counts_over_the_mask():
+    """Row blocks of many tiles (one-key blocks: rows of 2) summed in closed form per family."""
+    for (cp, algo, lay, causal), block, trim in itertools.product(
+            ((2, "allgather", "zigzag", True), (4, "ulysses", "contiguous", True),
+             (2, "allgather", "contiguous", False), (4, "allgather", "zigzag", True)),
+            BLOCKS, (False, True)):
+        cfg = cm.Config(ModelDims(4, 8, 4, 8, 16), 56, 1, cp, 1, algo, lay, "float32", "eager", causal)
+        spec = RunSpec("b", "laga", trim_causal_prefix=trim, recompute_kv=True, kv_block_size=block)
+        for rank in range(cp):
+            got = cm.attention_pairs(cfg, rank, spec)
+            assert (got.executed, got.visible) == _pairs_from_mask(_OneDocument(cfg), rank, spec)
+            assert cm.blockwise_rebuilds(cfg, rank, spec) == \
+                _rebuilds_from_mask(_OneDocument(cfg), rank, spec), (cp, algo, lay, causal, block, trim)

@@ -178,3 +178,18 @@ def test_fused_blockwise_matches_single_device_reference(matrix, case):
     errors = eq.relative_errors(matrix[case], eq.reference(case))
     bad = {k: v for k, v in errors.items() if not v <= TOLERANCE[case.dtype]}
     assert not bad, f"{case.label()}: {bad} > {TOLERANCE[case.dtype]}"
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_half_precision_push_through_the_rebuild(monkeypatch, kernel):
+    """On accelerators the blockwise backward pushes each tile's dK/dV through the rebuild
+    in the input dtype (``laga_blockwise.push_dtype``; CPU uses float32). Run that choice
+    here: bfloat16 against the float64 reference, one process, row and key blocks."""
+    from mindspeed_laga.forms import laga_blockwise
+    from mindspeed_laga.measure import run_on_rank
+    monkeypatch.setattr(laga_blockwise, "push_dtype", lambda q: q.dtype)
+    case = eq.Case(form="laga", kernel=kernel, dtype="bfloat16", shape=SHAPE,
+                   options=OPTION_SETS["block7"])
+    errors = eq.relative_errors(eq.assemble([run_on_rank(case, 0, 1, None)], case), eq.reference(case))
+    bad = {k: v for k, v in errors.items() if not v <= TOLERANCE["bfloat16"]}
+    assert not bad, f"{bad} > {TOLERANCE['bfloat16']}"
