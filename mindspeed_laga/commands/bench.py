@@ -29,6 +29,10 @@ from .output import MiB, check_output_path, one_line_errors, pad as _pad, ratio 
 from .plot import write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
 
+# How long spawned ranks may take for the whole benchmark before they count as hung: a
+# bench at model dims on CPU runs for many minutes, which is not a hang.
+RUN_TIMEOUT_S = 3600.0
+
 # The table: (header, JSON key, format). Every cell is a key of the row's JSON.
 COLUMNS = (
     ("variant", "variant", "{:<20}"),
@@ -394,10 +398,11 @@ def run(args) -> int:
             return 0
     elif args.cp_algo == HYBRID:
         per_rank = run_on_ranks(hybrid_worker, cp_size, args.ulysses_degree, runs, args.repeat,
-                                args.warmup, True, timeout_s=3600)
+                                args.warmup, True, timeout_s=RUN_TIMEOUT_S)
     else:
         # (count_flops, progress, cpu_peak): spawned ranks run on the CPU, measure its peak
-        per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True, True)
+        per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True, True,
+                                timeout_s=RUN_TIMEOUT_S)
     rows = make_rows(runs, models, per_rank, args.ulysses_degree if args.cp_algo == HYBRID else 1)
     print_table(rows)
     print_document_trend(rows)

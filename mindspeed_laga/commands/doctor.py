@@ -123,7 +123,7 @@ def bench_worker(rank: int, cp_size: int, cases: List[Case], repeat: int, warmup
     group = dist.group.WORLD if dist.is_initialized() else None
     out = []
     for case in cases:
-        r = run_on_rank(case, rank, cp_size, group, repeat, warmup)
+        r = run_on_rank(case, rank, cp_size, group, repeat, warmup, cpu_peak=True)
         out.append({"comm": r["comm"], "seconds": r["seconds"], "peak_bytes": r["peak_bytes"],
                     "saved_bytes": r["saved_bytes"]})
     return out

@@ -64,7 +64,8 @@ def bench_table(rows: List[dict]) -> List[str]:
 
 NOTES = ("bytes: rank 0's payload handed to the collectives, per direction (handshake "
          "excluded); ms: slowest rank's median fwd+bwd; peak: max_memory_allocated during "
-         "fwd+bwd above the inputs, worst rank (n/a on CPU); saved: activations autograd keeps "
+         "fwd+bwd above the inputs, worst rank (on CPU the allocator's peak from the torch "
+         "profiler's memory events, one extra untimed pass); saved: activations autograd keeps "
          "in the attention call, rank 0; max rel err: worst of the output and every grad, "
          "max |got - ref| / max |ref|.")
 
