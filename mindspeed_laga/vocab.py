@@ -359,6 +359,20 @@ def query_block_rows(block_size: Optional[int]) -> Optional[int]:
     return None if block_size is None else QUERY_BLOCK_KEYS * block_size
 
 
+def join_adjacent(segments: Iterable[Segment]) -> List[Segment]:
+    """Segments with each one that continues the previous (next local row, next position)
+    joined to it: ulysses' contiguous layout delivers every rank's tokens as one segment
+    each, in position order; the blockwise walk cuts its row blocks from the joined runs
+    so that the row blocks, not the ranks, set how often keys are rebuilt."""
+    out: List[Segment] = []
+    for local, n, g in segments:
+        if out and out[-1][0] + out[-1][1] == local and out[-1][2] + out[-1][1] == g:
+            out[-1] = (out[-1][0], out[-1][1] + n, out[-1][2])
+        else:
+            out.append((local, n, g))
+    return out
+
+
 def key_blocks(num_keys: int, block_size: Optional[int]) -> List[Tuple[int, int]]:
     """Key blocks [k0, k1) in position order; None: one block of every key."""
     size = block_size or max(num_keys, 1)

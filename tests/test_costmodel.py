@@ -292,12 +292,12 @@ def test_v3_blockwise_recompute_below_explicit_and_absorbed():
         # What it costs: the rebuild runs again in backward (4 rebuilds' worth instead of 3),
         # and each row block rebuilds the keys it sees. allgather: a rank's two segments of
         # c = S/16 queries (rows per block 2 x 2048 >= c: one block each) see (r+1)c and
-        # (16-r)c keys, 17c in all against LAGA's 16c; ulysses (contiguous): the segments
-        # are the 8 ranks' 2048 tokens (one row block each), seeing 2048 k keys, k = 1..8:
-        # 36 x 2048 = 73728 against 16384.
+        # (16-r)c keys, 17c in all against LAGA's 16c; ulysses (contiguous): the 8 ranks'
+        # tokens follow one another, 16384 queries in 4 row blocks of 4096 that see 4096,
+        # 8192, 12288 and 16384 keys: 40960 against 16384.
         rebuild = {k: s["flops"]["rebuild_fwd"]["worst"] + s["flops"]["rebuild_bwd"]["worst"]
                    for k, s in (("laga", la), ("blockwise", bw))}
-        keys = {"allgather": (17, 16), "ulysses": (73728, 16384)}[algo]
+        keys = {"allgather": (17, 16), "ulysses": (40960, 16384)}[algo]
         assert rebuild["blockwise"] * 3 * keys[1] == rebuild["laga"] * 4 * keys[0], algo
 
 
@@ -386,6 +386,18 @@ def _query_segments(cfg, rank):
             for _, n, g in layouts.segments(cfg.seq_layout, cfg.cp_size, r, cfg.local_len, docs)]
 
 
+def _joined_segments(cfg, rank):
+    """The segments the blockwise walk cuts row blocks from: one that continues the
+    previous one's positions is joined to it."""
+    out = []
+    for seg in _query_segments(cfg, rank):
+        if out and out[-1][-1] + 1 == seg[0]:
+            out[-1] = out[-1] + seg
+        else:
+            out.append(list(seg))
+    return out
+
+
 def _query_positions(cfg, rank):
     return [p for seg in _query_segments(cfg, rank) for p in seg]
 
@@ -419,7 +431,7 @@ def _pairs_from_mask(cfg, rank, spec):
         else list(range(cfg.seq_len))
     size = spec.kv_block_size or len(keys)
     rows = vocab.query_block_rows(spec.kv_block_size)  # a segment's queries in row blocks
-    row_blocks = [seg[i:i + (rows or len(seg))] for seg in _query_segments(cfg, rank)
+    row_blocks = [seg[i:i + (rows or len(seg))] for seg in _joined_segments(cfg, rank)
                   for i in range(0, len(seg), rows or len(seg))]
     executed = 0
     for k0 in range(0, len(keys), size):
@@ -442,7 +454,7 @@ def _rebuilds_from_mask(cfg, rank, spec):
     size = spec.kv_block_size or len(keys)
     rows = vocab.query_block_rows(spec.kv_block_size)
     total = 0
-    for seg in _query_segments(cfg, rank):
+    for seg in _joined_segments(cfg, rank):
         for i in range(0, len(seg), rows or len(seg)):
             for k0 in range(0, len(keys), size):
                 cols = keep[seg[i:i + (rows or len(seg))]][:, keys[k0:k0 + size]].any(0).nonzero()

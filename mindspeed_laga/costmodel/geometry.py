@@ -89,9 +89,10 @@ class Pairs:
 
 def largest_row_block(cfg: Config, rank: int, spec: RunSpec) -> int:
     """Rows of the largest row block the blockwise walk takes (``laga_blockwise.row_blocks``:
-    segments cut into blocks of ``vocab.query_block_rows(kv_block_size)`` rows)."""
+    adjacent segments joined, cut into blocks of ``vocab.query_block_rows(kv_block_size)``
+    rows)."""
     size = vocab.query_block_rows(spec.kv_block_size)
-    return max(min(size or n, n) for _, n, _ in _vocab_segments(cfg, rank))
+    return max(min(size or n, n) for _, n, _ in vocab.join_adjacent(_vocab_segments(cfg, rank)))
 
 
 def _row_families(cfg: Config, rank: int, spec: RunSpec):
@@ -101,7 +102,7 @@ def _row_families(cfg: Config, rank: int, spec: RunSpec):
     model takes is affine in the run's index (the runs' offsets against the key blocks
     repeat, ``step`` being a multiple of the block), so it sums in closed form."""
     size = vocab.query_block_rows(spec.kv_block_size)
-    for seg in _vocab_segments(cfg, rank):
+    for seg in vocab.join_adjacent(_vocab_segments(cfg, rank)):
         for local, n, g in vocab.doc_pieces(seg, cfg.documents):
             if size is None:
                 yield n, g, 1, 0

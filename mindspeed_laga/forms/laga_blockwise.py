@@ -33,7 +33,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..kernels import KeyIndex
-from ..vocab import Documents, Segment, doc_pieces, key_blocks, key_window, query_block_rows
+from ..vocab import (Documents, Segment, doc_pieces, join_adjacent, key_blocks, key_window,
+                     query_block_rows)
 from .block_kernels import acc_dtype, block_kernel
 from .common import rebuild_kv
 
@@ -125,11 +126,12 @@ def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockP
 
 
 def row_blocks(plan: BlockPlan) -> List[Segment]:
-    """The query rows in blocks of ``vocab.query_block_rows``: every segment cut into
-    pieces (local start, rows, first position) that are walked one at a time."""
+    """The query rows in blocks of ``vocab.query_block_rows``: the segments, adjacent ones
+    joined (``vocab.join_adjacent``), cut into pieces (local start, rows, first position)
+    that are walked one at a time."""
     size = query_block_rows(plan.block_size)
     out = []
-    for local, n, g in plan.segments:
+    for local, n, g in join_adjacent(plan.segments):
         step = size or n
         out += [(local + i, min(step, n - i), g + i) for i in range(0, n, step)]
     return out
