@@ -184,8 +184,16 @@ def build_runs(args, cp_size: int, device_type: str):
                             shape=shape, cu_seqlens=bounds,
                             ulysses_degree=degree if algo == HYBRID else 1)
                 runs.append(case)
-                models.append(cm.form_cost(case_config(case, cp_size, device_type), v, 0))
+                models.append(_model(case_config(case, cp_size, device_type), v, cp_size))
     return runs, models
+
+
+def _model(cfg, spec: RunSpec, cp_size: int):
+    """Rank 0's costs (what the table compares with rank 0's measurement), with the peak
+    terms of the rank the model expects to peak highest (the table's peak is the worst
+    rank's)."""
+    costs = [cm.form_cost(cfg, spec, r) for r in range(cp_size)]
+    return replace(costs[0], peak=max(costs, key=lambda c: c.peak_bytes).peak)
 
 
 # ---------------------------------------------------------------- rows
@@ -421,8 +429,8 @@ def run(args) -> int:
 def peak_note(device_type: str, unmeasured: Optional[str] = None) -> str:
     """What the two peak columns are, and whether this machine checks the model's
     (``unmeasured``: why the measured peak is n/a, if it is)."""
-    what = ("model peak: the cost model's prediction in MiB (saved + output + the largest "
-            "transient, costmodel/peak.py)")
+    what = ("model peak: the cost model's prediction in MiB for the rank it expects highest "
+            "(saved + output + the largest transient, costmodel/peak.py)")
     if unmeasured:
         return f"peak: n/a ({unmeasured}); {what}, unchecked on this machine."
     if device_type == "cpu":

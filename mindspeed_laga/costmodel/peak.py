@@ -121,8 +121,12 @@ def _block_scratch(cfg: Config, rows: int, block: int) -> int:
     if cfg.kernel == EAGER:  # EagerBlock: float32 scores and probabilities, a few heads at a time
         step = max(1, min(h, SCORE_CHUNK_ELEMENTS // max(1, b * rows * block)))
         return 2 * b * step * rows * block * acc
-    # fused ops: float32 output and lse of the two calls of a diagonal block, merged
-    return 2 * b * h * rows * (z.dims.v_head_dim + 1) * acc
+    # fused ops: float32 output and lse of the two calls of a diagonal block, merged; the
+    # CPU flash op takes one head dim: V, dO and O padded to d_qk, and a padded dV back
+    d = z.dims
+    pad = 2 * b * h * (rows + block) * d.qk_dim * z.elem \
+        if cfg.kernel == SDPA and d.v_head_dim < d.qk_dim else 0
+    return 2 * b * h * rows * (d.v_head_dim + 1) * acc + pad
 
 
 def _blockwise_forward(cfg: Config, rows: int, block: int) -> int:
