@@ -17,9 +17,10 @@ absorbed, LAGA and LAGA's options, forward and backward:
   kernel by kernel, and checked against ``saved_tensors_hooks`` measurements.
 - ``peak``: predicted peak memory of the call above its inputs, named terms:
   ``saved`` + ``output`` + the largest transient (kernel workspace, backward
-  buffers, or the blockwise path's block and accumulators); an estimate, put
-  beside ``max_memory_allocated`` on CUDA/NPU by ``measure.peak_check`` (a
-  CUDA-only test compares them; CPU cannot).
+  buffers, or the blockwise path's tile and row-block accumulators); an
+  estimate, put beside the measured peak by ``measure.peak_check``:
+  ``max_memory_allocated`` on CUDA/NPU, the CPU allocator's events on CPU
+  (``cpu_peak.py``; tests compare them on CPU, and on CUDA where there is one).
 - ``flops``: attention (Q.K^T and P.V; ``executed`` = the rectangles our
   segment recipe runs, masked keys included, which is what
   ``FlopCounterMode`` counts; ``visible`` = causal pairs (within

@@ -28,8 +28,10 @@ What a device's allocator peaks at (``max_memory_allocated`` after
     ``attn_out`` is not counted twice.
 
 An estimate written from the code, not a measurement: ``bench`` prints it
-beside ``max_memory_allocated`` on CUDA/NPU (:func:`mindspeed_laga.measure.peak_check`);
-on CPU there is nothing to compare it with.
+beside the measured peak (:func:`mindspeed_laga.measure.peak_check`):
+``max_memory_allocated`` on CUDA/NPU, on CPU the allocator's events under the
+torch profiler (``cpu_peak.py``), where the model also counts the CPU flash
+op's zero-padded copies (it takes one head dim).
 """
 from __future__ import annotations
 
