@@ -79,9 +79,12 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
             # No rank leaves while another still needs the group (a rank that exits
             # during the others' connection setup makes them fail).
             dist.barrier()
+            # Report before tearing the group down: gloo's teardown can block once the
+            # other ranks have gone (seen with torch 2.7.1), and a rank that has reported
+            # is one the caller may stop (``_stop``) instead of waiting for.
+            queue.put((rank, True, _dumps(result)))
         finally:
             dist.destroy_process_group()
-        queue.put((rank, True, _dumps(result)))
     except BaseException:  # report everything, including KeyboardInterrupt in a child
         queue.put((rank, False, traceback.format_exc()))
 
