@@ -40,7 +40,7 @@ class CpuPeak:
 
     def __enter__(self):
         if _profiler_running():
-            # A second profiler would end the first one's session when it stops.
+            # A second profiler would stop the first one's recording when it stops.
             self.reason = "another torch profiler is running"
             return self
         try:

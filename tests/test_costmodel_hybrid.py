@@ -21,6 +21,8 @@ from mindspeed_laga.runspec import RunSpec
 from mindspeed_laga.spawn import run_on_ranks
 from mindspeed_laga.vocab import ModelDims
 
+from test_hybrid import make_groups
+
 pytestmark = pytest.mark.timeout(600)
 
 WORLD, DEGREE = 4, 2
@@ -34,16 +36,6 @@ SPECS = [RunSpec.from_options("explicit", "explicit", ()), RunSpec.from_options(
          RunSpec.from_options("laga+blockwise", "laga", (("recompute_kv", True), ("kv_block_size", 6),
                                                          ("trim_causal_prefix", True)))]
 CASES = [(spec, lay) for spec in SPECS for lay in ("zigzag", "contiguous")]
-
-
-def _groups(world, degree):
-    """Every Ulysses group, created in the same order on every rank; this rank's."""
-    mine = None
-    for first in range(0, world, degree):
-        group = dist.new_group(list(range(first, first + degree)))
-        if first <= dist.get_rank() < first + degree:
-            mine = group
-    return mine
 
 
 def _run(rank, world, degree, group, spec, lay):
@@ -74,7 +66,7 @@ def _run(rank, world, degree, group, spec, lay):
 
 
 def _worker(rank, world, degree):
-    group = _groups(world, degree)
+    group = make_groups(world, degree)
     return [_run(rank, world, degree, group, spec, lay) for spec, lay in CASES]
 
 

@@ -53,7 +53,7 @@ def test_another_profiler_running_is_a_reason_and_left_alone():
             kept = floats(2500)
     assert peak.bytes is None and peak.reason == "another torch profiler is running"
     sizes = [e.nbytes() for e in outer.profiler.kineto_results.events() if e.name() == "[memory]"]
-    assert 2500 * FLOAT32 in sizes  # the outer session kept recording
+    assert 2500 * FLOAT32 in sizes  # the outer profiler kept recording
     del kept
 
 

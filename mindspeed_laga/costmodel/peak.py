@@ -87,14 +87,6 @@ def _cpu_padding(cfg: Config, rank: int, qk_dim: int, v_dim: int) -> int:
                for q in query_segments(cfg, rank))
 
 
-def _input_grads(cfg: Config) -> int:
-    z = cfg.sizes
-    d = z.dims
-    tokens = z.local_len * z.batch
-    return (tokens * (z.tp_heads * d.qk_dim + d.kv_lora_rank + d.rope_dim)
-            + z.tp_heads * (d.qk_head_dim + d.v_head_dim) * d.kv_lora_rank) * z.elem
-
-
 def _kernel_grads(cfg: Config, rank: int, spec: RunSpec) -> int:
     """dq, dK, dV of the kernel call (the sizes of its q, K, V), and the gathered latent's
     grad of the latent forms under CP."""

@@ -160,14 +160,20 @@ def tiles(plan: BlockPlan, rows: Segment, num_keys: int) -> List[Tile]:
     return out
 
 
+def walk(plan: BlockPlan, num_keys: int) -> List[Tuple[Segment, List[Tile]]]:
+    """Every row block with its tiles: the whole walk, planned once per call (forward
+    plans it, backward walks the same tiles again)."""
+    return [(rows, tiles(plan, rows, num_keys)) for rows in row_blocks(plan)]
+
+
 def _shift(rows: slice, by: int) -> slice:
     return slice(rows.start - by, rows.stop - by)
 
 
-def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
+def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps):
     """Attention over rebuilt key blocks, merged by log-sum-exp -> (out, lse float32).
 
-    Row block by row block: the float32 running output and log-sum-exp exist for
+    Row block by row block (``steps``: :func:`walk`): the float32 running output and log-sum-exp exist for
     one row block at a time. ``out`` is laid out [s, b, h, d_v] in memory (a BNSD
     view), so the [s, b, h*d_v] output the caller gets is the same storage that
     backward keeps."""
@@ -176,11 +182,10 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan):
     acc = acc_dtype(q.dtype)
     out = torch.zeros(s_q, b, h, plan.v_head_dim, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
     lse = torch.full((b, h, s_q), float("-inf"), dtype=acc, device=q.device)
-    for rows in row_blocks(plan):
-        r0, n = rows[0], rows[1]
+    for (r0, n, _), row_tiles in steps:
         acc_out = torch.zeros(b, h, n, plan.v_head_dim, dtype=acc, device=q.device)
         acc_lse = lse[:, :, r0:r0 + n]
-        for tile in tiles(plan, rows, latent.shape[0]):
+        for tile in row_tiles:
             key, value = rebuild(latent[tile.k0:tile.k1], kv_up_weight, plan)
             for (r, _, _), (block_out, block_lse) in zip(
                     tile.runs, forward_runs(kernel, q, key, value, tile.runs, plan.scale)):
@@ -198,19 +203,18 @@ def _merge(out, lse, rows, block_out, block_lse):
     lse[:, :, rows] = new_lse
 
 
-def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan):
+def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan, steps):
     """Grads of q, the gathered latent and kv_up_weight, one (row block, key block) tile
-    at a time: float32 dq for one row block, K/V and their grads for one tile."""
+    at a time (``steps``: forward's :func:`walk`): float32 dq for one row block, K/V and their grads for one tile."""
     kernel = block_kernel(plan.kernel, plan.pad_v)
     acc = acc_dtype(q.dtype)
     dq = torch.zeros_like(q)  # q's dtype and memory layout; each row block written once
     d_latent = torch.zeros(latent.shape, dtype=acc, device=q.device)
     d_weight = torch.zeros(kv_up_weight.shape, dtype=acc, device=q.device)
     weight = kv_up_weight.to(push_dtype(q))
-    for rows in row_blocks(plan):
-        r0, n = rows[0], rows[1]
+    for (r0, n, _), row_tiles in steps:
         dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)
-        for tile in tiles(plan, rows, latent.shape[0]):
+        for tile in row_tiles:
             key, value = rebuild(latent[tile.k0:tile.k1], kv_up_weight, plan)
             grads = backward_runs(kernel, q, key, value, tile.runs, plan.scale, d_out, out, lse)
             for (r, _, _), (dq_b, _, _) in zip(tile.runs, grads):
@@ -263,14 +267,15 @@ class BlockwiseLAGA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, latent, kv_up_weight, plan: BlockPlan):
-        out, lse = blockwise_forward(q, latent, kv_up_weight, plan)
+        steps = walk(plan, latent.shape[0])
+        out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps)
         ctx.save_for_backward(q, latent, kv_up_weight, out, lse)
-        ctx.plan = plan
+        ctx.plan, ctx.steps = plan, steps
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, latent, kv_up_weight, out, lse = ctx.saved_tensors
         dq, d_latent, d_weight = blockwise_backward(q, latent, kv_up_weight, out, lse, d_out,
-                                                    ctx.plan)
+                                                    ctx.plan, ctx.steps)
         return dq, d_latent, d_weight, None
