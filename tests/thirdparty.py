@@ -10,7 +10,7 @@ in this order of preference, from
    ``$LAGA_THIRDPARTY`` or else in ``shared/thirdparty`` beside the repository,
    unpacked once into ``${XDG_CACHE_HOME:-~/.cache}/mindspeed-laga/thirdparty/``
    (one folder per archive checksum, so a new archive unpacks afresh and
-   concurrent sessions never see a half-unpacked tree).
+   concurrent test runs never see a half-unpacked tree).
 
 The host code also imports ``six regex yaml tqdm einops`` (``pip install six
 regex pyyaml tqdm einops``). When sources or modules are missing the tests that
