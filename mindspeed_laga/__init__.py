@@ -5,7 +5,7 @@ check_torch()  # before the modules below meet an untested torch
 
 from .api import FORMS, absorbed_attention, explicit_attention, laga_attention
 from .comm import CommCounter, count_bytes
-from .overlap import LatentGather, start_latent_gather
+from .forms.latent_source import LatentGather, start_latent_gather
 from .reference import mla_attention_reference
 
 __version__ = "0.1.0"

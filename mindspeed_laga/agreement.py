@@ -14,19 +14,27 @@ attention forms and ``start_latent_gather``), so a rank that overlaps the
 latent gather and one that does not meet in the same collective and the
 difference is reported, not hung on.
 
-``check_ranks`` and the group's policy (see docs/DESIGN.md, "The cross-rank
-handshake"): the first call on a CP group always exchanges, whatever
-``check_ranks`` says, and the exchanged row carries ``check_ranks`` itself.
-Once every rank has passed ``check_ranks=False`` in an exchange, the group's
-later calls skip it (one small collective saved per call); until then every
-call exchanges. The policy changes only through an exchange, whose result
-every rank sees alike, so ranks never go out of step over it.
-:func:`reset` (on every rank) turns the exchange back on.
+``check_ranks`` and the group's policy (see docs/DESIGN.md, "Handshake"):
+the first call on a CP group always exchanges, whatever ``check_ranks`` says,
+and the exchanged row carries ``check_ranks`` itself. Once every rank has
+passed ``check_ranks=False`` in an exchange, the group's later calls skip it
+(one small collective saved per call) unless a call passes ``check_ranks=True``
+explicitly, which exchanges again (every rank must pass it in that call, as
+the adapters do on a module's first call); until then every call exchanges.
+The policy changes only through an exchange, whose result every rank sees
+alike, so ranks never go out of step over it. :func:`reset` (on every rank)
+turns the exchange back on.
+
+:func:`check_same_weight` is a separate one-integer exchange: a checksum of a
+weight every CP rank must hold alike (``kv_up_weight``); the adapters run it
+on a module's first call.
 """
 from __future__ import annotations
 
 import struct
 from typing import Dict, List, Optional, Sequence
+
+import torch
 
 from . import comm
 
@@ -41,9 +49,13 @@ LABELS = {"local_len": "the local sequence length", "micro_batch": "the micro-ba
           "heads": "the heads", "rope_dim": "the qk_pos_emb_head_dim",
           "qk_head_dim": "the qk_head_dim", "v_head_dim": "the v_head_dim",
           "kv_lora_rank": "the kv_lora_rank", "dtype": "the dtype",
-          "requires_grad": "whether grads are needed (requires_grad under grad mode)",
-          "ulysses_degree": "the size of ulysses_group"}
+          "requires_grad": "which inputs need grads (requires_grad under grad mode)",
+          "ulysses_degree": "the size of ulysses_group", "documents": "documents (cu_seqlens)"}
 UNKNOWN = -1
+# The dtypes the forms run (float8 and the rest are refused by name), as handshake codes.
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# The inputs in requires-grad bit order (bit i: input i needs a gradient).
+INPUTS = ("query", "kv_latent", "k_pos_emb", "kv_up_weight")
 
 _SKIP = {}  # cp_group -> True once every rank agreed on check_ranks=False
 
@@ -55,6 +67,25 @@ def float_bits(x: float) -> int:
 
 def bits_float(n: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(n)))[0]
+
+
+def dtype_code(dtype) -> int:
+    return DTYPES.index(dtype) if dtype in DTYPES else UNKNOWN
+
+
+def grad_pattern(tensors: Dict[str, object]) -> int:
+    """Which of ``tensors`` (keys from INPUTS) need a gradient, as bits (0 outside grad mode).
+
+    Ranks must agree on the pattern, not only on "any": a rank whose latent needs
+    no gradient skips the backward reduce-scatter its peers wait in."""
+    if not torch.is_grad_enabled():
+        return 0
+    return sum(1 << INPUTS.index(name) for name, t in tensors.items()
+               if isinstance(t, torch.Tensor) and t.requires_grad)
+
+
+def _grad_names(bits: int) -> List[str]:
+    return [name for i, name in enumerate(INPUTS) if bits >> i & 1]
 
 
 def reset(cp_group=None) -> None:
@@ -70,29 +101,83 @@ def skips(cp_group) -> bool:
     return _SKIP.get(cp_group, False)
 
 
-def agree(values: Dict[str, int], error: Optional[str], cp_group, device,
-          names: Optional[Dict[str, Sequence[str]]] = None) -> None:
+def agree(values: Dict[str, int], failure, cp_group, device,
+          names: Optional[Dict[str, Sequence[str]]] = None, *, force: bool = False,
+          details: Optional[Dict[str, Sequence[int]]] = None) -> None:
     """Exchange ``values`` (keys from FIELDS) and this rank's verdict; raise alike on every rank.
 
-    ``names`` maps a field to the names of its codes, for the message.
+    ``failure``: this rank's local error (an exception, or its message), None
+    when its checks passed; it is raised here, after the peers learnt of it.
+    ``names`` maps a field to the names of its codes, for the message;
+    ``force``: exchange even when the group skips (explicit ``check_ranks=True``);
+    ``details``: per field, this rank's full value behind a code (the document
+    boundaries behind their hash), gathered only when ranks differ on it.
     """
-    if comm.group_size(cp_group) == 1 or skips(cp_group):
-        if error is not None:
-            raise ValueError(error)
+    if comm.group_size(cp_group) == 1 or (skips(cp_group) and not force):
+        _raise(failure)
         return
     row = [UNKNOWN] * len(FIELDS)
     for key, value in values.items():
         row[FIELDS.index(key)] = int(value)
-    row[0] = 0 if error is None else 1
+    row[0] = 0 if failure is None else 1
     table = comm.handshake(row, cp_group, device)
-    if error is not None:
-        raise ValueError(error)
-    _raise_on_difference(table, names or {})
+    _raise(failure)
+    _raise_on_difference(table, names or {}, details or {}, cp_group, device)
     if all(r[FIELDS.index("check_ranks")] == 0 for r in table):
         _SKIP[cp_group] = True
 
 
-def _raise_on_difference(table: List[List[int]], names: Dict[str, Sequence[str]]) -> None:
+def _raise(failure) -> None:
+    if failure is None:
+        return
+    raise failure if isinstance(failure, BaseException) else ValueError(failure)
+
+
+def check_same_weight(weight, cp_group, name: str = "kv_up_weight") -> None:
+    """Raise on every rank unless every CP rank holds the same ``weight`` (bit for bit).
+
+    One exchange of one int64 (a checksum of the weight's bits, computed where
+    the weight lives). CP ranks are replicas of one TP shard: a rank with other
+    values would run and return wrong numbers (wrong K/V for every peer).
+    """
+    if comm.group_size(cp_group) == 1:
+        return
+    table = comm.handshake([weight_checksum(weight)], cp_group, weight.device)
+    sums = [row[0] for row in table]
+    if len(set(sums)) > 1:
+        differ = [r for r, s in enumerate(sums) if s != sums[0]]
+        raise ValueError(
+            f"{name} differs between CP ranks: CP rank(s) {differ} hold other values than CP "
+            f"rank 0 (checksums by rank {sums}); every rank of cp_group must hold the same "
+            f"{name} (the CP ranks of one TP rank are replicas: load or initialize the weights "
+            "with the same seed and keep them in sync through the data-parallel reduction)")
+
+
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd int64: position-dependent weights, mod 2^64
+
+
+def weight_checksum(weight) -> int:
+    """An exact, order-independent checksum of a tensor's bits (int64 arithmetic wraps).
+
+    The bits rather than the values: a float sum depends on the reduction order
+    (thread counts), bits summed as integers do not. Each element is weighted
+    by an odd function of its position, so swapped rows change the sum."""
+    flat = weight.detach().reshape(-1)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    bits = flat.view(width)
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), _CHUNK):  # int64 temporaries of one chunk at a time
+        part = bits[start:start + _CHUNK].to(torch.int64) + 1
+        position = torch.arange(start, start + part.numel(), dtype=torch.int64, device=bits.device)
+        total += ((position * 2 + 1) * _MIX * part).sum()
+    return int(total.item())
+
+
+_CHUNK = 1 << 22
+
+
+def _raise_on_difference(table: List[List[int]], names: Dict[str, Sequence[str]],
+                         details: Dict[str, Sequence[int]], cp_group, device) -> None:
     rejected = [r for r, row in enumerate(table) if row[0]]
     if rejected:
         raise ValueError(f"CP rank(s) {rejected} rejected their arguments (see the error there); "
@@ -106,9 +191,24 @@ def _raise_on_difference(table: List[List[int]], names: Dict[str, Sequence[str]]
     for i, field in enumerate(FIELDS[2:], start=2):
         values = [row[i] for row in table]
         if len(set(values)) > 1:
-            shown = [_show(field, v, names) for v in values]
+            if field in details:  # every rank sees the same table, so all gather together
+                shown = _gather_detail(details[field], cp_group, device)
+            else:
+                shown = [_show(field, v, names) for v in values]
             raise ValueError(f"CP ranks disagree on {LABELS.get(field, field)}: {shown} (by "
                              "rank); every rank of cp_group must pass the same value")
+
+
+def _gather_detail(mine: Sequence[int], cp_group, device) -> List[object]:
+    """Every rank's full value (a list of ints of any length): two small exchanges."""
+    lengths = [row[0] for row in comm.handshake([len(mine)], cp_group, device)]
+    padded = list(mine) + [UNKNOWN] * (max(lengths) - len(mine))
+    table = comm.handshake(padded or [UNKNOWN], cp_group, device)
+    return [_shorten(row[:n]) if n else None for row, n in zip(table, lengths)]
+
+
+def _shorten(values: List[int], keep: int = 12):
+    return values if len(values) <= keep else values[:keep // 2] + ["..."] + values[-keep // 2:]
 
 
 def _show(field: str, value: int, names: Dict[str, Sequence[str]]):
@@ -116,9 +216,13 @@ def _show(field: str, value: int, names: Dict[str, Sequence[str]]):
         return "unknown"
     if field == "softmax_scale":
         return bits_float(value)
+    if field == "dtype" and 0 <= value < len(DTYPES):
+        return str(DTYPES[value])
+    if field == "requires_grad":
+        return _grad_names(value)
     if field in names and 0 <= value < len(names[field]):
         return names[field][value]
-    if field in ("causal", "check_ranks", "requires_grad", "recompute_kv", "trim_causal_prefix",
+    if field in ("causal", "check_ranks", "recompute_kv", "trim_causal_prefix",
                  "latent_gather"):
         return bool(value)
     return value

@@ -138,6 +138,27 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def check_group(group, name: str = "cp_group") -> int:
+    """The size of ``group`` (None: 1), after checking it is a process group holding this
+    rank; ValueError naming ``name`` otherwise. Runs no collective, so a rank can raise
+    it alone."""
+    if group is None:
+        return 1
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{name} must be a torch.distributed process group (e.g. "
+                         f"dist.group.WORLD or dist.new_group(ranks)) or None, got "
+                         f"{type(group).__name__} {group!r}"[:300])
+    if not dist.is_initialized():
+        raise ValueError(f"{name} is given but torch.distributed is not initialized; call "
+                         "dist.init_process_group first (or pass None: no CP)")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{name}: this process (global rank {dist.get_rank()}) is not a member "
+                         f"of it (global ranks {dist.get_process_group_ranks(group)}); pass the "
+                         "group this rank belongs to (new_group returns a group on every rank, "
+                         "usable only by its members)")
+    return dist.get_world_size(group)
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

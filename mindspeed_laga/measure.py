@@ -192,7 +192,7 @@ def _forward(fn, local, case: Case, cp_group, proj, saved: SavedBytes, ulysses_g
         kwargs["ulysses_group"] = ulysses_group
     # Without CP there is no gather to overlap: the case runs plain.
     if case.spec.overlap and cp_group is not None:
-        from .overlap import start_latent_gather
+        from .forms.latent_source import start_latent_gather
         kwargs["latent_gather"] = start_latent_gather(local["kv_latent"], local["k_pos_emb"],
                                                       cp_group=cp_group)
     if proj is not None:

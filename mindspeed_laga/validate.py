@@ -4,7 +4,9 @@ Every check runs before any data collective. With CP > 1 the ranks then
 exchange their verdict and every value that must agree (agreement.py): if
 any rank rejected its arguments, or the ranks disagree, *every* rank raises
 the ``ValueError`` instead of some ranks waiting forever in a collective or
-returning wrong numbers.
+returning wrong numbers. A local check that fails with another exception
+type (a bug, or an input no check foresaw) still reaches the exchange: its
+peers raise "rejected" and the rank re-raises its own exception.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from . import agreement, comm
+from .options import AttnOptions
 from .vocab import (ATTN_CP_ALGOS, CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS,  # noqa: F401
                     AttnSetup, MLADims, check_documents, heads_split, seq_multiple)
 
@@ -87,6 +90,10 @@ def _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight):
                          f"{query.dtype}, {kv_latent.dtype}, {k_pos_emb.dtype}, {kv_up_weight.dtype}")
     if not query.dtype.is_floating_point:
         raise ValueError(f"inputs must be floating point, got {query.dtype}")
+    if query.dtype not in agreement.DTYPES:
+        raise ValueError(f"inputs of dtype {query.dtype} are not supported: the forms run "
+                         f"{[str(d) for d in agreement.DTYPES]}; cast query, kv_latent, k_pos_emb "
+                         "and kv_up_weight to bfloat16 (float8 recipes keep attention in bf16)")
     devices = {t.device for t in (query, kv_latent, k_pos_emb, kv_up_weight)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
@@ -102,9 +109,16 @@ def _check_choices(cp_algo, layout, kernel, causal, softmax_scale):
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+            or not _finite(softmax_scale) or softmax_scale <= 0):
         raise ValueError(f"softmax_scale must be a positive, finite real number (e.g. "
                          f"1/sqrt(qk_head_dim + qk_pos_emb_head_dim)), got {softmax_scale!r}")
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float range (10**400)
+        return False
 
 
 def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layout: str,
@@ -210,8 +224,46 @@ def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
             raise ValueError("cu_seqlens must be a 1-D integer tensor or a list of ints, got a "
                              f"{cu_seqlens.dtype} tensor of shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device.type == "meta":
+            raise ValueError("cu_seqlens is a meta tensor (it has no values); pass the document "
+                             "boundaries as a CPU/device integer tensor or a list of ints")
         cu_seqlens = cu_seqlens.tolist()
-    return check_documents(cu_seqlens, query.shape[0] * cp_size, layout, cp_size)
+    try:
+        return check_documents(cu_seqlens, query.shape[0] * cp_size, layout, cp_size)
+    except OverflowError:  # int(inf)
+        raise ValueError("cu_seqlens must hold finite integer document boundaries (0 ... "
+                         f"sequence length), got {list(cu_seqlens)!r}"[:300]) from None
+
+
+def _check_laga_options(options: AttnOptions, kv_latent, k_pos_emb, cp_size: int):
+    for name in ("recompute_kv", "trim_causal_prefix"):
+        if not isinstance(getattr(options, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(options, name)!r}")
+    block = options.kv_block_size
+    if block is not None:
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise ValueError(f"kv_block_size must be a positive int or None, got {block!r}")
+        if not options.recompute_kv:
+            raise ValueError("kv_block_size needs recompute_kv=True: blockwise rebuild keeps no "
+                             "K/V for backward, so it rebuilds them there")
+    gather = options.latent_gather
+    if gather is not None:
+        from .forms.latent_source import LatentGather
+        if not isinstance(gather, LatentGather):
+            raise ValueError("latent_gather must come from start_latent_gather(kv_latent, "
+                             f"k_pos_emb, cp_group=...), got {type(gather).__name__}")
+        if not gather.started_on(kv_latent, k_pos_emb):
+            raise ValueError("latent_gather was started on other kv_latent/k_pos_emb tensors than "
+                             "the ones passed here; pass the same tensors to both calls")
+        if gather.cp_group is not options.cp_group or cp_size == 1:
+            raise ValueError("latent_gather was started on another cp_group; pass the same group")
+
+
+def _check_flags(options: AttnOptions):
+    if options.check_ranks is not None and not isinstance(options.check_ranks, bool):
+        raise ValueError(f"check_ranks must be True, False or None, got {options.check_ranks!r}")
+    if not isinstance(options.pad_v, bool):
+        raise ValueError(f"pad_v must be True or False, got {options.pad_v!r}")
 
 
 def documents_code(documents) -> int:
@@ -249,82 +301,93 @@ def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False, d
     return kernel
 
 
-def check(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group, cp_algo,
-          layout, causal, kernel, form: str, check_ranks: bool = True, blockwise: bool = False,
-          qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
-          options: Optional[Dict[str, int]] = None, cu_seqlens=None, pad_v: bool = False,
-          extra_check=None, ulysses_group=None) -> AttnSetup:
-    """Validate the arguments of a form and agree on them across the CP group.
+def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> AttnSetup:
+    """Validate one call of a form (its tensors and options) and agree on it across the group.
 
-    ``options``: the form's options as integers (field names of
-    agreement.FIELDS); ``extra_check(cp_size)`` runs with the local checks;
-    ``ulysses_group``: hybrid CP's Ulysses group (cp_algo='hybrid' only).
+    ``cp_group`` itself is checked first and alone (no exchange is possible
+    over a group that is not one, or without this rank).
     """
-    cp_size = comm.group_size(cp_group)
-    error: Optional[str] = None
+    o = options
+    cp_size = comm.check_group(o.cp_group)
+    failure: Optional[BaseException] = None
     dims = documents = None
-    degree = 1
+    degree, kernel = 1, o.kernel
     try:
-        if not isinstance(check_ranks, bool):
-            raise ValueError(f"check_ranks must be True or False, got {check_ranks!r}")
-        _check_choices(cp_algo, layout, kernel, causal, softmax_scale)
-        if not isinstance(pad_v, bool):
-            raise ValueError(f"pad_v must be True or False, got {pad_v!r}")
-        dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight, qk_head_dim, v_head_dim)
+        _check_flags(o)
+        _check_choices(o.cp_algo, o.layout, o.kernel, o.causal, o.softmax_scale)
+        dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight, o.qk_head_dim, o.v_head_dim)
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
-        degree = _check_ulysses_group(cp_algo, ulysses_group, cp_group, cp_size, dims.heads)
-        _check_split(dims, query.shape[0], cp_size, cp_algo, layout, degree)
-        documents = _documents(cu_seqlens, query, cp_size, layout, degree)
-        kernel = resolve_kernel(kernel, query.device, blockwise, query.dtype)
-        if extra_check is not None:
-            extra_check(cp_size)
-    except ValueError as exc:
+        degree = _check_ulysses_group(o.cp_algo, o.ulysses_group, o.cp_group, cp_size, dims.heads)
+        _check_split(dims, query.shape[0], cp_size, o.cp_algo, o.layout, degree)
+        documents = _documents(o.cu_seqlens, query, cp_size, o.layout, degree)
+        kernel = resolve_kernel(o.kernel, query.device, o.blockwise, query.dtype)
+        if o.form == "laga":
+            _check_laga_options(o, kv_latent, k_pos_emb, cp_size)
+    except Exception as exc:  # noqa: BLE001 -- whatever failed, the peers must hear of it
         if cp_size == 1:
             raise
-        error = str(exc)
-    if agreement.skips(cp_group):  # every rank agreed to skip: build no row on the hot path
-        if error is not None:
-            raise ValueError(error)
-    else:
-        values = _agreed_values(form, cp_algo, layout, causal, softmax_scale, check_ranks, query,
-                                (query, kv_latent, k_pos_emb, kv_up_weight), dims, options)
-        values["ulysses_degree"] = _ulysses_degree_value(cp_algo, ulysses_group)
-        if error is None:
-            values["documents"] = documents_code(documents)
-        device = query.device if isinstance(query, torch.Tensor) else "cpu"
-        agreement.agree(values, error, cp_group, device, names=_NAMES)
+        failure = exc
+    _exchange(o, (query, kv_latent, k_pos_emb, kv_up_weight), dims, documents, failure)
     return AttnSetup(dims=dims, local_len=query.shape[0], batch=query.shape[1],
-                     cp_group=cp_group, cp_size=cp_size, cp_rank=comm.group_rank(cp_group),
-                     cp_algo=cp_algo, layout=layout, causal=causal, kernel=kernel,
-                     softmax_scale=float(softmax_scale), documents=documents, pad_v=pad_v,
-                     ulysses_group=ulysses_group if cp_algo == HYBRID else None,
+                     cp_group=o.cp_group, cp_size=cp_size, cp_rank=comm.group_rank(o.cp_group),
+                     cp_algo=o.cp_algo, layout=o.layout, causal=o.causal, kernel=kernel,
+                     softmax_scale=float(o.softmax_scale), documents=documents, pad_v=o.pad_v,
+                     ulysses_group=o.ulysses_group if o.cp_algo == HYBRID else None,
                      ulysses_degree=degree)
 
 
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-_NAMES = {"form": FORMS, "cp_algo": ATTN_CP_ALGOS, "layout": LAYOUTS, "stage": agreement.STAGES,
-          "dtype": tuple(str(d) for d in _DTYPES)}
+def _exchange(o: AttnOptions, tensors, dims, documents, failure) -> None:
+    """The handshake (agreement.py), unless every rank agreed to skip it and this call does
+    not ask for it (explicit check_ranks=True). Raises ``failure`` here on this rank."""
+    force = o.check_ranks is True
+    if agreement.skips(o.cp_group) and not force:  # build no row on the hot path
+        agreement.agree({}, failure, o.cp_group, "cpu")
+        return
+    values = _agreed_values(o, tensors, dims)
+    values["ulysses_degree"] = _ulysses_degree_value(o.cp_algo, o.ulysses_group)
+    if failure is None:
+        values["documents"] = documents_code(documents)
+    query = tensors[0]
+    device = query.device if isinstance(query, torch.Tensor) else "cpu"
+    details = {"documents": list(documents or ())} if failure is None else None
+    agreement.agree(values, failure, o.cp_group, device, names=_NAMES, force=force,
+                    details=details)
+
+
+_NAMES = {"form": FORMS, "cp_algo": ATTN_CP_ALGOS, "layout": LAYOUTS, "stage": agreement.STAGES}
 
 
 def _code(choices, value) -> int:
-    return choices.index(value) if value in choices else agreement.UNKNOWN
+    known = isinstance(value, str) and value in choices
+    return choices.index(value) if known else agreement.UNKNOWN
 
 
-def _agreed_values(form, cp_algo, layout, causal, softmax_scale, check_ranks, query, tensors,
-                   dims: Optional[MLADims], options) -> Dict[str, int]:
+def _flag(value) -> int:
+    """An option as the handshake's integer (-1 when it is not a valid value)."""
+    return int(value) if isinstance(value, bool) else agreement.UNKNOWN
+
+
+def _agreed_values(o: AttnOptions, tensors, dims: Optional[MLADims]) -> Dict[str, int]:
     """What every rank must agree on, as integers (unknown values stay out)."""
-    values = {"stage": 0, "check_ranks": int(bool(check_ranks)), "form": _code(FORMS, form),
-              "cp_algo": _code(ATTN_CP_ALGOS, cp_algo), "layout": _code(LAYOUTS, layout)}
-    if isinstance(causal, bool):
-        values["causal"] = int(causal)
-    if isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool):
-        values["softmax_scale"] = agreement.float_bits(softmax_scale)
+    query = tensors[0]
+    values = {"stage": 0, "check_ranks": int(o.check_ranks is not False),
+              "form": _code(FORMS, o.form), "cp_algo": _code(ATTN_CP_ALGOS, o.cp_algo),
+              "layout": _code(LAYOUTS, o.layout)}
+    if isinstance(o.causal, bool):
+        values["causal"] = int(o.causal)
+    if (isinstance(o.softmax_scale, numbers.Real) and not isinstance(o.softmax_scale, bool)
+            and _finite(o.softmax_scale)):
+        values["softmax_scale"] = agreement.float_bits(o.softmax_scale)
     if dims is not None:
         values.update(local_len=query.shape[0], micro_batch=query.shape[1], heads=dims.heads,
                       qk_head_dim=dims.qk_head_dim, rope_dim=dims.rope_dim,
                       v_head_dim=dims.v_head_dim, kv_lora_rank=dims.kv_lora_rank,
-                      dtype=_code(_DTYPES, query.dtype),
-                      requires_grad=int(torch.is_grad_enabled()
-                                        and any(t.requires_grad for t in tensors)))
-    values.update(options or {})
+                      dtype=agreement.dtype_code(query.dtype),
+                      requires_grad=agreement.grad_pattern(dict(zip(agreement.INPUTS, tensors))))
+    if o.form == "laga":
+        block = o.kv_block_size
+        values.update(recompute_kv=_flag(o.recompute_kv),
+                      trim_causal_prefix=_flag(o.trim_causal_prefix),
+                      kv_block_size=block if isinstance(block, int) and not isinstance(block, bool)
+                      else 0, latent_gather=int(o.latent_gather is not None))
     return values

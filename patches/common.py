@@ -20,5 +20,5 @@ def start_gather(overlap: bool, kv_latent, k_pos_emb, cp_group, check_ranks: boo
     """With overlap, launch the latent all-gather now (the query projection hides it); else None."""
     if not overlap:
         return None
-    from mindspeed_laga.overlap import start_latent_gather
+    from mindspeed_laga import start_latent_gather
     return start_latent_gather(kv_latent, k_pos_emb, cp_group=cp_group, check_ranks=check_ranks)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from mindspeed_laga import api, layout
 from mindspeed_laga.comm import count_bytes
-from mindspeed_laga.overlap import start_latent_gather
+from mindspeed_laga import start_latent_gather
 from mindspeed_laga.spawn import run_on_ranks
 from mindspeed_laga.vocab import query_segments, rank_segments
 

@@ -61,7 +61,8 @@ EXPECTED = {
     "cp_algo": "disagree on cp_algo: ['allgather', 'ulysses']",
     "form": "disagree on form: ['laga', 'explicit']",
     "check_ranks": "disagree on check_ranks: [True, False]",
-    "requires_grad": "disagree on whether grads are needed",
+    "requires_grad": "disagree on which inputs need grads (requires_grad under grad mode): "
+                     "[['query', 'kv_latent', 'k_pos_emb', 'kv_up_weight'], []]",
     "recompute_kv": "disagree on recompute_kv: [True, False]",
     "kv_block_size": "disagree on kv_block_size: [4, 8]",
     "trim_causal_prefix": "disagree on trim_causal_prefix: [True, False]",

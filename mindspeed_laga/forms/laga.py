@@ -15,8 +15,9 @@ autograd for backward. Options:
 - ``trim_causal_prefix``: rebuild only keys some local query can see.
 - ``recompute_kv`` / ``kv_block_size``: keep only the latent; rebuild K/V per
   block in forward and again in backward (``laga_blockwise``).
-- ``latent_gather``: a gather started earlier by ``overlap.start_latent_gather``
-  (forward overlaps the query projection, backward overlaps the dq work).
+- ``latent_gather``: a gather started earlier by ``start_latent_gather``
+  (``latent_source.py``; forward overlaps the query projection, backward
+  overlaps the dq work).
 """
 from __future__ import annotations
 

@@ -9,15 +9,30 @@ its gradient). ``laga_forward`` asks for it in one of two shapes:
 - ``parts(setup)``: (kv part [S, b, d_c], rope key [S, b, d_r]) for the
   up-projection, with no copy at all when there is no CP.
 
-``SyncLatent`` gathers when asked; ``overlap.LatentGather`` was launched
-before the query projection and only waits.
+:class:`SyncLatent` gathers when asked. :class:`LatentGather` is the
+overlapped source, which hides the latent all-gather behind the query
+projection and its reduce-scatter behind the dq work:
+
+Forward: :func:`start_latent_gather` is called as soon as ``kv_latent`` and
+``k_pos_emb`` exist; it launches the all-gather asynchronously and returns a
+:class:`LatentGather`. The caller computes the queries, then passes the handle
+to ``laga_attention(..., latent_gather=handle)``, which waits only when
+attention needs the latent.
+
+Backward: the gathered latent's gradient is reduce-scattered asynchronously
+by the node created *last* in forward (inside ``laga_attention``), and waited
+for by a node created *first* (in ``start_latent_gather``). The autograd
+engine runs ready nodes newest-first, so everything created in between (the
+query projection's backward: dq work) runs while the reduce-scatter is in
+flight. The blocked time of both waits is in the byte counter's ``seconds``.
 """
 from __future__ import annotations
 
 import torch
 
+from .. import agreement, comm
 from ..vocab import AttnSetup
-from .common import gathered_latent, split_latent
+from .common import concat_latent, gathered_latent, split_latent, to_position_order
 
 
 class SyncLatent:
@@ -33,3 +48,114 @@ class SyncLatent:
         if setup.cp_size == 1:
             return self.kv_latent, self.k_pos_emb
         return split_latent(self.latent(setup), setup)
+
+
+# ---------------------------------------------------------------- the overlapped gather
+
+class _State:
+    """What the two backward nodes share: the pending reduce-scatter."""
+
+    def __init__(self, group):
+        self.group = group
+        self.pending = None
+
+
+class _WaitForGradient(torch.autograd.Function):
+    """Identity forward; backward waits for the reduce-scatter launched later in backward."""
+
+    @staticmethod
+    def forward(ctx, latent, state):
+        ctx.state = state
+        return latent.view_as(latent)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.state.pending.wait()
+        return grad, None
+
+
+class _GatheredLatent(torch.autograd.Function):
+    """Forward hands out the (already awaited) gather; backward launches the
+    reduce-scatter and returns its buffer before it is filled."""
+
+    @staticmethod
+    def forward(ctx, latent, state, gathered):
+        ctx.state = state
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, ctx.state.pending = comm.reduce_scatter_raw(grad, ctx.state.group, "backward",
+                                                           "latent", async_op=True)
+        return local, None, None
+
+
+class LatentGather:
+    """An all-gather of ``[kv_latent, k_pos_emb]`` in flight: the overlapped latent source."""
+
+    def __init__(self, kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, cp_group):
+        self.kv_latent, self.k_pos_emb, self.cp_group = kv_latent, k_pos_emb, cp_group
+        self._state = _State(cp_group)
+        latent = concat_latent(kv_latent, k_pos_emb)
+        self._latent = _WaitForGradient.apply(latent, self._state)
+        self._buffer, self._pending = comm.all_gather_raw(self._latent.detach(), cp_group, "forward",
+                                                          "latent", async_op=True)
+        self._used = False
+
+    def latent(self, setup) -> torch.Tensor:
+        """Wait, then the gathered latent in position order, autograd-connected."""
+        if self._used:
+            raise ValueError("a LatentGather feeds one laga_attention call; start a new one per call")
+        self._used = True
+        self._pending.wait()
+        gathered = _GatheredLatent.apply(self._latent, self._state, self._buffer)
+        return to_position_order(gathered, setup)
+
+    def parts(self, setup):
+        """The gathered latent as (kv part, rope key)."""
+        return split_latent(self.latent(setup), setup)
+
+    def started_on(self, kv_latent, k_pos_emb) -> bool:
+        """Whether this gather was started on these very tensors."""
+        return self.kv_latent is kv_latent and self.k_pos_emb is k_pos_emb
+
+
+def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_group,
+                        check_ranks=None) -> LatentGather:
+    """Launch the latent all-gather now; pass the result as ``latent_gather=`` to laga_attention.
+
+    Needs a CP group of size > 1 (there is nothing to overlap without CP).
+    ``check_ranks`` (None, True or False, as in laga_attention): first agree
+    across the group on what the gather moves (shapes, dtype, which of the two
+    need grads; a small blocking exchange, agreement.py), so a mismatch raises
+    on every rank instead of corrupting the gather or hanging in backward.
+    """
+    if comm.check_group(cp_group) == 1:
+        raise ValueError("start_latent_gather needs cp_group of size > 1; without context "
+                         "parallelism call laga_attention without latent_gather")
+    error = _local_error(kv_latent, k_pos_emb, check_ranks)
+    values = {"stage": agreement.STAGES.index("start_latent_gather"),
+              "check_ranks": int(check_ranks is not False), "latent_gather": 1}
+    if error is None:
+        values.update(local_len=kv_latent.shape[0], micro_batch=kv_latent.shape[1],
+                      kv_lora_rank=kv_latent.shape[2], rope_dim=k_pos_emb.shape[2],
+                      dtype=agreement.dtype_code(kv_latent.dtype),
+                      requires_grad=agreement.grad_pattern({"kv_latent": kv_latent,
+                                                            "k_pos_emb": k_pos_emb}))
+    device = kv_latent.device if isinstance(kv_latent, torch.Tensor) else "cpu"
+    agreement.agree(values, error, cp_group, device, force=check_ranks is True)
+    return LatentGather(kv_latent, k_pos_emb, cp_group)
+
+
+def _local_error(kv_latent, k_pos_emb, check_ranks):
+    if check_ranks is not None and not isinstance(check_ranks, bool):
+        return f"check_ranks must be True, False or None, got {check_ranks!r}"
+    for name, t, nd in (("kv_latent", kv_latent, 3), ("k_pos_emb", k_pos_emb, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != nd:
+            return f"{name} must be a 3-dim [s, b, d] tensor"
+    if kv_latent.shape[:2] != k_pos_emb.shape[:2] or kv_latent.dtype != k_pos_emb.dtype:
+        return "kv_latent and k_pos_emb must share [s, b] and dtype"
+    if kv_latent.dtype not in agreement.DTYPES:
+        return (f"kv_latent of dtype {kv_latent.dtype} is not supported: the forms run "
+                f"{[str(d) for d in agreement.DTYPES]}; cast it (and k_pos_emb) to bfloat16")
+    return None
