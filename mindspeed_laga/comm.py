@@ -144,6 +144,10 @@ def check_group(group, name: str = "cp_group") -> int:
     it alone."""
     if group is None:
         return 1
+    if group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+        raise ValueError(f"{name}: this process (global rank {dist.get_rank()}) is not a member "
+                         "of it (dist.new_group returns GroupMember.NON_GROUP_MEMBER to the ranks "
+                         "outside the group); pass the group this rank belongs to")
     if not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"{name} must be a torch.distributed process group (e.g. "
                          f"dist.group.WORLD or dist.new_group(ranks)) or None, got "
