@@ -235,7 +235,15 @@ def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
                          f"sequence length), got {list(cu_seqlens)!r}"[:300]) from None
 
 
-def _check_laga_options(options: AttnOptions, kv_latent, k_pos_emb, cp_size: int):
+def check_option_values(options: AttnOptions) -> None:
+    """The options' values that need no tensors (the flags, LAGA's block options): what an
+    adapter can check when it is configured, before the first forward."""
+    _check_flags(options)
+    if options.form == "laga":
+        _check_laga_flags(options)
+
+
+def _check_laga_flags(options: AttnOptions):
     for name in ("recompute_kv", "trim_causal_prefix"):
         if not isinstance(getattr(options, name), bool):
             raise ValueError(f"{name} must be True or False, got {getattr(options, name)!r}")
@@ -246,6 +254,10 @@ def _check_laga_options(options: AttnOptions, kv_latent, k_pos_emb, cp_size: int
         if not options.recompute_kv:
             raise ValueError("kv_block_size needs recompute_kv=True: blockwise rebuild keeps no "
                              "K/V for backward, so it rebuilds them there")
+
+
+def _check_laga_options(options: AttnOptions, kv_latent, k_pos_emb, cp_size: int):
+    _check_laga_flags(options)
     gather = options.latent_gather
     if gather is not None:
         from .forms.latent_source import LatentGather

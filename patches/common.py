@@ -1,12 +1,15 @@
-"""What both host patches share: the first-call shape handshake and the overlapped gather.
+"""What both host patches share: the first-call checks and the overlapped gather.
 
 Every CP rank runs the same modules in the same order, so the ranks agree on
 shapes on a module's first call only and skip the exchange together later
-(no host sync per step).
+(no host sync per step). The first call also checks that every CP rank holds
+the same ``kv_up_weight`` (one more small exchange: a checksum).
 """
 from __future__ import annotations
 
 from typing import Optional
+
+from mindspeed_laga import agreement
 
 
 def first_call(module) -> bool:
@@ -14,6 +17,13 @@ def first_call(module) -> bool:
     first = not getattr(module, "_laga_checked", False)
     module._laga_checked = True
     return first
+
+
+def check_weight_once(first: bool, kv_up_weight, cp_group) -> None:
+    """On a module's first call: every CP rank must hold the same kv_up_weight (ValueError on
+    every rank otherwise; one exchange of one int64, docs/RESULTS.md has its cost)."""
+    if first:
+        agreement.check_same_weight(kv_up_weight, cp_group)
 
 
 def start_gather(overlap: bool, kv_latent, k_pos_emb, cp_group, check_ranks: bool) -> Optional[object]:

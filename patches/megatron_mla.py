@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from mindspeed_laga import layout as layouts
 
 from . import megatron_compat as compat
-from .common import first_call, start_gather
+from .common import check_weight_once, first_call, start_gather
 from .megatron_hybrid import check_hybrid_shape, ulysses_group_of
 from .megatron_thd import PackedBatch, is_thd, packed_batch, packed_rope_positions
 
@@ -248,10 +248,14 @@ def _apply_rope(module, x, table, mscale):
     return compat.apply_mla_rope(x, table, module.config.rotary_interleaved, mscale)
 
 
-def _core_options(module, settings: MegatronPatchSettings) -> Dict:
-    """The core's keywords; by default the ranks agree on shapes on a module's first call only."""
+def _core_options(module, settings: MegatronPatchSettings, cp_group) -> Dict:
+    """The core's keywords; by default the ranks agree on shapes (and on kv_up_weight) on a
+    module's first call only."""
     options = dict(settings.core_options)
-    options.setdefault("check_ranks", first_call(module))
+    first = first_call(module)
+    options.setdefault("check_ranks", first)
+    check_weight_once(first and options["check_ranks"] is not False,
+                      module.linear_kv_up_proj.weight, cp_group)
     return options
 
 
@@ -282,7 +286,7 @@ def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings,
     else:
         table, mscale = _rope_at_packed_positions(module, kv_latent.shape[0], packed, cp_group)
     k_pos_emb = _apply_rope(module, k_pos_emb.unsqueeze(2), table, mscale).squeeze(2)
-    options = _core_options(module, settings)
+    options = _core_options(module, settings, cp_group)
     if ulysses_group is not None:
         options["ulysses_group"] = ulysses_group
     handle = start_gather(settings.overlap_latent_gather, kv_latent, k_pos_emb, cp_group,

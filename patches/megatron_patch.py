@@ -16,8 +16,8 @@ would train on wrong positions.
 ``form="explicit"`` runs the explicit core instead (per-head K/V on the wire),
 the baseline LAGA is measured against. Extra keywords go to the core unchanged
 (``trim_causal_prefix``, ``recompute_kv``, ``kv_block_size``, ``check_ranks``),
-so options the core gains later need no change here; unknown ones raise at
-patch time. The one per-call core option, ``latent_gather``, is driven by
+so options the core gains later need no change here; unknown ones, and bad
+values of known ones, raise at patch time. The one per-call core option, ``latent_gather``, is driven by
 ``overlap_latent_gather=True``.
 """
 from __future__ import annotations
@@ -25,7 +25,9 @@ from __future__ import annotations
 import inspect
 
 from mindspeed_laga import layout as layouts
+from mindspeed_laga import validate
 from mindspeed_laga.api import explicit_attention, laga_attention
+from mindspeed_laga.options import AttnOptions
 from mindspeed_laga.vocab import ATTN_CP_ALGOS, KERNELS
 
 from .host_versions import SUPPORTED_MEGATRON_CORE, check_megatron_core
@@ -79,6 +81,10 @@ def _check_core_options(form: str, core, core_options: dict):
     if unknown:
         raise ValueError(f"patch_megatron_mla: option(s) {unknown} are not accepted by "
                          f"{core.__name__} (form={form!r}); it accepts {accepted}")
+    try:  # their values too, now rather than on the first forward
+        validate.check_option_values(AttnOptions(form=form, softmax_scale=None, **core_options))
+    except ValueError as exc:
+        raise ValueError(f"patch_megatron_mla: {exc}") from None
 
 
 def make_settings(cp_algo="allgather", kernel="auto", form="laga", layout=None,

@@ -32,7 +32,7 @@ import torch
 from mindspeed_laga.api import laga_attention
 from mindspeed_laga.features.laga_args import laga_settings
 
-from .common import first_call, start_gather
+from .common import check_weight_once, first_call, start_gather
 from .host_versions import check_mindspeed_llm_forward, check_mindspeed_llm_module
 
 # forward arguments that only non-training or packed paths pass; any of them -> original
@@ -88,6 +88,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     settings = laga_settings(megatron_args)
     overlap = settings.overlap and torch.distributed.get_world_size(cp_group) > 1
     check_ranks = first_call(self)
+    check_weight_once(check_ranks, _kv_up_weight(self), cp_group)
     query, kv_latent, k_pos_emb, gather = _mla_inputs(self, hidden_states, rotary_pos_emb,
                                                       cp_group if overlap else None, check_ranks,
                                                       rope_cu_seqlens=packed_seq_params)

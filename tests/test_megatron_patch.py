@@ -83,6 +83,15 @@ def test_defaults_and_pass_through_options(mla):
     (dict(cp_algo="hybrid", ulysses_degree=2, ulysses_group=None), ["ulysses_group"]),
     (dict(cu_seqlens=[0, 8]), ["cu_seqlens", "set by the patched forward"]),
     (dict(layout="doc_zigzag"), ["layout='doc_zigzag'", "packed_seq_params"]),
+    # the core options' values, checked at patch time (not on the first forward)
+    (dict(recompute_kv="yes", kv_block_size=-4, check_ranks=0),
+     ["patch_megatron_mla: check_ranks must be True, False or None, got 0"]),
+    (dict(recompute_kv="yes"), ["patch_megatron_mla: recompute_kv must be True or False, got 'yes'"]),
+    (dict(recompute_kv=True, kv_block_size=-4), ["kv_block_size must be a positive int", "-4"]),
+    (dict(recompute_kv=True, kv_block_size=True), ["kv_block_size must be a positive int"]),
+    (dict(kv_block_size=8), ["kv_block_size needs recompute_kv=True"]),
+    (dict(trim_causal_prefix=1), ["trim_causal_prefix must be True or False, got 1"]),
+    (dict(form="explicit", pad_v="no"), ["pad_v must be True or False"]),
 ])
 def test_bad_arguments_raise_before_patching(mla, kwargs, words):
     cls, original = mla
