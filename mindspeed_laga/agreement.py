@@ -161,19 +161,24 @@ def weight_checksum(weight) -> int:
 
     The bits rather than the values: a float sum depends on the reduction order
     (thread counts), bits summed as integers do not. Each element is weighted
-    by an odd function of its position, so swapped rows change the sum."""
-    flat = weight.detach().reshape(-1)
+    by an odd function of its column and each row sum by one of its row, so
+    swapped elements or rows change the sum."""
+    flat = weight.detach()
+    flat = flat.reshape(-1, flat.shape[-1]) if flat.dim() > 1 else flat.reshape(1, -1)
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     bits = flat.view(width)
-    total = torch.zeros((), dtype=torch.int64, device=bits.device)
-    for start in range(0, bits.numel(), _CHUNK):  # int64 temporaries of one chunk at a time
-        part = bits[start:start + _CHUNK].to(torch.int64) + 1
-        position = torch.arange(start, start + part.numel(), dtype=torch.int64, device=bits.device)
-        total += ((position * 2 + 1) * _MIX * part).sum()
+    device = bits.device
+    cols = torch.arange(bits.shape[1], dtype=torch.int64, device=device) * 2 + 1
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    step = max(1, _CHUNK // bits.shape[1])
+    for start in range(0, bits.shape[0], step):  # int64 temporaries of one chunk at a time
+        rows = (bits[start:start + step].to(torch.int64) * cols).sum(1)
+        row_weight = torch.arange(start, start + rows.numel(), dtype=torch.int64, device=device)
+        total += (rows * ((row_weight * 2 + 1) * _MIX)).sum()
     return int(total.item())
 
 
-_CHUNK = 1 << 22
+_CHUNK = 1 << 21
 
 
 def _raise_on_difference(table: List[List[int]], names: Dict[str, Sequence[str]],

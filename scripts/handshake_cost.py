@@ -6,6 +6,10 @@ On P spawned gloo ranks: times LAGA's forward+backward with ``check_ranks``
 forcing the exchange on every call, and again after every rank agreed on
 ``check_ranks=False`` (the group then skips it), and the exchange alone. Prints
 per-call milliseconds (median over calls, slowest rank) and the exchange's bytes.
+Also the adapters' first-call weight check (``agreement.check_same_weight``) on a
+bfloat16 ``kv_up_weight`` of DeepSeek-V3's size at TP=1 (``--weight-rows`` 128
+heads x (128 + 128), ``--kv-lora-rank`` 512): the checksum, and checksum plus
+exchange.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import time
 import torch
 
 
-def _worker(rank, world, seq_len, calls):
+def _worker(rank, world, seq_len, calls, weight_shape):
     import torch.distributed as dist
 
     from mindspeed_laga import agreement, count_bytes, laga_attention
@@ -50,8 +54,12 @@ def _worker(rank, world, seq_len, calls):
     with count_bytes() as counter:
         agreement.reset()
         step(True)
+    big = torch.randn(weight_shape, generator=g).to(torch.bfloat16)
+    checksum = [timed(lambda: agreement.weight_checksum(big)) for _ in range(calls)]
+    same = [timed(lambda: agreement.check_same_weight(big, dist.group.WORLD)) for _ in range(calls)]
     return {"exchange": exchange, "with": with_check, "without": without,
-            "bytes": counter.bytes("handshake", measure="wire")}
+            "bytes": counter.bytes("handshake", measure="wire"), "checksum": checksum,
+            "same_weight": same}
 
 
 def main():
@@ -59,9 +67,12 @@ def main():
     parser.add_argument("--cp", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--weight-rows", type=int, default=128 * (128 + 128))
+    parser.add_argument("--kv-lora-rank", type=int, default=512)
     args = parser.parse_args()
     from mindspeed_laga.spawn import run_on_ranks
-    per_rank = run_on_ranks(_worker, args.cp, args.seq_len, args.calls, timeout_s=600)
+    shape = (args.weight_rows, args.kv_lora_rank)
+    per_rank = run_on_ranks(_worker, args.cp, args.seq_len, args.calls, shape, timeout_s=600)
 
     def ms(key):  # median per call of the slowest rank
         return 1e3 * max(statistics.median(r[key]) for r in per_rank)
@@ -72,6 +83,9 @@ def main():
           f"({per_rank[0]['bytes']} bytes sent per rank)")
     print(f"  call, exchanging every call {ms('with'):8.3f} ms")
     print(f"  call, exchange skipped      {ms('without'):8.3f} ms")
+    print(f"kv_up_weight {list(shape)} bfloat16, once per module (adapters' first call):")
+    print(f"  checksum                    {ms('checksum'):8.3f} ms")
+    print(f"  checksum + exchange         {ms('same_weight'):8.3f} ms")
 
 
 if __name__ == "__main__":

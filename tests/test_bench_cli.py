@@ -77,8 +77,17 @@ def test_bench_plot_written_or_skipped_with_a_note(tiny_bench):
     (["--json", "dir-that-does-not-exist/b.json"], "--json"),
     (["--plot", "dir-that-does-not-exist/b.png"], "--plot"),
     (["--kernel", "cuda"], "invalid choice"),
+    (["--kernel", "npu"], "--kernel npu runs on NPU tensors"),
+    (["--plot", "/proc/x.png"], "--plot '/proc/x.png' cannot be written"),
+    (["--plot", "/dev/full"], "--plot '/dev/full' cannot be written (No space left on device)"),
+    (["--json", "/dev/full"], "--json '/dev/full' cannot be written"),
+    (["--plot", "b.notaformat"], "--plot 'b.notaformat': matplotlib writes"),
+    (["--dtype", "int4"], "'int4' is not a dtype this command runs"),
+    (["--dtype", "fp16"], "use one of fp32/float32, bf16/bfloat16"),
 ])
 def test_bad_input_is_one_line_error(capsys, argv, word):
+    if "notaformat" in argv[-1]:
+        pytest.importorskip("matplotlib")
     """Rejected before any rank starts (the bench itself would take seconds)."""
     code, out, err = run_cli(capsys, *argv)
     assert "runs (" not in out  # the line printed once the runs are built
@@ -125,3 +134,83 @@ def test_bad_document_flags_are_one_line_errors(capsys, argv, word):
     assert code == 2 and "runs (" not in out
     lines = err.strip().splitlines()
     assert len(lines) == 1 and word in lines[0], err
+
+
+def test_kernel_npu_under_torchrun_without_torch_npu_is_one_line(capsys, monkeypatch):
+    """Under torchrun the rank is this process: torch_npu is checked before the group starts."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setitem(__import__("sys").modules, "torch_npu", None)
+    code, out, err = run_cli(capsys, "--kernel", "npu", "--seq-lens", "16")
+    assert code == 2 and "runs (" not in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "kernel='npu' needs torch_npu" in lines[0], err
+
+
+def test_seq_len_is_the_seq_lens_flag(capsys, tmp_path):
+    """bench --seq-len N is --seq-lens N (the doc-lens error's advice works as written)."""
+    parser = cli.build_parser()
+    one = parser.parse_args(["bench", "--seq-len", "24"])
+    assert one.seq_lens == "24" and not hasattr(one, "seq_len")
+    code, _, err = run_cli(capsys, "--cp", "2", "--seq-lens", "32", "--doc-lens", "16,8")
+    assert code == 2 and "(or set --seq-len 24)" in err
+    args = parser.parse_args(["bench", *TINY[:2], "--seq-len", "24", "--doc-lens", "16,8",
+                              *TINY[4:], "--cp-algo", "allgather"])
+    runs, _ = bench.build_runs(args, 2, "cpu")  # what the advice leads to is accepted
+    assert {case.shape.seq_len for case in runs} == {24}
+    assert {case.cu_seqlens for case in runs} == {(0, 16, 24)}
+
+
+def test_output_paths_are_left_as_they_were(tmp_path):
+    """Proving a path writable leaves no file behind and an existing one untouched."""
+    from mindspeed_laga.commands.output import check_output_path
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    old.write_text("keep")
+    check_output_path("--json", str(new))
+    check_output_path("--json", str(old))
+    assert not new.exists() and old.read_text() == "keep"
+
+
+def _rows(documents=(1,), seq_lens=(16, 32)):
+    """Synthetic bench rows: every figure a distinct function of the variant and x."""
+    rows = []
+    for i, (variant, form) in enumerate([("explicit", "explicit"), ("absorbed", "absorbed"),
+                                         ("laga", "laga"), ("laga+trim", "laga"),
+                                         ("laga+recompute", "laga")]):
+        for s in seq_lens:
+            for d in documents:
+                rows.append({"variant": variant, "form": form, "cp_algo": "allgather",
+                             "seq_len": s, "documents": d, "comm_forward_bytes": s * (i + 1),
+                             "comm_backward_bytes": s, "saved_bytes": 10 * s * (i + 1) // d,
+                             "peak_bytes": 100 * s * (i + 1), "ms": 0.5 * (i + 1) * d})
+    return rows
+
+
+def test_plot_has_time_and_peak_panels_style_per_form_colour_per_option():
+    pytest.importorskip("matplotlib")
+    from mindspeed_laga.commands import plot
+    fig = plot.build_figure(_rows())
+    axes = fig.axes
+    assert len(axes) == 4  # bytes, saved, peak, time; one cp_algo
+    titles = [ax.get_title() for ax in axes]
+    assert any("peak memory" in t for t in titles) and any("time" in t for t in titles)
+    lines = {line.get_label(): line for line in axes[3].get_lines()}
+    assert set(lines) == {"explicit", "absorbed", "laga", "laga+trim", "laga+recompute"}
+    styles = {name: line.get_linestyle() for name, line in lines.items()}
+    assert styles["explicit"] != styles["laga"] != styles["absorbed"] != styles["explicit"]
+    assert styles["laga"] == styles["laga+trim"] == styles["laga+recompute"]  # one form
+    colours = {name: line.get_color() for name, line in lines.items()}
+    assert len({colours["laga"], colours["laga+trim"], colours["laga+recompute"]}) == 3
+    assert colours["explicit"] == colours["laga"]  # no option: the same colour
+    assert list(lines["laga+trim"].get_ydata()) == [2.0, 2.0]  # time panel: ms of each point
+    assert list(lines["explicit"].get_xdata()) == [16, 32]
+    # with several document counts they get the x axis, one column per sequence length
+    fig = plot.build_figure(_rows(documents=(1, 4, 16)))
+    assert len(fig.axes) == 8
+    saved = [ax for ax in fig.axes if "S=16: activations" in ax.get_title()][0]
+    explicit = [line for line in saved.get_lines() if line.get_label() == "explicit"][0]
+    assert list(explicit.get_xdata()) == [1, 4, 16]
+    assert list(explicit.get_ydata()) == [160, 40, 10]
+    assert "documents" in saved.get_xlabel()
+    # one legend for the figure, one entry per variant
+    assert len(fig.legends) == 1 and len(fig.legends[0].get_texts()) == 5

@@ -25,8 +25,9 @@ from typing import Dict, List, Optional
 from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
 from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, HYBRID, KERNELS, LAYOUTS, ModelDims  # noqa: F401
-from .output import MiB, check_output_path, one_line_errors, pad as _pad, ratio as _ratio
-from .plot import write_plot
+from .output import (MiB, check_output_path, dtype_arg, one_line_errors, pad as _pad,
+                     ratio as _ratio)
+from .plot import check_plot_path, write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
 
 # How long spawned ranks may take for the whole benchmark before they count as hung: a
@@ -63,8 +64,9 @@ def add_parser(sub):
     p.add_argument("--ulysses-degree", type=positive_int, default=None, metavar="U",
                    help="hybrid CP: heads split inside groups of U consecutive ranks, the latent "
                         "(explicit: K/V) across them")
-    p.add_argument("--seq-lens", default="128,256,512",
-                   help="comma-separated full sequence lengths (default 128,256,512)")
+    p.add_argument("--seq-lens", "--seq-len", dest="seq_lens", default="128,256,512",
+                   help="comma-separated full sequence lengths (default 128,256,512; --seq-len "
+                        "is the same flag)")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="sequence split (default: zigzag for allgather, contiguous for ulysses; "
                         "doc_zigzag cuts every document into 2*CP chunks, with --doc-lens/--num-docs)")
@@ -77,7 +79,8 @@ def add_parser(sub):
     p.add_argument("--kernel", choices=KERNELS, default="sdpa",
                    help="attention kernel of the non-recomputing variants (default sdpa); "
                         "recompute variants use 'auto' (fused block ops on CPU/CUDA, npu on NPU)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", type=dtype_arg(("float32", "bfloat16")), default="float32",
+                   help="float32 (default) or bfloat16 (fp32/bf16 alike)")
     p.add_argument("--kv-block-size", type=positive_int, default=None,
                    help="keys per block of the blockwise variants (default: S/4)")
     p.add_argument("--repeat", type=positive_int, default=3, help="timed runs per variant")
@@ -90,7 +93,7 @@ def add_parser(sub):
                    help="PNG plots (needs matplotlib; default bench.png; '' = none)")
     p.add_argument("--backend", default=None,
                    help="torchrun only: process-group backend (default nccl on CUDA, hccl on NPU, gloo)")
-    add_shape_args(p, CPU_DEFAULT)
+    add_shape_args(p, CPU_DEFAULT, seq_len=False)
 
 
 # ---------------------------------------------------------------- what to run
@@ -389,10 +392,12 @@ def run(args) -> int:
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     check_output_path("--json", args.json)
+    check_plot_path(args.plot)
     check_output_path("--plot", args.plot)
     torchrun = _torchrun()
     cp_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.cp
     device_type = measure_device_type(args.backend) if torchrun else "cpu"
+    check_kernel(args.kernel, device_type, torchrun)
     runs, models = build_runs(args, cp_size, device_type)
     where = f"torchrun, world size {cp_size}" if torchrun else f"{cp_size} spawned gloo CPU ranks"
     s = runs[0].shape
@@ -424,6 +429,22 @@ def run(args) -> int:
           + f" {time.perf_counter() - start:.1f} s.")
     _write_outputs(args, rows, cp_size, where)
     return 0
+
+
+def check_kernel(kernel: str, device_type: str, torchrun: bool) -> None:
+    """--kernel npu needs NPU tensors: torchrun on an Ascend host with torch_npu (checked
+    here, before any rank starts)."""
+    if kernel != "npu":
+        return
+    if not torchrun:
+        raise ValueError("--kernel npu runs on NPU tensors, but without torchrun bench spawns "
+                         "gloo CPU ranks; run it under torchrun on an Ascend host, or use "
+                         "--kernel sdpa/eager on CPU")
+    from ..kernels import npu
+    npu.require_torch_npu()
+    if device_type != "npu":
+        raise ValueError(f"--kernel npu runs on NPU tensors, but this torchrun job runs on "
+                         f"{device_type}; use --kernel sdpa/eager/auto here")
 
 
 def peak_note(device_type: str, unmeasured: Optional[str] = None) -> str:

@@ -32,7 +32,8 @@ def finite_float(text: str) -> float:
 
 
 def check_output_path(flag: str, path: Optional[str]) -> None:
-    """ValueError naming ``flag`` unless ``path`` can be written (checked before running)."""
+    """ValueError naming ``flag`` unless ``path`` can be written: proven by writing, before
+    anything runs (a permission bit says nothing about /proc or a full device)."""
     if not path or path == "-":
         return
     folder = os.path.dirname(os.path.abspath(path))
@@ -40,8 +41,51 @@ def check_output_path(flag: str, path: Optional[str]) -> None:
         raise ValueError(f"{flag} {path!r} is a directory; give a file name")
     if not os.path.isdir(folder):
         raise ValueError(f"{flag} {path!r}: directory {folder!r} does not exist; create it first")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"{flag} {path!r}: directory {folder!r} is not writable")
+    try:
+        _prove_writable(path)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path!r} cannot be written ({exc.strerror or exc}); give "
+                         "another path") from None
+
+
+def _prove_writable(path: str) -> None:
+    """Write one byte where the output will go, and leave things as they were."""
+    if not os.path.exists(path):
+        with open(path, "xb") as f:  # a new file: write, flush to the device, remove
+            try:
+                f.write(b"\0")
+                f.flush()
+                os.fsync(f.fileno())
+            finally:
+                os.unlink(path)
+    elif os.path.isfile(path):
+        with open(path, "ab"):  # an existing file is replaced by the run: open it for writing
+            pass
+    else:  # a device or pipe (/dev/full, /dev/null): a byte written now is what the run does
+        with open(path, "wb") as f:
+            f.write(b"\0")
+            f.flush()
+
+
+# One dtype vocabulary for every subcommand: both spellings name the same dtype.
+DTYPE_SPELLINGS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
+                   "float16": "float16", "fp32": "float32", "float32": "float32"}
+
+
+def dtype_arg(supported):
+    """An argparse type: a dtype in either spelling (bf16 or bfloat16, ...) -> its full name,
+    one of ``supported`` (full names)."""
+    short = {full: abbrev for abbrev, full in DTYPE_SPELLINGS.items() if abbrev != full}
+
+    def parse(text: str) -> str:
+        name = DTYPE_SPELLINGS.get(text.lower())
+        allowed = ", ".join(f"{short[d]}/{d}" for d in supported)
+        if name is None or name not in supported:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a dtype this command runs; use "
+                                             f"one of {allowed}")
+        return name
+    parse.__name__ = "dtype"
+    return parse
 
 
 def fmt_bytes(n: float) -> str:

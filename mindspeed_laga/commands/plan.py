@@ -21,7 +21,8 @@ from typing import Dict, List
 from .. import costmodel as cm
 from ..runspec import standard_runs
 from ..vocab import CP_ALGOS, HYBRID, LAYOUTS, ModelDims
-from .output import GiB, MiB, finite_float, fmt_bytes as _fmt_bytes, one_line_errors, ratio as _ratio
+from .output import (GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, one_line_errors,
+                     ratio as _ratio)
 
 KERNEL_CHOICES = (cm.EAGER, cm.FUSED, cm.NPU, "both")
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -59,7 +60,8 @@ def add_parser(sub):
                            "its own document)")
     docs.add_argument("--num-docs", type=int, default=None, metavar="N",
                       help="N equal documents (N divides --seq-len)")
-    p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--dtype", type=dtype_arg(("bfloat16", "float16", "float32")), default="bf16",
+                   help="bf16 (default), fp16 or fp32 (bfloat16/float16/float32 alike)")
     p.add_argument("--kernel", choices=KERNEL_CHOICES, default="both",
                    help="eager (scores kept), fused (flash-style), npu (npu_fusion_attention), "
                         "both = eager and fused (default)")

@@ -21,9 +21,13 @@ CPU_DEFAULT = MLAShape(seq_len=256, batch=1, heads=16, qk_head_dim=16, rope_dim=
                        v_head_dim=16, kv_lora_rank=64)
 
 
-def add_shape_args(parser: argparse.ArgumentParser, default: MLAShape = CPU_DEFAULT):
+def add_shape_args(parser: argparse.ArgumentParser, default: MLAShape = CPU_DEFAULT,
+                   seq_len: bool = True):
+    """The shape flags; ``seq_len=False`` for a command that takes its lengths elsewhere
+    (bench's --seq-lens)."""
     g = parser.add_argument_group("MLA shape (defaults: DeepSeek-V3 dims / 8, 16 heads)")
-    g.add_argument("--seq-len", type=positive_int, default=default.seq_len)
+    if seq_len:
+        g.add_argument("--seq-len", type=positive_int, default=default.seq_len)
     g.add_argument("--micro-batch", type=positive_int, default=default.batch)
     g.add_argument("--heads", type=positive_int, default=default.heads)
     g.add_argument("--qk-head-dim", type=positive_int, default=default.qk_head_dim)

@@ -12,6 +12,7 @@ from .. import equivalence as eq
 from ..runspec import standard_runs
 from ..spawn import run_on_ranks
 from ..vocab import CP_ALGOS, DEFAULT_LAYOUT, SEQUENCE_LAYOUTS, check_seq_len
+from .output import dtype_arg, one_line_errors
 from .shapes import add_shape_args, positive_int, shape_from_args
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
@@ -20,12 +21,14 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
 def add_parser(sub):
     p = sub.add_parser("verify", help="run the three forms on P gloo ranks and check them",
                        description=__doc__.split("\n\n")[1])
+    one_line_errors(p, "verify")
     p.add_argument("--cp", type=positive_int, default=4, help="CP size (gloo processes), default 4")
     p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="both")
     p.add_argument("--layout", choices=SEQUENCE_LAYOUTS, default=None,
                    help="default: zigzag for allgather, contiguous for ulysses")
     p.add_argument("--kernel", choices=("eager", "sdpa"), default="sdpa")
-    p.add_argument("--dtype", choices=tuple(TOLERANCE), default="float32")
+    p.add_argument("--dtype", type=dtype_arg(tuple(TOLERANCE)), default="float32",
+                   help="float32 (default) or bfloat16 (fp32/bf16 alike)")
     p.add_argument("--repeat", type=positive_int, default=3, help="timed runs after one warm-up")
     add_shape_args(p)
 
