@@ -11,10 +11,16 @@ megatron's unpatched MLA forward runs with a small CP-capable core attention
 (scripts/megatron_cpu.py). Rank 0 prints the global loss of each step and the
 bytes the attention collectives moved. The model, shims and trainer are the
 ones the end-to-end tests use (scripts/megatron_cpu.py).
+
+The configuration (world size, TP, CP algorithm, layout, sequence length) is
+checked before anything is built: a combination the model cannot run fails
+in one line naming the flag. ``--check-world N`` checks it for a world of N
+ranks and exits (train_tiny_cpu.sh does so before torchrun starts).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -29,6 +35,8 @@ import functools  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megatron_cpu as mc  # noqa: E402
+
+from mindspeed_laga.vocab import check_seq_len  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -51,22 +59,69 @@ def parse_args(argv=None):
     p.add_argument("--rope-type", choices=("rope", "yarn"), default="yarn")
     p.add_argument("--fresh-batches", action="store_true",
                    help="a new random batch each step (default: one batch, so the loss falls)")
+    p.add_argument("--check-world", type=int, default=None, metavar="N",
+                   help="only check the configuration for a world of N ranks, then exit")
     return p.parse_args(argv)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def check_config(args, world: int):
+    """(CP size, layout), or ValueError naming what the tiny model cannot run."""
     layout = args.layout or ("contiguous" if args.cp_algo == "ulysses" else "zigzag")
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    for flag, value in (("--tp", args.tp), ("--steps", args.steps),
+                        ("--seq-length", args.seq_length), ("world size (NPROC)", world)):
+        if value < 1:
+            raise ValueError(f"{flag} must be positive, got {value}")
     if world % args.tp:
-        raise ValueError(f"--tp {args.tp} must divide the world size {world}")
+        raise ValueError(f"--tp {args.tp} must divide the world size {world} (NPROC)")
     cp = world // args.tp
+    heads = mc.TinyMLA().num_attention_heads
+    if heads % args.tp:
+        raise ValueError(f"--tp {args.tp} must divide the model's {heads} heads")
     if not args.laga and cp > 1 and layout != "zigzag":
         raise ValueError("without --laga megatron's forward needs zigzag batches: drop --layout "
                          "contiguous or add --laga")
     if not args.laga and args.cp_algo == "hybrid":
         raise ValueError("--cp-algo hybrid needs --laga: megatron's own MLA has no hybrid CP")
+    degree = _check_heads_split(args, cp, heads // args.tp)
+    try:
+        check_seq_len(args.seq_length, layout, cp, ulysses_degree=degree)
+    except ValueError as exc:
+        raise ValueError(f"--seq-length {args.seq_length} with CP={cp} (world {world} / TP "
+                         f"{args.tp}), layout={layout}: {exc}") from None
+    return cp, layout
+
+
+def _check_heads_split(args, cp: int, heads: int) -> int:
+    """U of hybrid CP (1 otherwise); the heads per TP rank must split as the algorithm does."""
+    degree = args.ulysses_degree
+    if args.cp_algo != "hybrid":
+        if degree is not None:
+            raise ValueError(f"--ulysses-degree goes with --cp-algo hybrid, not {args.cp_algo}")
+        if args.laga and args.cp_algo == "ulysses" and heads % cp:
+            raise ValueError(f"--cp-algo ulysses splits the model's {heads} heads (per TP rank) "
+                             f"over CP={cp} ranks, and {cp} does not divide {heads}: use a world "
+                             "size (NPROC) whose CP divides the heads (2 or 4), or --cp-algo "
+                             "allgather")
+        return 1
+    if degree is None or degree < 1 or cp % degree or heads % degree:
+        raise ValueError(f"--cp-algo hybrid needs --ulysses-degree U (ULYSSES_DEGREE) dividing "
+                         f"both CP={cp} and the {heads} heads per TP rank, got {degree}")
+    return degree
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world = args.check_world or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cp, layout = check_config(args, world)
+    except ValueError as exc:  # one line (on rank 0 under torchrun), before anything is built
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train_tiny_cpu: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if args.check_world:
+        return
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
     import mindspeed_laga
     from mindspeed_laga import count_bytes
 

@@ -24,5 +24,7 @@ if [[ -n "${ULYSSES_DEGREE:-}" ]]; then
     args+=(--ulysses-degree "$ULYSSES_DEGREE")
 fi
 
+# The configuration is checked first (one line naming the problem), before torchrun starts.
+"$PYTHON" "$(dirname "$0")/train_tiny_cpu.py" --check-world "$NPROC" "${args[@]}" "$@"
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     "$(dirname "$0")/train_tiny_cpu.py" "${args[@]}" "$@"
