@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import validate
+from . import checks
 from .forms.absorbed import absorbed_forward
 from .forms.explicit import explicit_forward
 from .forms.laga import laga_forward
@@ -50,7 +50,7 @@ from .forms.laga import laga_forward
 def _setup(form, query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale, cp_group, cp_algo,
            layout, causal, kernel, check_ranks, qk_head_dim, v_head_dim, cu_seqlens, pad_v,
            blockwise=False, options=None, extra_check=None, ulysses_group=None):
-    return validate.check(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale=softmax_scale,
+    return checks.check(query, kv_latent, k_pos_emb, kv_up_weight, softmax_scale=softmax_scale,
                           cp_group=cp_group, cp_algo=cp_algo, layout=layout, causal=causal,
                           kernel=kernel, form=form, check_ranks=check_ranks, blockwise=blockwise,
                           qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, options=options,

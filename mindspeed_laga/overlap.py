@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import agreement, comm
+from . import comm, handshake
 from .forms.common import concat_latent, split_latent, to_position_order
 
 
@@ -95,20 +95,20 @@ def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_
 
     Needs a CP group of size > 1 (there is nothing to overlap without CP).
     ``check_ranks``: first agree on the shapes across the group (a small
-    blocking exchange, agreement.py), so a mismatch raises on every rank
+    blocking exchange, handshake.py), so a mismatch raises on every rank
     instead of corrupting the gather.
     """
     if comm.group_size(cp_group) == 1:
         raise ValueError("start_latent_gather needs cp_group of size > 1; without context "
                          "parallelism call laga_attention without latent_gather")
     error = _local_error(kv_latent, k_pos_emb, check_ranks)
-    values = {"stage": agreement.STAGES.index("start_latent_gather"),
+    values = {"stage": handshake.STAGES.index("start_latent_gather"),
               "check_ranks": int(check_ranks is True), "latent_gather": 1}
     if error is None:
         values.update(local_len=kv_latent.shape[0], micro_batch=kv_latent.shape[1],
                       kv_lora_rank=kv_latent.shape[2], rope_dim=k_pos_emb.shape[2])
     device = kv_latent.device if isinstance(kv_latent, torch.Tensor) else "cpu"
-    agreement.agree(values, error, cp_group, device)
+    handshake.agree(values, error, cp_group, device)
     return LatentGather(kv_latent, k_pos_emb, cp_group)
 
 

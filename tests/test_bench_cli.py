@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from mindspeed_laga import cli
-from mindspeed_laga.commands import bench
+from mindspeed_laga.tools import cli
+from mindspeed_laga.tools.commands import bench
 
 TINY = ["--cp", "2", "--seq-lens", "16,32", "--heads", "4", "--qk-head-dim", "8",
         "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--kv-lora-rank", "16",

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from mindspeed_laga import api, layout
 from mindspeed_laga.comm import count_bytes
 from mindspeed_laga.overlap import start_latent_gather
-from mindspeed_laga.spawn import run_on_ranks
-from mindspeed_laga.vocab import query_segments, rank_segments
+from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.vocab.segments import query_segments, rank_segments
 
 try:
     from . import fake_torch_npu

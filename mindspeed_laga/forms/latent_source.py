@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..vocab import AttnSetup
+from ..vocab.attn_setup import AttnSetup
 from .common import gathered_latent, split_latent
 
 
