@@ -16,13 +16,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mindspeed_laga import api, layout
 from mindspeed_laga.tools import costmodel as cm
+from mindspeed_laga import comm
 from mindspeed_laga.comm import count_bytes
 from mindspeed_laga.tools.measure import SavedBytes
 from mindspeed_laga.tools.runspec import RunSpec
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.vocab.dims import ModelDims
 
-from test_hybrid import make_groups
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -67,7 +67,7 @@ def _run(rank, world, degree, group, spec, lay):
 
 
 def _worker(rank, world, degree):
-    group = make_groups(world, degree)
+    group = comm.ulysses_group(dist.group.WORLD, degree)
     return [_run(rank, world, degree, group, spec, lay) for spec, lay in CASES]
 
 

@@ -17,11 +17,7 @@ not the plain zigzag of megatron's ``get_batch_on_this_cp_rank``: shard with
 """
 from __future__ import annotations
 
-from typing import Dict
 
-import torch.distributed as dist
-
-_ULYSSES_GROUPS: Dict[tuple, object] = {}
 
 
 def check_ulysses_degree(cp_algo: str, ulysses_degree) -> int:
@@ -53,14 +49,3 @@ def check_hybrid_shape(ulysses_degree: int, cp_size: int, heads: int) -> None:
                          f"attention heads of this tensor-parallel rank do not divide by "
                          f"{ulysses_degree}; pick a ulysses_degree that divides the heads per "
                          "TP rank")
-
-
-def ulysses_group_of(cp_group, ulysses_degree: int):
-    """This rank's Ulysses group: the U consecutive ranks of ``cp_group`` holding it."""
-    key = (cp_group, ulysses_degree)
-    if key not in _ULYSSES_GROUPS:
-        cp_ranks = dist.get_process_group_ranks(cp_group)
-        first = cp_group.rank() // ulysses_degree * ulysses_degree
-        members = cp_ranks[first:first + ulysses_degree]
-        _ULYSSES_GROUPS[key] = dist.new_group(members, use_local_synchronization=True)
-    return _ULYSSES_GROUPS[key]

@@ -38,10 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed_laga import layout as layouts
+from mindspeed_laga import comm
 
 from . import compat as compat
 from ..common import first_call, start_gather
-from .hybrid import check_hybrid_shape, ulysses_group_of
+from .hybrid import check_hybrid_shape
 from .thd import PackedBatch, is_thd, packed_batch, packed_rope_positions
 
 
@@ -316,7 +317,7 @@ def _covered_call(module, args: Dict, settings: MegatronPatchSettings, cp_group)
     if settings.cp_algo == "hybrid":
         check_hybrid_shape(settings.ulysses_degree, cp_group.size(),
                            module.num_attention_heads_per_partition)
-        extra["ulysses_group"] = ulysses_group_of(cp_group, settings.ulysses_degree)
+        extra["ulysses_group"] = comm.ulysses_group(cp_group, settings.ulysses_degree)
     return extra
 
 

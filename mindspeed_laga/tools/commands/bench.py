@@ -332,25 +332,15 @@ def print_table(rows: List[dict], out=None) -> None:
 
 # ---------------------------------------------------------------- hybrid CP (spawned ranks)
 
-def _ulysses_groups(degree: int):
-    """Every Ulysses group (U consecutive ranks), created in the same order on every
-    rank (new_group is collective); returns this rank's."""
-    import torch.distributed as dist
-    mine = None
-    for first in range(0, dist.get_world_size(), degree):
-        group = dist.new_group(list(range(first, first + degree)))
-        if first <= dist.get_rank() < first + degree:
-            mine = group
-    return mine
-
 
 def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmup: int,
                   cpu_peak: bool = False) -> List[dict]:
     """:func:`run_on_ranks` entry for --cp-algo hybrid: one result per run, in the format
     of ``measure.run_on_rank`` plus the wire bytes per group."""
     import torch.distributed as dist
+    from ...comm import ulysses_group
     from ..measure import run_on_rank
-    group = _ulysses_groups(degree)
+    group = ulysses_group(dist.group.WORLD, degree)
     out = []
     for i, case in enumerate(runs):
         out.append(run_on_rank(case, rank, cp_size, dist.group.WORLD, repeat, warmup,
