@@ -66,5 +66,5 @@ class LAGAFeature(_Base):
         # Megatron flags such as --context-parallel-size are still strings
         if context_parallel_size(args) == 1:
             return
-        from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+        from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
         patch_manager.register_patch(MLA_FORWARD, laga_mla_forward_wrapper)

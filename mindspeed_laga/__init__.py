@@ -19,12 +19,12 @@ __all__ = ["laga_attention", "explicit_attention", "absorbed_attention", "FORMS"
 # entry points import it on call, so importing the core never imports an adapter.
 
 def patch_megatron_mla(*args, **kwargs):
-    """Route megatron-core's MLASelfAttention through LAGA (see patches/megatron_patch.py)."""
-    from .patches.megatron_patch import patch_megatron_mla as _patch
+    """Route megatron-core's MLASelfAttention through LAGA (see patches/megatron_core/patch.py)."""
+    from .patches.megatron_core.patch import patch_megatron_mla as _patch
     return _patch(*args, **kwargs)
 
 
 def unpatch_megatron_mla():
     """Restore megatron-core's original MLASelfAttention.forward."""
-    from .patches.megatron_patch import unpatch_megatron_mla as _unpatch
+    from .patches.megatron_core.patch import unpatch_megatron_mla as _unpatch
     return _unpatch()

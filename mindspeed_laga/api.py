@@ -29,7 +29,7 @@ them); without them the tensors must read unambiguously (d_n == d_v).
 every value that must agree across the group first, so a rank that differs
 raises on every rank instead of hanging; once every rank passes False in such
 an exchange the group skips it, and an explicit True exchanges again (every
-rank must pass True in that call; agreement.py, docs/DESIGN.md "Handshake").
+rank must pass True in that call; handshake.py, docs/DESIGN.md "Handshake").
 ``pad_v`` (default False): with kernel "npu", zero-pad V to the q/k head dim
 for ``npu_fusion_attention`` and slice the output back (exact; what
 MindSpeed-LLM does unless ``--mla-fa-without-pad``; unpadded V needs CANN
@@ -38,7 +38,7 @@ MindSpeed-LLM does unless ``--mla-fa-without-pad``; unpadded V needs CANN
 Every CP rank must pass the same ``kv_up_weight`` (CP ranks are replicas of
 one TP shard): a rank with other weights runs and returns wrong numbers on
 every rank. The handshake does not compare weights per call;
-``agreement.check_same_weight(kv_up_weight, cp_group)`` does (one exchange of
+``handshake.check_same_weight(kv_up_weight, cp_group)`` does (one exchange of
 a checksum), and the adapters run it on a module's first call.
 
 Autograd is exact for all four inputs. The ``kv_up_weight`` gradient on each
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import validate
+from . import checks
 from .forms.absorbed import absorbed_forward
 from .forms.explicit import explicit_forward
 from .forms.laga import laga_forward
@@ -85,7 +85,7 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
         ulysses_group=ulysses_group, trim_causal_prefix=trim_causal_prefix,
         recompute_kv=recompute_kv, kv_block_size=kv_block_size, latent_gather=latent_gather)
-    setup = validate.check(query, kv_latent, k_pos_emb, kv_up_weight, options)
+    setup = checks.check(query, kv_latent, k_pos_emb, kv_up_weight, options)
     return laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup,
                         trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
                         kv_block_size=kv_block_size, latent_gather=latent_gather)
@@ -103,7 +103,7 @@ def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_sca
         layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
         ulysses_group=ulysses_group)
-    setup = validate.check(query, kv_latent, k_pos_emb, kv_up_weight, options)
+    setup = checks.check(query, kv_latent, k_pos_emb, kv_up_weight, options)
     return explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 
@@ -119,7 +119,7 @@ def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_sca
         layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
         ulysses_group=ulysses_group)
-    setup = validate.check(query, kv_latent, k_pos_emb, kv_up_weight, options)
+    setup = checks.check(query, kv_latent, k_pos_emb, kv_up_weight, options)
     return absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
 
 

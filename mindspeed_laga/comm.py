@@ -289,7 +289,25 @@ def heads_to_seq(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> to
 
 # ---------------------------------------------------------------- hybrid CP groups
 
-_RING_GROUPS: Dict[tuple, object] = {}
+# Built once per (kind, cp_group, ...) and cached: new_group is collective over its members.
+_GROUPS: Dict[tuple, object] = {}
+
+
+def _subgroup(key: tuple, ranks: List[int]):
+    """A group of ``ranks`` (global ranks), made with ``use_local_synchronization=True`` so
+    only its members take part: no rank outside it, and no sibling group, has to call in
+    the same order."""
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return _GROUPS[key]
+
+
+def ulysses_group(cp_group, ulysses_degree: int):
+    """This rank's Ulysses group of hybrid CP: the U = ``ulysses_degree`` consecutive ranks
+    of ``cp_group`` holding it (CP rank c = r*U + u). Collective over those U ranks."""
+    cp_ranks = dist.get_process_group_ranks(cp_group)
+    first = group_rank(cp_group) // ulysses_degree * ulysses_degree
+    return _subgroup(("ulysses", cp_group, ulysses_degree), cp_ranks[first:first + ulysses_degree])
 
 
 def hybrid_ring_group(cp_group, ulysses_group):
@@ -297,17 +315,11 @@ def hybrid_ring_group(cp_group, ulysses_group):
     rank's Ulysses rank (CP ranks u, U+u, 2U+u, ...), in ring-rank order.
 
     Collective over those R ranks: each builds it on its first call for a
-    (cp_group, ulysses_group) pair and caches it. It is created with
-    ``use_local_synchronization=True``, so only its R members take part (no
-    rank outside it, and no other ring group, has to call in the same order);
-    the explicit form calls it right after the handshake, which every rank of
-    cp_group passes together, so the members always meet.
+    (cp_group, ulysses_group) pair. The explicit form calls it right after the
+    handshake, which every rank of cp_group passes together, so the members
+    always meet.
     """
-    key = (cp_group, ulysses_group)
-    if key not in _RING_GROUPS:
-        cp_ranks = dist.get_process_group_ranks(cp_group)
-        degree = group_size(ulysses_group)
-        u = group_rank(cp_group) % degree
-        ranks = cp_ranks[u::degree]
-        _RING_GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
-    return _RING_GROUPS[key]
+    degree = group_size(ulysses_group)
+    u = group_rank(cp_group) % degree
+    ranks = dist.get_process_group_ranks(cp_group)[u::degree]
+    return _subgroup(("ring", cp_group, ulysses_group), ranks)

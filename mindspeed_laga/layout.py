@@ -22,19 +22,18 @@ from typing import List
 
 import torch
 
-from .vocab import (LAYOUTS, Documents, Segment, check_documents, check_seq_len,  # noqa: F401
-                    num_chunks, rank_segments, seq_multiple)
+from .vocab.documents import check_documents
+from .vocab.segments import Documents, check_seq_len, rank_segments
 
-# The chunk rule and segments are shared vocabulary (vocab.py); this module adds
-# the torch side: position tensors, reordering, sharding.
-segments = rank_segments
+# The chunk rule and segments are shared vocabulary (vocab/segments.py); this module
+# adds the torch side: position tensors, reordering, sharding.
 
 
 def positions(layout: str, cp_size: int, rank: int, local_len: int,
               documents: Documents = None, *, ulysses_degree: int = 1) -> torch.Tensor:
     """Global position of each local token, shape [local_len]."""
     parts = [torch.arange(g, g + n) for _, n, g in
-             segments(layout, cp_size, rank, local_len, documents, ulysses_degree=ulysses_degree)]
+             rank_segments(layout, cp_size, rank, local_len, documents, ulysses_degree=ulysses_degree)]
     return torch.cat(parts)
 
 

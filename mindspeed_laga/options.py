@@ -1,7 +1,7 @@
 """The options of one attention call, as one frozen record.
 
 ``api.py`` builds it once from the keywords the caller passed (as passed:
-nothing is converted or checked here); ``validate.check`` checks it once and
+nothing is converted or checked here); ``checks.check`` checks it once and
 turns it into the integers of the cross-rank handshake. The forms read the
 checked values from the :class:`~mindspeed_laga.vocab.AttnSetup` that
 validation returns, never from here.

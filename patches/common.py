@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mindspeed_laga import agreement
+from mindspeed_laga import handshake
 
 
 def first_call(module) -> bool:
@@ -23,7 +23,7 @@ def check_weight_once(first: bool, kv_up_weight, cp_group) -> None:
     """On a module's first call: every CP rank must hold the same kv_up_weight (ValueError on
     every rank otherwise; one exchange of one int64, docs/RESULTS.md has its cost)."""
     if first:
-        agreement.check_same_weight(kv_up_weight, cp_group)
+        handshake.check_same_weight(kv_up_weight, cp_group)
 
 
 def start_gather(overlap: bool, kv_latent, k_pos_emb, cp_group, check_ranks: bool) -> Optional[object]:

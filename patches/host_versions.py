@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import inspect
 
-# megatron-core releases the megatron-core patch (patches/megatron_mla.py) is tested with
+# megatron-core releases the megatron-core patch (patches/megatron_core/mla.py) is tested with
 SUPPORTED_MEGATRON_CORE = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
-# MindSpeed-LLM commits the MindSpeed-LLM patch (patches/mindspeed_llm_mla.py) is tested with
+# MindSpeed-LLM commits the MindSpeed-LLM patch (patches/mindspeed_llm/forward.py) is tested with
 SUPPORTED_MINDSPEED_LLM = ("c77308a1",)
 
-# what patches/megatron_mla.py calls in megatron-core, found by import
+# what patches/megatron_core/mla.py calls in megatron-core, found by import
 _MEGATRON_NEEDS = (
     ("megatron.core.models.common.embeddings.rope_utils", "_apply_rotary_pos_emb_bshd"),
     ("megatron.core.tensor_parallel.mappings", "gather_from_sequence_parallel_region"),

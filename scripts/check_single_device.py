@@ -11,7 +11,8 @@ import os
 
 import torch
 
-from mindspeed_laga import api, equivalence as eq
+from mindspeed_laga import api
+from mindspeed_laga.tools import equivalence as eq
 
 OPTIONS = {"": {}, "trim": dict(trim_causal_prefix=True), "recompute": dict(recompute_kv=True),
            "blockwise": dict(recompute_kv=True, kv_block_size=128)}

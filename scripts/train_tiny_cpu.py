@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 import megatron_cpu as mc  # noqa: E402
 
-from mindspeed_laga.vocab import check_seq_len  # noqa: E402
+from mindspeed_laga.vocab.segments import check_seq_len  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -1,6 +1,6 @@
 """Every test bounded in time, so a hung rank or collective fails a test instead of the run.
 
-The multi-rank runner (``mindspeed_laga.spawn.run_on_ranks``) bounds each call
+The multi-rank runner (``mindspeed_laga.tools.spawn.run_on_ranks``) bounds each call
 by its own ``timeout_s``; with pytest-timeout installed (the ``test`` extra)
 this also puts a ceiling on every test that has no ``timeout`` marker and runs
 without ``--timeout``, fixtures included.

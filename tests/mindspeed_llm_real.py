@@ -218,7 +218,7 @@ def check_pipeline() -> None:
     from mindspeed.patch_utils import MindSpeedPatchesManager
 
     from mindspeed_laga.features import LAGAFeature
-    from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+    from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
 
     args = megatron_args(MODEL + CASES["qlora-fused-kvallgather"] +
                          ["--context-parallel-size", "2"], world_size=2)
@@ -298,8 +298,7 @@ def worker(rank, world_size, tp_size, sequence_parallel, cases):
 
     from mindspeed_laga import layout as layouts
     from mindspeed_laga.features.laga_args import laga_settings
-    from mindspeed_laga.patches.mindspeed_llm_mla import (laga_mla_forward_wrapper,
-                                                          laga_self_attention)
+    from mindspeed_laga.patches.mindspeed_llm.forward import (laga_mla_forward_wrapper, laga_self_attention)
 
     results = {}
     for name, extra in cases.items():
@@ -380,7 +379,7 @@ def _documents_case(module, args, cp_size, cp_rank, layout):
     from mindspeed.core.context_parallel.utils import pad_data
 
     from mindspeed_laga import layout as layouts
-    from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+    from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
 
     generator = torch.Generator().manual_seed(SEED)
     hidden = torch.randn(SEQ, 1, 64, generator=generator)
@@ -506,7 +505,7 @@ def check_numerics() -> None:
     reference is TP = CP = 1 on one rank. Without it, MindSpeed-LLM's forward leaves the
     rope key's grad partial per TP rank (it never all-reduces it), so the reference is the
     real forward at the same TP and CP = 1."""
-    from mindspeed_laga.spawn import run_on_ranks
+    from mindspeed_laga.tools.spawn import run_on_ranks
 
     def check(label, got, ref):
         error = _max_relative_error(got, ref)

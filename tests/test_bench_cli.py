@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from mindspeed_laga import cli
-from mindspeed_laga.commands import bench
+from mindspeed_laga.tools import cli
+from mindspeed_laga.tools.commands import bench
 
 TINY = ["--cp", "2", "--seq-lens", "16,32", "--heads", "4", "--qk-head-dim", "8",
         "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--kv-lora-rank", "16",
@@ -163,7 +163,7 @@ def test_seq_len_is_the_seq_lens_flag(capsys, tmp_path):
 
 def test_output_paths_are_left_as_they_were(tmp_path):
     """Proving a path writable leaves no file behind and an existing one untouched."""
-    from mindspeed_laga.commands.output import check_output_path
+    from mindspeed_laga.tools.commands.output import check_output_path
     new, old = tmp_path / "new.json", tmp_path / "old.json"
     old.write_text("keep")
     check_output_path("--json", str(new))
@@ -188,7 +188,7 @@ def _rows(documents=(1,), seq_lens=(16, 32)):
 
 def test_plot_has_time_and_peak_panels_style_per_form_colour_per_option():
     pytest.importorskip("matplotlib")
-    from mindspeed_laga.commands import plot
+    from mindspeed_laga.tools.commands import plot
     fig = plot.build_figure(_rows())
     axes = fig.axes
     assert len(axes) == 4  # bytes, saved, peak, time; one cp_algo

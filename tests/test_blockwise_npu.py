@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from mindspeed_laga import equivalence as eq
-from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.tools import equivalence as eq
+from mindspeed_laga.tools.spawn import run_on_ranks
 
 from test_equivalence import TOLERANCE, reference
 
@@ -82,7 +82,7 @@ def test_packed_runs_match_eager_per_run_in_two_calls(pad_v, n):
     """forward_runs/backward_runs of the NPU block kernel against EagerBlock run by run:
     the causal parts go in one mode-3 TND call, the fully visible parts in one mode-0 call."""
     import torch
-    from mindspeed_laga.forms.block_kernels import EagerBlock, block_kernel
+    from mindspeed_laga.kernels.block import EagerBlock, block_kernel
     module = fake_torch_npu.install()
     try:
         g = torch.Generator().manual_seed(0)

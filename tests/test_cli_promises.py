@@ -2,7 +2,7 @@
 every argument error one line with a non-zero exit, output paths proven writable first."""
 import pytest
 
-from mindspeed_laga import cli
+from mindspeed_laga.tools import cli
 
 SPELLINGS = [("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp32", "float32"),
              ("float32", "float32"), ("BF16", "bfloat16")]

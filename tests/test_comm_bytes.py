@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-from mindspeed_laga import equivalence as eq
-from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.tools import equivalence as eq
+from mindspeed_laga.tools.spawn import run_on_ranks
 
 SHAPE = eq.MLAShape(seq_len=32, heads=8, qk_head_dim=16, rope_dim=8, v_head_dim=12, kv_lora_rank=24)
 

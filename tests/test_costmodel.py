@@ -15,14 +15,16 @@ import itertools
 
 import pytest
 
-from mindspeed_laga import costmodel as cm
-from mindspeed_laga import equivalence as eq
+from mindspeed_laga.tools import costmodel as cm
+from mindspeed_laga.tools import equivalence as eq
 from mindspeed_laga import layout as layouts
-from mindspeed_laga.measure import worker
-from mindspeed_laga.runspec import RunSpec
-from mindspeed_laga.spawn import run_on_ranks
-from mindspeed_laga import vocab
-from mindspeed_laga.vocab import ModelDims
+from mindspeed_laga.tools.measure import worker
+from mindspeed_laga.tools.runspec import RunSpec
+from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.vocab.blocks import query_block_rows
+from mindspeed_laga.vocab.names import LAYOUTS
+from mindspeed_laga.vocab.segments import rank_segments
+from mindspeed_laga.vocab.dims import ModelDims
 
 # d_v != d_n + d_r (MLA-like: CPU SDPA takes its math path) and d_v == d_n + d_r (flash).
 SHAPES = {
@@ -133,13 +135,13 @@ def test_flops_match_flop_counter(measured):
 
 
 def test_model_segments_follow_layout_module():
-    for lay, P in itertools.product(layouts.LAYOUTS, (1, 2, 4)):
+    for lay, P in itertools.product(LAYOUTS, (1, 2, 4)):
         docs = (16, 48) if lay == "doc_zigzag" else None  # doc_zigzag cuts documents
         cfg = cm.Config(ModelDims(8, 16, 8, 16, 32), 64, 1, P, 1, "allgather", lay, doc_lens=docs)
         bounds = cfg.documents if docs else None
         for rank in range(P):
             got = [(q.length, q.start) for q in cm.query_segments(cfg, rank)]
-            want = [(n, g) for _, n, g in layouts.segments(lay, P, rank, 64 // P, bounds)]
+            want = [(n, g) for _, n, g in rank_segments(lay, P, rank, 64 // P, bounds)]
             assert got == want
 
 
@@ -383,7 +385,7 @@ def _query_segments(cfg, rank):
     docs = cfg.documents if cfg.seq_layout == "doc_zigzag" else None
     ranks = range(cfg.cp_size) if cfg.heads_split else [rank]
     return [list(range(g, g + n)) for r in ranks
-            for _, n, g in layouts.segments(cfg.seq_layout, cfg.cp_size, r, cfg.local_len, docs)]
+            for _, n, g in rank_segments(cfg.seq_layout, cfg.cp_size, r, cfg.local_len, docs)]
 
 
 def _joined_segments(cfg, rank):
@@ -430,7 +432,7 @@ def _pairs_from_mask(cfg, rank, spec):
     keys = keep[qpos].any(0).nonzero().flatten().tolist() if spec.trim_causal_prefix \
         else list(range(cfg.seq_len))
     size = spec.kv_block_size or len(keys)
-    rows = vocab.query_block_rows(spec.kv_block_size)  # a segment's queries in row blocks
+    rows = query_block_rows(spec.kv_block_size)  # a segment's queries in row blocks
     row_blocks = [seg[i:i + (rows or len(seg))] for seg in _joined_segments(cfg, rank)
                   for i in range(0, len(seg), rows or len(seg))]
     executed = 0
@@ -452,7 +454,7 @@ def _rebuilds_from_mask(cfg, rank, spec):
     keys = keep[qpos].any(0).nonzero().flatten().tolist() if spec.trim_causal_prefix \
         else list(range(cfg.seq_len))
     size = spec.kv_block_size or len(keys)
-    rows = vocab.query_block_rows(spec.kv_block_size)
+    rows = query_block_rows(spec.kv_block_size)
     total = 0
     for seg in _joined_segments(cfg, rank):
         for i in range(0, len(seg), rows or len(seg)):
@@ -599,7 +601,7 @@ def test_peak_is_saved_plus_output_plus_the_largest_transient():
 
 
 def test_peak_check_on_cpu_gives_the_prediction_and_a_measurement():
-    from mindspeed_laga.measure import peak_check, predicted_peak
+    from mindspeed_laga.tools.measure import peak_check, predicted_peak
     case = eq.Case(spec=VARIANTS["laga+blockwise"], kernel="eager", shape=SHAPES["mla"],
                    cu_seqlens=None)
     predicted, measured = peak_check(case, "cpu")
@@ -612,7 +614,7 @@ def test_peak_check_on_cpu_gives_the_prediction_and_a_measurement():
 def test_peak_prediction_against_cuda():
     """The prediction beside max_memory_allocated on one CUDA device, no CP, at a size where
     allocator rounding is small: within a factor of 2 either way (an estimate)."""
-    from mindspeed_laga.measure import peak_check
+    from mindspeed_laga.tools.measure import peak_check
     shape = eq.MLAShape(seq_len=2048, batch=1, heads=16, qk_head_dim=128, rope_dim=64, v_head_dim=128,
                         kv_lora_rank=512)
     for name, kernel in (("explicit", "sdpa"), ("laga", "sdpa"), ("laga+blockwise", "auto")):

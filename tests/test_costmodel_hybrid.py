@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from mindspeed_laga import api, costmodel as cm, layout
+from mindspeed_laga import api, layout
+from mindspeed_laga.tools import costmodel as cm
+from mindspeed_laga import comm
 from mindspeed_laga.comm import count_bytes
-from mindspeed_laga.measure import SavedBytes
-from mindspeed_laga.runspec import RunSpec
-from mindspeed_laga.spawn import run_on_ranks
-from mindspeed_laga.vocab import ModelDims
+from mindspeed_laga.tools.measure import SavedBytes
+from mindspeed_laga.tools.runspec import RunSpec
+from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.vocab.dims import ModelDims
 
-from test_hybrid import make_groups
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,7 +67,7 @@ def _run(rank, world, degree, group, spec, lay):
 
 
 def _worker(rank, world, degree):
-    group = make_groups(world, degree)
+    group = comm.ulysses_group(dist.group.WORLD, degree)
     return [_run(rank, world, degree, group, spec, lay) for spec, lay in CASES]
 
 
@@ -169,7 +170,7 @@ def test_two_link_time_prefers_intra_node_all_to_all():
 # ---------------------------------------------------------------- plan
 
 def _plan(capsys, *argv):
-    from mindspeed_laga import cli
+    from mindspeed_laga.tools import cli
     try:
         code = cli.main(["plan", *argv])
     except SystemExit as exc:
@@ -234,7 +235,7 @@ def test_plan_hybrid_errors(capsys, argv, message):
 def test_bench_hybrid_rows(tmp_path, capsys):
     """bench --cp-algo hybrid: spawned ranks build the Ulysses groups; every row is right
     against the float64 reference and its bytes per group and saved bytes equal the model."""
-    from mindspeed_laga import cli
+    from mindspeed_laga.tools import cli
     out_json = tmp_path / "bench.json"
     code = cli.main(["bench", "--cp", "4", "--cp-algo", "hybrid", "--ulysses-degree", "2",
                      "--seq-lens", "32", "--repeat", "1", "--warmup", "0", "--json", str(out_json),

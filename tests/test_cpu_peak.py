@@ -9,12 +9,12 @@ import types
 import pytest
 import torch
 
-from mindspeed_laga import cli
-from mindspeed_laga.cases import Case, MLAShape
-from mindspeed_laga.commands.output import MiB
-from mindspeed_laga.cpu_peak import CpuPeak
-from mindspeed_laga.measure import run_on_rank
-from mindspeed_laga.runspec import RunSpec
+from mindspeed_laga.tools import cli
+from mindspeed_laga.tools.cases import Case, MLAShape
+from mindspeed_laga.tools.commands.output import MiB
+from mindspeed_laga.tools.cpu_peak import CpuPeak
+from mindspeed_laga.tools.measure import run_on_rank
+from mindspeed_laga.tools.runspec import RunSpec
 
 FLOAT32 = 4  # bytes per element
 

@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 
-from mindspeed_laga import cli, kernels
-from mindspeed_laga.commands import environment, exactness
+from mindspeed_laga.tools import cli
+from mindspeed_laga import kernels
+from mindspeed_laga.tools.commands import environment, exactness
 
 try:
     from . import fake_torch_npu
@@ -122,7 +123,7 @@ def test_injected_mismatch_exits_nonzero(monkeypatch, tmp_path, capsys):
 def test_a_rank_that_raises_is_a_reported_failure(monkeypatch, tmp_path, capsys):
     """A CP run that raises on a rank (a kernel the node's stack rejects) ends in the
     report and exit 1, not in a traceback."""
-    from mindspeed_laga.commands import doctor
+    from mindspeed_laga.tools.commands import doctor
     small = exactness.plan(["eager"], ["float32"], False)[:2]
     monkeypatch.setattr(exactness, "plan", lambda *a: small)
 
@@ -141,7 +142,7 @@ def test_a_rank_that_raises_is_a_reported_failure(monkeypatch, tmp_path, capsys)
 
 def test_defaults_fit_any_cp_size():
     """Default lengths and heads round up to what zigzag (2*CP chunks) and ulysses split."""
-    from mindspeed_laga.commands import doctor
+    from mindspeed_laga.tools.commands import doctor
     args = doctor.resolve(cli.build_parser().parse_args(["doctor", "--cp", "3"]))
     assert args.seq_len % 6 == 0 and args.check_seq_len % 6 == 0
     assert args.heads % 3 == 0 and args.check_heads % 3 == 0

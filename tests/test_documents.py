@@ -15,7 +15,7 @@ import torch
 
 from mindspeed_laga import count_bytes, explicit_attention, absorbed_attention, laga_attention
 from mindspeed_laga import layout as layouts
-from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.tools.spawn import run_on_ranks
 
 S, HEADS, D_N, D_R, D_V, D_C = 32, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5

@@ -14,10 +14,10 @@ import itertools
 
 import pytest
 
-from mindspeed_laga import equivalence as eq
-from mindspeed_laga.runspec import standard_runs
-from mindspeed_laga.spawn import run_on_ranks
-from mindspeed_laga.vocab import CP_ALGOS, SEQUENCE_LAYOUTS as LAYOUTS
+from mindspeed_laga.tools import equivalence as eq
+from mindspeed_laga.tools.runspec import standard_runs
+from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.vocab.names import CP_ALGOS, SEQUENCE_LAYOUTS as LAYOUTS
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
 FORMS = standard_runs(forms_only=True)  # explicit, absorbed, LAGA without options

@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_laga import count_bytes, explicit_attention, laga_attention, absorbed_attention, layout
-from mindspeed_laga.equivalence import INPUTS, MLAShape, full_inputs
-from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.tools.equivalence import INPUTS, MLAShape, full_inputs
+from mindspeed_laga.tools.spawn import run_on_ranks
 
 SHAPE = MLAShape(seq_len=16, heads=4)
 FORMS = (laga_attention, explicit_attention, absorbed_attention)

@@ -17,7 +17,7 @@ from laga_parser import parse
 from mindspeed_laga.features import LAGAFeature
 from mindspeed_laga.features.laga_args import laga_settings
 from mindspeed_laga.features.laga_feature import MLA_FORWARD
-from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
 
 VALID = ["--multi-latent-attention", "--disable-bias-linear", "--attention-dropout", "0.0",
          "--num-attention-heads", "8", "--seq-length", "64", "--context-parallel-size", "2",

@@ -13,11 +13,12 @@ import itertools
 import pytest
 import torch
 
-from mindspeed_laga import equivalence as eq
-from mindspeed_laga.forms import fused_block as fb
-from mindspeed_laga.kernels.sdpa import block_calls, merge_lse
-from mindspeed_laga.spawn import run_on_ranks
-from mindspeed_laga.validate import resolve_kernel
+from mindspeed_laga.tools import equivalence as eq
+from mindspeed_laga.kernels import block as fb
+from mindspeed_laga.kernels.merge import merge_lse
+from mindspeed_laga.kernels.sdpa import block_calls
+from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.checks import resolve_kernel
 
 from test_equivalence import TOLERANCE
 
@@ -103,21 +104,6 @@ def test_block_calls_cover_every_key_once(offset, num_keys, calls):
     assert block_calls(offset, num_keys) == calls
 
 
-@pytest.mark.parametrize("offset", [0, 1, 5])
-def test_diagonal_offset_reads_the_staircase(offset):
-    assert fb.diagonal_offset(_staircase(4, 9, offset)) == offset
-    assert fb.diagonal_offset(offset) == offset
-    assert fb.diagonal_offset(None) is None
-
-
-def test_block_with_keep_mask_equals_block_with_diagonal():
-    g = torch.Generator().manual_seed(5)
-    q, key, value = (torch.randn(1, 2, n, d, generator=g) for n, d in ((4, 8), (7, 8), (7, 4)))
-    by_mask = fb.FusedBlock.forward(q, key, value, _staircase(4, 7, 3), 0.4)
-    by_diagonal = fb.FusedBlock.forward(q, key, value, 3, 0.4)
-    assert all(torch.equal(a, b) for a, b in zip(by_mask, by_diagonal))
-
-
 # ------------------------------------------------------------- kernel selection
 
 def test_kernel_selection_for_recompute():
@@ -186,7 +172,7 @@ def test_half_precision_push_through_the_rebuild(monkeypatch, kernel):
     in the input dtype (``laga_blockwise.push_dtype``; CPU uses float32). Run that choice
     here: bfloat16 against the float64 reference, one process, row and key blocks."""
     from mindspeed_laga.forms import laga_blockwise
-    from mindspeed_laga.measure import run_on_rank
+    from mindspeed_laga.tools.measure import run_on_rank
     monkeypatch.setattr(laga_blockwise, "push_dtype", lambda q: q.dtype)
     case = eq.Case(form="laga", kernel=kernel, dtype="bfloat16", shape=SHAPE,
                    options=OPTION_SETS["block7"])

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_laga import api, layout
+from mindspeed_laga import comm
 from mindspeed_laga.comm import count_bytes
 from mindspeed_laga import start_latent_gather
-from mindspeed_laga.spawn import run_on_ranks
-from mindspeed_laga.vocab import query_segments, rank_segments
+from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.vocab.segments import query_segments, rank_segments
 
 try:
     from . import fake_torch_npu
@@ -81,15 +82,6 @@ def mla_reference():
     return {"out": out.detach(), **{k: v.grad for k, v in leaves.items()}}
 
 
-def make_groups(world, degree):
-    """Every Ulysses group (U consecutive ranks), created in the same order on every rank."""
-    mine = None
-    for first in range(0, world, degree):
-        group = dist.new_group(list(range(first, first + degree)))
-        if first <= dist.get_rank() < first + degree:
-            mine = group
-    return mine
-
 
 def run_case(rank, world, degree, ulysses_group, case):
     form, lay, kernel, option = case
@@ -121,7 +113,7 @@ def run_case(rank, world, degree, ulysses_group, case):
 
 def equivalence_worker(rank, world, degree, cases):
     module = fake_torch_npu.install()
-    ulysses_group = make_groups(world, degree)
+    ulysses_group = comm.ulysses_group(dist.group.WORLD, degree)
     results = [run_case(rank, world, degree, ulysses_group, case) for case in cases]
     return results, sorted({call["name"] for call in module.calls})
 
@@ -259,7 +251,7 @@ def _call(rank, form="laga", heads=N, seq=S, cp_algo="hybrid", **kw):
 
 
 def error_worker(rank, world):
-    pairs = make_groups(world, 2)                               # {0,1}, {2,3}
+    pairs = comm.ulysses_group(dist.group.WORLD, 2)                               # {0,1}, {2,3}
     strided = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     whole = dist.new_group(list(range(world)))
     three = dist.new_group([0, 1, 2])

@@ -40,7 +40,7 @@ pytest.importorskip("megatron.core")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import megatron_cpu as mc  # noqa: E402
 
-from mindspeed_laga.spawn import WorkerError, run_on_ranks  # noqa: E402
+from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks  # noqa: E402
 
 STEPS = 3
 LOSS_TOL = 1e-5

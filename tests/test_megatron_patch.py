@@ -14,7 +14,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 import mindspeed_laga  # noqa: E402
-from mindspeed_laga.patches import host_versions, megatron_mla, megatron_patch  # noqa: E402
+from mindspeed_laga.patches import host_versions  # noqa: E402
+from mindspeed_laga.patches.megatron_core import mla as megatron_mla, patch as megatron_patch  # noqa: E402
 
 
 @pytest.fixture
@@ -288,7 +289,7 @@ def test_mla_rope_is_deinterleaved_rope_on_this_release():
     rotate-half rope on the de-interleaved channels (pairs 0,2,4.. then 1,3,5..), scaled by
     mscale; and it does not warn (0.19 deprecates the 0.16.1 keyword)."""
     import warnings
-    from mindspeed_laga.patches import megatron_compat
+    from mindspeed_laga.patches.megatron_core import compat as megatron_compat
     gen = torch.Generator().manual_seed(0)
     s, b, n, d = 5, 2, 3, 4
     x = torch.randn(s, b, n, d, generator=gen)
@@ -305,7 +306,7 @@ def test_mla_rope_is_deinterleaved_rope_on_this_release():
 def test_down_projection_is_the_modules_own_where_it_has_one():
     """0.17+ (and its fused q/kv down-projection subclass) project in _qkv_down_projection;
     0.16.1 modules have none, and the inlined projection is used."""
-    from mindspeed_laga.patches import megatron_compat
+    from mindspeed_laga.patches.megatron_core import compat as megatron_compat
     hidden = torch.randn(3, 1, 8)
     fused = SimpleNamespace(_qkv_down_projection=lambda h: ("q", h * 2))
     q, kv = megatron_compat.qkv_down_projection(fused, hidden, tp_group=None)
@@ -330,7 +331,7 @@ def test_hybrid_settings_carry_the_degree_and_the_hybrid_zigzag(mla):
     (2, 4, 3, ["ulysses_degree=2", "3 attention heads", "divides the heads"]),
 ])
 def test_hybrid_shape_errors_name_the_fix(degree, cp, heads, words):
-    from mindspeed_laga.patches import megatron_hybrid
+    from mindspeed_laga.patches.megatron_core import hybrid as megatron_hybrid
     with pytest.raises(ValueError) as info:
         megatron_hybrid.check_hybrid_shape(degree, cp, heads)
     for word in words:
@@ -360,7 +361,7 @@ def _thd_params(real, padded=None, kv=None, max_seqlen=8):
      ["end at 13", "16 tokens", "cu_seqlens_q_padded"]),
 ])
 def test_packed_call_errors_name_the_argument(kwargs, hidden, causal, algo, layout, words):
-    from mindspeed_laga.patches import megatron_thd
+    from mindspeed_laga.patches.megatron_core import thd as megatron_thd
     with pytest.raises(ValueError) as info:
         megatron_thd.packed_batch(_thd_params(**kwargs), torch.zeros(hidden), 2, causal, algo,
                                   layout)
@@ -369,7 +370,7 @@ def test_packed_call_errors_name_the_argument(kwargs, hidden, causal, algo, layo
 
 
 def test_packed_call_takes_the_padded_boundaries():
-    from mindspeed_laga.patches import megatron_thd
+    from mindspeed_laga.patches.megatron_core import thd as megatron_thd
     packed = megatron_thd.packed_batch(_thd_params([0, 5, 13], [0, 8, 16]), torch.zeros(8, 1, 4),
                                        2, True, "allgather", "zigzag")
     assert (packed.documents, packed.padded, packed.rope_rows) == ((0, 8, 16), True, 8)
@@ -381,7 +382,7 @@ def test_packed_rope_positions_follow_megatrons_thd_rope(max_seqlen, cp):
     """The rope rows LAGA picks are those megatron's _apply_rotary_pos_emb_thd applies:
     a table whose row i holds i, passed through megatron's own function."""
     from megatron.core.models.common.embeddings import rope_utils
-    from mindspeed_laga.patches import megatron_thd
+    from mindspeed_laga.patches.megatron_core import thd as megatron_thd
     bounds = [0, 8, 20, 24]
     params = _thd_params([0, 6, 20, 23], bounds, max_seqlen=max_seqlen)
     for rank in range(cp):

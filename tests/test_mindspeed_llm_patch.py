@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from mindspeed_laga import layout as layouts
-from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.tools.spawn import run_on_ranks
 
 SEQ, BATCH, SEED = 16, 2, 1234
 TOLERANCE = 1e-5  # float32, relative to the largest reference magnitude
@@ -107,8 +107,7 @@ def worker(rank, world, cases):
     import mindspeed_llm_standin as standin
     from mindspeed_laga import count_bytes
     from mindspeed_laga.features.laga_args import laga_settings
-    from mindspeed_laga.patches.mindspeed_llm_mla import (laga_mla_forward_wrapper,
-                                                          laga_self_attention)
+    from mindspeed_laga.patches.mindspeed_llm.forward import (laga_mla_forward_wrapper, laga_self_attention)
 
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     _install_fb_overlap_standin()
@@ -277,7 +276,7 @@ _released_forward = CustomMLASelfAttention.forward
 
 def test_wrapping_a_forward_without_the_kv_lora_scale_names_the_supported_commit():
     from mindspeed_laga.patches.host_versions import SUPPORTED_MINDSPEED_LLM, UnsupportedHostError
-    from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+    from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
     with pytest.raises(UnsupportedHostError) as info:
         laga_mla_forward_wrapper(_released_forward)
     message = str(info.value)
@@ -286,7 +285,7 @@ def test_wrapping_a_forward_without_the_kv_lora_scale_names_the_supported_commit
 
 
 def test_another_features_unwrapped_wrapper_is_left_to_the_module_check():
-    from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+    from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
 
     def other_feature_wrapper(self, *args, **kwargs):  # no functools.wraps: source unknown
         return _released_forward(self, *args, **kwargs)
@@ -295,7 +294,7 @@ def test_another_features_unwrapped_wrapper_is_left_to_the_module_check():
 
 
 def test_the_standin_forward_passes_the_guard():
-    from mindspeed_laga.patches.mindspeed_llm_mla import laga_mla_forward_wrapper
+    from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
     from mindspeed_llm_standin import StandinMLASelfAttention
     wrapped = laga_mla_forward_wrapper(StandinMLASelfAttention.forward)
     assert wrapped.__wrapped__ is StandinMLASelfAttention.forward
@@ -303,7 +302,7 @@ def test_the_standin_forward_passes_the_guard():
 
 def test_a_module_missing_an_attribute_is_named_before_any_collective():
     from mindspeed_laga.patches.host_versions import UnsupportedHostError
-    from mindspeed_laga.patches.mindspeed_llm_mla import laga_self_attention
+    from mindspeed_laga.patches.mindspeed_llm.forward import laga_self_attention
     module = SimpleNamespace(linear_qkv=None)  # what an older class would lack is the rest
     with pytest.raises(UnsupportedHostError, match="mla_scale_kv_lora"):
         # a cp_group that would fail if touched: the guard runs first

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_laga import (agreement, count_bytes, explicit_attention, absorbed_attention,
+from mindspeed_laga import (handshake, count_bytes, explicit_attention, absorbed_attention,
                             laga_attention, start_latent_gather)
 from mindspeed_laga import layout as layouts
-from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.tools.spawn import run_on_ranks
 
 S, B, N, D_N, D_R, D_V, D_C = 16, 1, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
@@ -89,7 +89,7 @@ def _one_call(rank, world, kw):
 def _scenario_worker(rank, world, names):
     reports = []
     for name in names:
-        agreement.reset()
+        handshake.reset()
         with count_bytes() as counter:
             try:
                 _one_call(rank, world, RANK_DIFFERENCES[name][rank])
@@ -117,7 +117,7 @@ def test_ranks_that_disagree_raise_together(scenario_reports, name):
 
 def _policy_worker(rank, world):
     """check_ranks=False on every rank, after one agreed exchange, skips the handshake."""
-    agreement.reset()
+    handshake.reset()
     with count_bytes() as counter:
         for check in (True, False, False, False):
             _one_call(rank, world, {"check_ranks": check})

@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from mindspeed_laga import (agreement, count_bytes, explicit_attention, laga_attention,
+from mindspeed_laga import (handshake, count_bytes, explicit_attention, laga_attention,
                             start_latent_gather)
 from mindspeed_laga import layout as layouts
-from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.tools.spawn import run_on_ranks
 
 S, B, N, D_N, D_R, D_V, D_C = 16, 1, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
@@ -121,7 +121,7 @@ def skip_exchanges(rank, world):
     """Both ranks agree to skip (the setup of the next scenario)."""
     _attend(rank, world, check_ranks=False)
     _attend(rank, world, check_ranks=False)  # every rank passed False: skipping from now on
-    assert agreement.skips(_group())
+    assert handshake.skips(_group())
 
 
 def check_ranks_after_skip(rank, world):
@@ -157,7 +157,7 @@ SETUP = {"check_ranks_after_skip": skip_exchanges}
 
 def _run(fn, rank, world, setup=None):
     import torch.distributed as dist
-    agreement.reset()
+    handshake.reset()
     dist.barrier()
     if setup is not None:
         setup(rank, world)
@@ -222,7 +222,7 @@ def _same_weight_worker(rank, world, differ):
     if differ and rank == 1:
         weight[3, 5] = torch.nextafter(weight[3, 5], torch.tensor(2.0))  # one ulp, one element
     try:
-        agreement.check_same_weight(weight.to(torch.bfloat16 if differ == "bf16" else weight.dtype),
+        handshake.check_same_weight(weight.to(torch.bfloat16 if differ == "bf16" else weight.dtype),
                                     dist.group.WORLD)
         return None
     except ValueError as exc:
@@ -238,10 +238,10 @@ def test_kv_up_weight_that_differs_by_one_ulp_is_caught_on_every_rank():
 
 def test_weight_checksum_sees_swapped_rows_and_single_bits():
     w = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
-    base = agreement.weight_checksum(w)
-    assert agreement.weight_checksum(w.clone()) == base
-    assert agreement.weight_checksum(w[[1, 0] + list(range(2, 64))]) != base
+    base = handshake.weight_checksum(w)
+    assert handshake.weight_checksum(w.clone()) == base
+    assert handshake.weight_checksum(w[[1, 0] + list(range(2, 64))]) != base
     flipped = w.clone()
     flipped.view(torch.int32)[7, 3] ^= 1  # the lowest mantissa bit
-    assert agreement.weight_checksum(flipped) != base
-    assert agreement.weight_checksum(w.to(torch.bfloat16)) != base
+    assert handshake.weight_checksum(flipped) != base
+    assert handshake.weight_checksum(w.to(torch.bfloat16)) != base

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from mindspeed_laga import explicit_attention, laga_attention
-from mindspeed_laga.equivalence import INPUTS, MLAShape, full_inputs
+from mindspeed_laga.tools.equivalence import INPUTS, MLAShape, full_inputs
 
 
 @pytest.mark.parametrize("kernel", ["eager", "sdpa"])
@@ -43,6 +43,6 @@ def _latent_grad_worker(rank, world, recompute, overlap):
 @pytest.mark.parametrize("recompute,overlap", [(False, False), (True, False), (False, True)])
 def test_latent_grads_leave_contiguous(recompute, overlap):
     """Megatron's TP copy region skips its all-reduce on strided grads (see forms/common.py)."""
-    from mindspeed_laga.spawn import run_on_ranks
+    from mindspeed_laga.tools.spawn import run_on_ranks
     for flags in run_on_ranks(_latent_grad_worker, 2, recompute, overlap):
         assert flags == [True, True]

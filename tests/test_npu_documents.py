@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mindspeed_laga import layout as layouts
-from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.tools.spawn import run_on_ranks
 
 from test_documents import (FORMS, S, SCALE, assemble, document_sets, doc_zigzag_ok, full_inputs,
                             reference)

@@ -16,6 +16,7 @@ import torch
 
 from mindspeed_laga import absorbed_attention, explicit_attention, laga_attention, layout
 from mindspeed_laga.kernels import attend
+from mindspeed_laga.vocab.segments import rank_segments
 
 try:
     from . import fake_torch_npu
@@ -34,16 +35,16 @@ def fake_npu():
 def ulysses_segments(layout_name: str, cp_size: int, local_len: int):
     """Every rank's tokens in rank order (what a ulysses all-to-all delivers)."""
     return [(r * local_len + ls, n, g) for r in range(cp_size)
-            for ls, n, g in layout.segments(layout_name, cp_size, r, local_len)]
+            for ls, n, g in rank_segments(layout_name, cp_size, r, local_len)]
 
 
 # (segments, total keys): queries are the concatenated segments, keys are positions [0, total)
 SEGMENTS = {
     "single": ([(0, 8, 0)], 8),
-    "contiguous_rank2_of4": (layout.segments("contiguous", 4, 2, 4), 16),
-    "zigzag_rank0_of2": (layout.segments("zigzag", 2, 0, 8), 16),
-    "zigzag_rank1_of2": (layout.segments("zigzag", 2, 1, 8), 16),
-    "zigzag_rank2_of4": (layout.segments("zigzag", 4, 2, 6), 24),
+    "contiguous_rank2_of4": (rank_segments("contiguous", 4, 2, 4), 16),
+    "zigzag_rank0_of2": (rank_segments("zigzag", 2, 0, 8), 16),
+    "zigzag_rank1_of2": (rank_segments("zigzag", 2, 1, 8), 16),
+    "zigzag_rank2_of4": (rank_segments("zigzag", 4, 2, 6), 24),
     "ulysses_zigzag_4": (ulysses_segments("zigzag", 4, 4), 16),
     "ulysses_contiguous_3": (ulysses_segments("contiguous", 3, 4), 12),
 }
@@ -237,7 +238,7 @@ BLOCKS = [(7, 13, 6), (7, 13, 8), (13, 7, 0), (13, 7, 4), (37, 20, 2), (5, 37, 3
 @pytest.mark.parametrize("pad_v", [False, True], ids=["unpadded", "pad_v"])
 @pytest.mark.parametrize("rows,keys,diagonal", BLOCKS)
 def test_npu_block_kernel_matches_float64(fake_npu, rows, keys, diagonal, pad_v):
-    from mindspeed_laga.forms.block_kernels import block_kernel
+    from mindspeed_laga.kernels.block import block_kernel
     kernel = block_kernel("npu", pad_v)
     q, key, value = block_inputs(rows, keys, seed=rows * keys)
     leaves = [x.double().requires_grad_() for x in (q, key, value)]
@@ -267,9 +268,9 @@ def test_npu_block_kernel_matches_float64(fake_npu, rows, keys, diagonal, pad_v)
 def test_block_walk_diagonals_follow_positions():
     """Every (block, segment) pair the walk yields: its diagonal describes exactly
     "key position <= query position", within the range the block kernels rely on."""
-    from mindspeed_laga.forms.block_kernels import keep_mask
+    from mindspeed_laga.kernels.masks import keep_mask
     from mindspeed_laga.forms.laga_blockwise import BlockPlan, visible_rows
-    from mindspeed_laga.vocab import key_blocks
+    from mindspeed_laga.vocab.keys import key_blocks
     for segments, total in SEGMENTS.values():
         for block_size in (1, 5, 7, 13, 37):
             plan = BlockPlan(qk_head_dim=2, rope_dim=1, v_head_dim=2, kv_lora_rank=2, scale=1.0,
@@ -277,15 +278,15 @@ def test_block_walk_diagonals_follow_positions():
             positions = torch.tensor([g + i for _, n, g in segments for i in range(n)])
             seen = torch.zeros(len(positions), total, dtype=torch.bool)
             for k0, k1 in key_blocks(total, block_size):
-                for rows, keys, diagonal in visible_rows(plan, k0, k1):
+                for rows, keys, offset in visible_rows(plan, k0, k1):
                     assert keys.start == 0  # without documents a run's keys start the block
                     end = keys.stop
                     q_pos = positions[rows]
                     want = torch.arange(k0, k0 + end).unsqueeze(0) <= q_pos.unsqueeze(1)
-                    got = keep_mask(diagonal, len(q_pos), end, "cpu")
+                    got = keep_mask(len(q_pos), end, offset, "cpu")
                     assert torch.equal(want, torch.ones_like(want) if got is None else got)
-                    if diagonal is not None:
-                        assert max(0, end - len(q_pos)) <= diagonal < end - 1
+                    if offset is not None:
+                        assert max(0, end - len(q_pos)) <= offset < end - 1
                     seen[rows, k0:k0 + end] |= want
             assert torch.equal(seen, torch.arange(total).unsqueeze(0) <= positions.unsqueeze(1))
 

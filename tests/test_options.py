@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from mindspeed_laga import equivalence as eq
-from mindspeed_laga.spawn import run_on_ranks
+from mindspeed_laga.tools import equivalence as eq
+from mindspeed_laga.tools.spawn import run_on_ranks
 
 from test_equivalence import TOLERANCE, reference
 
@@ -46,17 +46,17 @@ def test_option_matches_single_device_reference(matrix, case):
 def test_eager_block_kernel_head_chunks_match_one_chunk(monkeypatch):
     """Chunking heads to bound the transient scores changes nothing."""
     import torch
-    from mindspeed_laga.forms import block_kernels as bk
+    from mindspeed_laga.kernels import block as bk
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 6, 5, 8, generator=g), torch.randn(2, 6, 7, 8, generator=g),
                torch.randn(2, 6, 7, 4, generator=g))
-    keep = torch.arange(7).unsqueeze(0) <= torch.arange(2, 7).unsqueeze(1)
+    offset = 2  # key j visible to row i iff j <= i + 2
     d_out = torch.randn(2, 6, 5, 4, generator=g)
-    whole = bk.EagerBlock.forward(q, k, v, keep, 0.3)
-    whole_grads = bk.EagerBlock.backward(q, k, v, keep, 0.3, d_out, *whole)
+    whole = bk.EagerBlock.forward(q, k, v, offset, 0.3)
+    whole_grads = bk.EagerBlock.backward(q, k, v, offset, 0.3, d_out, *whole)
     monkeypatch.setattr(bk, "SCORE_CHUNK_ELEMENTS", 2 * 5 * 7 * 4)  # 4 heads, then 2
     assert len(bk._head_chunks(q, k)) == 2
-    chunked = bk.EagerBlock.forward(q, k, v, keep, 0.3)
-    chunked_grads = bk.EagerBlock.backward(q, k, v, keep, 0.3, d_out, *whole)
+    chunked = bk.EagerBlock.forward(q, k, v, offset, 0.3)
+    chunked_grads = bk.EagerBlock.backward(q, k, v, offset, 0.3, d_out, *whole)
     for a, b in zip(whole + whole_grads, chunked + chunked_grads):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)

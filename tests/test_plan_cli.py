@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from mindspeed_laga import cli
-from mindspeed_laga.costmodel import MACHINES
+from mindspeed_laga.tools import cli
+from mindspeed_laga.tools.costmodel import MACHINES
 
 
 def run_cli(capsys, *argv):

@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import megatron_cpu as mc  # noqa: E402
 
-from mindspeed_laga.spawn import run_on_ranks  # noqa: E402
+from mindspeed_laga.tools.spawn import run_on_ranks  # noqa: E402
 
 
 def _worker(rank, world, differ):

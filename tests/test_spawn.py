@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mindspeed_laga import spawn
-from mindspeed_laga.spawn import WorkerError, run_on_ranks
+from mindspeed_laga.tools import spawn
+from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks
 
 
 def _sum_worker(rank, world, token):

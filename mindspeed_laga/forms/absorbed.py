@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import attend
-from ..vocab import AttnSetup
+from ..vocab.attn_setup import AttnSetup
 from .common import (all_heads, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads,
                      split_up_weight, to_bnsd)
 from .latent_source import SyncLatent

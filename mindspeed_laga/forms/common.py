@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm, layout as layouts
-from ..vocab import HYBRID, AttnSetup
+from ..vocab.names import HYBRID
+from ..vocab.attn_setup import AttnSetup
 
 
 def all_heads(setup: AttnSetup) -> AttnSetup:

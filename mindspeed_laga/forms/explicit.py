@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from .. import comm
 from ..kernels import attend
-from ..vocab import HYBRID, AttnSetup
+from ..vocab.names import HYBRID
+from ..vocab.attn_setup import AttnSetup
 from .common import (all_heads, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, to_bnsd,
                      to_position_order, up_project)
 

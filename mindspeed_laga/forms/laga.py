@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..kernels import attend
-from ..vocab import AttnSetup
+from ..vocab.attn_setup import AttnSetup
 from .common import (flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
                      up_project, up_weight_rows)
 from .laga_blockwise import BlockPlan, BlockwiseLAGA

@@ -6,7 +6,7 @@ already holds the gathered latent (d_c + d_r per token), so K/V can be
 rebuilt when needed instead of kept.
 
 The walk goes tile by tile: each query segment in row blocks of
-``vocab.query_block_rows(block_size)`` rows, and for each row block the
+``vocab.blocks.query_block_rows(block_size)`` rows, and for each row block the
 (position-ordered) keys in blocks of ``block_size`` it can see. Forward
 rebuilds the span of a key block the row block sees, attends it and merges
 with an online softmax (running max and sum, as ring/flash attention do).
@@ -18,7 +18,7 @@ K/V never exist, in forward or backward; the float32 running output (forward)
 and dq (backward) exist for one row block, which is why rows are blocked too:
 with keys outermost they would span the whole sequence.
 
-Each tile's runs of query rows go to a block kernel (``block_kernels``; with
+Each tile's runs of query rows go to a block kernel (``kernels/block.py``; with
 documents, all runs of one query segment in a block go at once to a kernel
 that offers the packed entry):
 eager math with one block's scores materialized, or ``npu_fusion_attention``
@@ -33,9 +33,13 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..kernels import KeyIndex
-from ..vocab import (Documents, Segment, doc_pieces, join_adjacent, key_blocks, key_window,
-                     query_block_rows)
-from .block_kernels import acc_dtype, block_kernel
+from ..kernels.block import block_kernel
+from ..kernels.merge import merge_into
+from ..kernels.precision import acc_dtype
+from ..vocab.blocks import join_adjacent, query_block_rows
+from ..vocab.documents import doc_pieces
+from ..vocab.keys import key_blocks, key_window
+from ..vocab.segments import Documents, Segment
 from .common import rebuild_kv
 
 
@@ -49,23 +53,23 @@ class BlockPlan:
     causal: bool
     segments: Tuple[Segment, ...]
     block_size: Optional[int]    # keys per rebuilt block; None = one block
-    kernel: str = "eager"        # per-block kernel (block_kernels.py)
+    kernel: str = "eager"        # per-block kernel (kernels/block.py)
     pad_v: bool = False          # kernel "npu": V zero-padded to the q/k head dim for the op
     documents: Documents = None  # cu_seqlens: a query sees only its own document
     key_ranges: Optional[Tuple[Tuple[int, int], ...]] = None  # positions the latent holds
 
 
 def visible_rows(plan: BlockPlan, k0: int, k1: int):
-    """(query rows, key slice, diagonal) for each run of rows that sees a key of [k0, k1).
+    """(query rows, key slice, offset) for each run of rows that sees a key of [k0, k1).
 
     Runs are the query segments cut at document boundaries. A run sees the keys
     of its document up to its own positions (causal) or all of them, and
     nothing else, so a block with no visible (query, key) pair makes no call.
     Rows before the block's first visible key are cut, so every row handed to
     a block kernel sees at least one key; keys no row of the run sees are cut
-    too (the key slice is relative to ``k0``). ``diagonal`` is the block
-    kernels' visibility (``block_kernels``): key j of the slice is visible to
-    row i of the run iff ``j <= i + diagonal``; None when every key is.
+    too (the key slice is relative to ``k0``). ``offset`` is the block
+    kernels' causal offset (``kernels/masks.py``): key j of the slice is visible to
+    row i of the run iff ``j <= i + offset``; None when every key is.
     """
     for runs in segment_runs(plan, k0, k1):
         yield from runs
@@ -94,10 +98,10 @@ def _run(plan: BlockPlan, piece, keys, total: int, k0: int, k1: int):
     first = max(0, a - (base + g)) if plan.causal else 0
     if first >= n:
         return None
-    diagonal = base + g + first - a if plan.causal else None
-    if diagonal is not None and diagonal >= e - a - 1:
-        diagonal = None
-    return slice(local + first, local + n), slice(a - k0, e - k0), diagonal
+    offset = base + g + first - a if plan.causal else None
+    if offset is not None and offset >= e - a - 1:
+        offset = None
+    return slice(local + first, local + n), slice(a - k0, e - k0), offset
 
 
 def forward_runs(kernel, q, key, value, runs, scale):
@@ -105,17 +109,17 @@ def forward_runs(kernel, q, key, value, runs, scale):
     it has one (one call for all of a segment's documents), else one call per run."""
     if hasattr(kernel, "forward_runs"):
         return kernel.forward_runs(q, key, value, runs, scale)
-    return [kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], diagonal, scale)
-            for rows, ks, diagonal in runs]
+    return [kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale)
+            for rows, ks, offset in runs]
 
 
 def backward_runs(kernel, q, key, value, runs, scale, d_out, out, lse):
     """[(dq, dk, dv)] of one segment's runs, shaped like q[rows] and key/value[ks]."""
     if hasattr(kernel, "backward_runs"):
         return kernel.backward_runs(q, key, value, runs, scale, d_out, out, lse)
-    return [kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], diagonal, scale,
+    return [kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
                             d_out[:, :, rows], out[:, :, rows], lse[:, :, rows])
-            for rows, ks, diagonal in runs]
+            for rows, ks, offset in runs]
 
 
 def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
@@ -189,18 +193,11 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps):
             key, value = rebuild(latent[tile.k0:tile.k1], kv_up_weight, plan)
             for (r, _, _), (block_out, block_lse) in zip(
                     tile.runs, forward_runs(kernel, q, key, value, tile.runs, plan.scale)):
-                _merge(acc_out, acc_lse, _shift(r, r0), block_out, block_lse)
+                merge_into(acc_out, acc_lse, _shift(r, r0), block_out, block_lse)
         out[:, :, r0:r0 + n] = acc_out
     return out, lse
 
 
-def _merge(out, lse, rows, block_out, block_lse):
-    """Online softmax: fold one block's (out, lse) of these rows into the running ones
-    (in place: no copy of the running output)."""
-    new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
-    out[:, :, rows].mul_(torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)).add_(
-        block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
-    lse[:, :, rows] = new_lse
 
 
 def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan, steps):

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import agreement, comm
-from ..vocab import AttnSetup
+from .. import comm, handshake
+from ..vocab.attn_setup import AttnSetup
 from .common import concat_latent, gathered_latent, split_latent, to_position_order
 
 
@@ -127,23 +127,23 @@ def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_
     Needs a CP group of size > 1 (there is nothing to overlap without CP).
     ``check_ranks`` (None, True or False, as in laga_attention): first agree
     across the group on what the gather moves (shapes, dtype, which of the two
-    need grads; a small blocking exchange, agreement.py), so a mismatch raises
+    need grads; a small blocking exchange, handshake.py), so a mismatch raises
     on every rank instead of corrupting the gather or hanging in backward.
     """
     if comm.check_group(cp_group) == 1:
         raise ValueError("start_latent_gather needs cp_group of size > 1; without context "
                          "parallelism call laga_attention without latent_gather")
     error = _local_error(kv_latent, k_pos_emb, check_ranks)
-    values = {"stage": agreement.STAGES.index("start_latent_gather"),
+    values = {"stage": handshake.STAGES.index("start_latent_gather"),
               "check_ranks": int(check_ranks is not False), "latent_gather": 1}
     if error is None:
         values.update(local_len=kv_latent.shape[0], micro_batch=kv_latent.shape[1],
                       kv_lora_rank=kv_latent.shape[2], rope_dim=k_pos_emb.shape[2],
-                      dtype=agreement.dtype_code(kv_latent.dtype),
-                      requires_grad=agreement.grad_pattern({"kv_latent": kv_latent,
+                      dtype=handshake.dtype_code(kv_latent.dtype),
+                      requires_grad=handshake.grad_pattern({"kv_latent": kv_latent,
                                                             "k_pos_emb": k_pos_emb}))
     device = kv_latent.device if isinstance(kv_latent, torch.Tensor) else "cpu"
-    agreement.agree(values, error, cp_group, device, force=check_ranks is True)
+    handshake.agree(values, error, cp_group, device, force=check_ranks is True)
     return LatentGather(kv_latent, k_pos_emb, cp_group)
 
 
@@ -155,7 +155,7 @@ def _local_error(kv_latent, k_pos_emb, check_ranks):
             return f"{name} must be a 3-dim [s, b, d] tensor"
     if kv_latent.shape[:2] != k_pos_emb.shape[:2] or kv_latent.dtype != k_pos_emb.dtype:
         return "kv_latent and k_pos_emb must share [s, b] and dtype"
-    if kv_latent.dtype not in agreement.DTYPES:
+    if kv_latent.dtype not in handshake.DTYPES:
         return (f"kv_latent of dtype {kv_latent.dtype} is not supported: the forms run "
-                f"{[str(d) for d in agreement.DTYPES]}; cast it (and k_pos_emb) to bfloat16")
+                f"{[str(d) for d in handshake.DTYPES]}; cast it (and k_pos_emb) to bfloat16")
     return None

@@ -3,7 +3,7 @@
 ``attend(q, k, v, scale=..., segments=..., causal=..., kernel=...)``:
 
 - ``q`` [b, n, s_q, d_qk]: queries, made of consecutive-position *segments*
-  ``(local_start, length, global_start)`` (see ``layout.segments``).
+  ``(local_start, length, global_start)`` (see ``vocab/segments.py``).
 - ``k`` [b, n_k, S, d_qk], ``v`` [b, n_k, S, d_v]: keys in global position
   order starting at position 0; ``n_k`` is ``n`` or 1 (the absorbed form uses
   one key/value head shared by all query heads).
@@ -28,9 +28,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..vocab import Documents, Segment, doc_pieces, document_of, key_prefix, key_window  # noqa: F401
+from ..vocab.documents import doc_pieces, document_of
+from ..vocab.keys import key_window
+from ..vocab.segments import Documents, Segment
 from . import eager, npu, sdpa
-from .masks import Piece, causal_keep_mask  # noqa: F401  (re-exported)
+from .masks import Piece
 
 _KERNELS = {"eager": eager.attend_segment, "sdpa": sdpa.attend_segment, "npu": npu.attend_segment}
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .masks import causal_keep_mask, pieces_keep_mask
+from .masks import bottom_right, keep_mask, pieces_keep_mask
+from .precision import acc_dtype
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -17,13 +18,13 @@ def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None):
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    compute = acc_dtype(q.dtype)
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
     if pieces is not None:
         keep = pieces_keep_mask(pieces, q.shape[2], k.shape[2], causal, q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
     elif causal:
-        keep = causal_keep_mask(q.shape[2], k.shape[2], q.device)
+        keep = keep_mask(q.shape[2], k.shape[2], bottom_right(q.shape[2], k.shape[2]), q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, v)

@@ -1,14 +1,28 @@
-"""Dense causal masks for the kernels that take one (eager, sdpa)."""
+"""The one dense visibility mask, for the kernels that take one (eager, sdpa, eager blocks).
+
+Causal visibility everywhere in the kernels is one number, the causal
+``offset``: key ``j`` is visible to query row ``i`` iff ``j <= i + offset``
+(rows and keys counted from 0 in the tensors handed over). A query segment
+that ends at the end of its key prefix is bottom-right aligned:
+``offset = keys - rows``. ``None`` means every key is visible.
+"""
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 
-def causal_keep_mask(q_len: int, k_len: int, device) -> torch.Tensor:
-    """[q_len, k_len] bool, True = visible: bottom-right-aligned causal."""
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=k_len - q_len)
+def bottom_right(rows: int, keys: int) -> int:
+    """The causal offset of rows whose last row sees the last key."""
+    return keys - rows
+
+
+def keep_mask(rows: int, keys: int, offset: Optional[int], device) -> Optional[torch.Tensor]:
+    """[rows, keys] bool, True = visible (key j for row i iff j <= i + offset); None = all."""
+    if offset is None:
+        return None
+    return torch.ones(rows, keys, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
 # A document piece of a query segment: (query start, query length, key start, key end),
@@ -25,5 +39,5 @@ def pieces_keep_mask(pieces: Sequence[Piece], q_len: int, k_len: int, causal: bo
         block = keep[q0:q0 + n, k0:k1]
         block.fill_(True)
         if causal:
-            block.copy_(causal_keep_mask(n, k1 - k0, device))
+            block.copy_(keep_mask(n, k1 - k0, bottom_right(n, k1 - k0), device))
     return keep

@@ -66,22 +66,22 @@ def compressed_causal_mask(device) -> torch.Tensor:
     return _MASK_CACHE[key]
 
 
-def causal_kwargs(rows: int, keys: int, diagonal: int, device) -> dict:
-    """Mask arguments for: key j visible to row i iff ``j <= i + diagonal`` (0 <= diagonal).
+def causal_kwargs(rows: int, keys: int, offset: int, device) -> dict:
+    """Mask arguments for: key j visible to row i iff ``j <= i + offset`` (0 <= offset).
 
-    The diagonal through the lower-right corner (``diagonal == keys - rows``)
+    The offset through the lower-right corner (``offset == keys - rows``)
     is mode 3; any other is mode 4's band with ``next_tockens`` the offset from
     that corner and ``pre_tockens = keys``, which reaches below key 0 for
     every row (``i + keys - rows - keys < 0``) and is at least
     ``|next_tockens|`` (``next_tockens >= rows - keys > -keys``).
     """
-    if diagonal < 0:
-        raise ValueError(f"diagonal={diagonal}: row 0 would see no key")
+    if offset < 0:
+        raise ValueError(f"offset={offset}: row 0 would see no key")
     kwargs = dict(atten_mask=compressed_causal_mask(device))
     shift = keys - rows
-    if diagonal == shift:
+    if offset == shift:
         return dict(kwargs, sparse_mode=3)
-    return dict(kwargs, sparse_mode=4, pre_tockens=keys, next_tockens=diagonal - shift)
+    return dict(kwargs, sparse_mode=4, pre_tockens=keys, next_tockens=offset - shift)
 
 
 def pad_value(value: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ so a segment is two fused calls merged by log-sum-exp (no dense mask; about
 Backward runs the same calls with the final output and log-sum-exp, which
 makes each call's probabilities the global ones: dq adds up, dK/dV of the two
 key ranges are concatenated. The blockwise LAGA's block kernel
-(``forms/fused_block.py``) runs the same recipe per key block.
+(``kernels/block.py``, ``FusedBlock``) runs the same recipe per key block.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from .eager import expand_kv
-from .masks import causal_keep_mask, pieces_keep_mask
+from .masks import bottom_right, keep_mask, pieces_keep_mask
+from .merge import merge_lse
 from .precision import acc_dtype
 
 _ATEN = torch.ops.aten
@@ -43,16 +44,6 @@ def block_calls(offset: Optional[int], num_keys: int):
     if offset == 0:
         return [(slice(0, num_keys), True)]
     return [(slice(0, offset), False), (slice(offset, num_keys), True)]
-
-
-def merge_lse(parts):
-    """(out, lse) of disjoint key ranges -> one (out, lse), by log-sum-exp."""
-    out, lse = parts[0]
-    for o, l in parts[1:]:
-        new = torch.logaddexp(lse, l)
-        out = out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(l - new).unsqueeze(-1)
-        lse = new
-    return out, lse
 
 
 def _pad_last(x, width):
@@ -166,7 +157,7 @@ class FusedSegment(torch.autograd.Function):
 def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None):
     if q.device.type == "cpu" and pieces is None:
         # keys - queries: the bottom-right causal diagonal of a segment ending at the prefix end
-        offset = k.shape[2] - q.shape[2] if causal else None
+        offset = bottom_right(q.shape[2], k.shape[2]) if causal else None
         return FusedSegment.apply(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), scale,
                                   offset)
     # Documents (a block-diagonal mask per segment) and other devices: SDPA with a mask.
@@ -177,6 +168,6 @@ def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None):
     elif causal and q.shape[2] != k.shape[2]:
         # SDPA's is_causal is top-left aligned; a query segment ending at the
         # prefix end needs the bottom-right alignment.
-        mask = causal_keep_mask(q.shape[2], k.shape[2], q.device)
+        mask = keep_mask(q.shape[2], k.shape[2], bottom_right(q.shape[2], k.shape[2]), q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                           is_causal=causal and mask is None, scale=scale)

@@ -1,0 +1,408 @@
+"""Argument checks shared by the three forms.
+
+Every check runs before any data collective. With CP > 1 the ranks then
+exchange their verdict and every value that must agree (handshake.py): if
+any rank rejected its arguments, or the ranks disagree, *every* rank raises
+the ``ValueError`` instead of some ranks waiting forever in a collective or
+returning wrong numbers. A local check that fails with another exception
+type (a bug, or an input no check foresaw) still reaches the exchange: its
+peers raise "rejected" and the rank re-raises its own exception.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+import struct
+from typing import Dict, Optional
+
+import torch
+
+from . import comm, handshake
+from .options import AttnOptions
+from .vocab.names import ATTN_CP_ALGOS, CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS
+from .vocab.attn_setup import AttnSetup, heads_split
+from .vocab.dims import MLADims
+from .vocab.documents import check_documents
+from .vocab.segments import seq_multiple
+
+
+def _dims(query, kv_latent, k_pos_emb, kv_up_weight, qk_head_dim=None, v_head_dim=None) -> MLADims:
+    for name, t, nd in (("query", query, 4), ("kv_latent", kv_latent, 3),
+                        ("k_pos_emb", k_pos_emb, 3), ("kv_up_weight", kv_up_weight, 2)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != nd:
+            raise ValueError(f"{name} must have {nd} dims, got shape {tuple(t.shape)}; "
+                             "see the laga_attention docstring for the [s, b, ...] layouts")
+    empty = [name for name, t in (("query", query), ("kv_latent", kv_latent),
+                                  ("k_pos_emb", k_pos_emb), ("kv_up_weight", kv_up_weight))
+             if t.numel() == 0]
+    if empty:
+        raise ValueError(f"{empty} have a zero-size dimension (query {tuple(query.shape)}, "
+                         f"kv_latent {tuple(kv_latent.shape)}, k_pos_emb {tuple(k_pos_emb.shape)}, "
+                         f"kv_up_weight {tuple(kv_up_weight.shape)}); every rank needs at least "
+                         "one token, one sequence, one head and non-empty head dims")
+    s, b, n, q_dim = query.shape
+    d_r = k_pos_emb.shape[-1]
+    d_c = kv_latent.shape[-1]
+    if kv_latent.shape[:2] != (s, b) or k_pos_emb.shape[:2] != (s, b):
+        raise ValueError(
+            f"query, kv_latent and k_pos_emb must share [s, b]; got {tuple(query.shape[:2])}, "
+            f"{tuple(kv_latent.shape[:2])}, {tuple(k_pos_emb.shape[:2])}")
+    rows, cols = kv_up_weight.shape
+    if cols != d_c:
+        raise ValueError(f"kv_up_weight must be [n*(qk_head_dim+v_head_dim), kv_lora_rank={d_c}] "
+                         f"(Megatron's linear_kv_up_proj.weight); got {tuple(kv_up_weight.shape)}")
+    d_n, d_v = _head_dims(q_dim, d_r, rows, n, qk_head_dim, v_head_dim)
+    return MLADims(n, d_n, d_r, d_v, d_c)
+
+
+def _head_dims(q_dim, d_r, rows, n, qk_head_dim, v_head_dim):
+    """(d_n, d_v): checked against the caller's values, or read off the tensors when
+    that reading is unique."""
+    for name, value in (("qk_head_dim", qk_head_dim), ("v_head_dim", v_head_dim)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    given = qk_head_dim is not None or v_head_dim is not None
+    d_n = q_dim - d_r if qk_head_dim is None else qk_head_dim
+    if d_n <= 0 or d_n + d_r != q_dim:
+        raise ValueError(f"query's last dim ({q_dim}) must be qk_head_dim ({d_n}) + "
+                         f"qk_pos_emb_head_dim (k_pos_emb.shape[-1] = {d_r}); check k_pos_emb's "
+                         "width and qk_head_dim")
+    d_v = v_head_dim if v_head_dim is not None else (rows // n - d_n if rows % n == 0 else -1)
+    if d_v <= 0 or rows != n * (d_n + d_v):
+        raise ValueError(f"kv_up_weight has {rows} rows; it must be n*(qk_head_dim+v_head_dim) = "
+                         f"{n}*({d_n}+{d_v if d_v > 0 else 'v_head_dim'}) for this TP rank's "
+                         "heads (the TP-split linear_kv_up_proj.weight, not the whole one)")
+    if not given and d_v != d_n:
+        # k_pos_emb a column too wide or narrow, or the un-split (whole-TP) weight,
+        # still yield a consistent-looking d_v; equal d_n and d_v (every DeepSeek
+        # model) is the only reading the tensors fix on their own.
+        raise ValueError(f"the tensors read as qk_head_dim={d_n}, v_head_dim={d_v}, which is "
+                         "ambiguous (a k_pos_emb of the wrong width or an un-split "
+                         "kv_up_weight reads the same way); pass qk_head_dim= and v_head_dim= "
+                         "(the MLA config's values)")
+    return d_n, d_v
+
+
+def _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight):
+    dtypes = {t.dtype for t in (query, kv_latent, k_pos_emb, kv_up_weight)}
+    if len(dtypes) != 1:
+        raise ValueError("query, kv_latent, k_pos_emb and kv_up_weight must share one dtype; got "
+                         f"{query.dtype}, {kv_latent.dtype}, {k_pos_emb.dtype}, {kv_up_weight.dtype}")
+    if not query.dtype.is_floating_point:
+        raise ValueError(f"inputs must be floating point, got {query.dtype}")
+    if query.dtype not in handshake.DTYPES:
+        raise ValueError(f"inputs of dtype {query.dtype} are not supported: the forms run "
+                         f"{[str(d) for d in handshake.DTYPES]}; cast query, kv_latent, k_pos_emb "
+                         "and kv_up_weight to bfloat16 (float8 recipes keep attention in bf16)")
+    devices = {t.device for t in (query, kv_latent, k_pos_emb, kv_up_weight)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_choices(cp_algo, layout, kernel, causal, softmax_scale):
+    if cp_algo not in ATTN_CP_ALGOS:
+        raise ValueError(f"cp_algo={cp_algo!r} is unknown; use one of {ATTN_CP_ALGOS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is unknown; use one of {KERNELS}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+            or not _finite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a positive, finite real number (e.g. "
+                         f"1/sqrt(qk_head_dim + qk_pos_emb_head_dim)), got {softmax_scale!r}")
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float range (10**400)
+        return False
+
+
+def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layout: str,
+                 ulysses_degree: int = 1):
+    if cp_size == 1:
+        return
+    if ulysses_degree > 1:
+        _check_hybrid_split(local_len, cp_size, layout, ulysses_degree)
+    elif layout == "zigzag" and local_len % 2:
+        raise ValueError(
+            f"layout='zigzag' needs the sequence divisible by 2*CP={2 * cp_size}: each rank "
+            f"holds 2 equal chunks, but this rank holds {local_len} tokens; pad the sequence "
+            "to a multiple of 2*CP or use layout='contiguous'")
+    if heads_split(cp_algo, cp_size) and dims.heads % cp_size:
+        raise ValueError(
+            f"cp_algo='ulysses' splits heads over the CP group: {dims.heads} heads are not "
+            f"divisible by CP={cp_size}; use cp_algo='allgather' or a CP size dividing the heads")
+
+
+def _check_hybrid_split(local_len: int, cp_size: int, layout: str, degree: int):
+    multiple = seq_multiple(layout, cp_size, degree)
+    if (local_len * cp_size) % multiple:
+        raise ValueError(
+            f"layout={layout!r} with cp_algo='hybrid' (CP={cp_size}, ulysses_group of {degree}) "
+            f"needs the sequence divisible by {multiple} (2R={2 * cp_size // degree} chunks, each "
+            f"ring pair cut into {degree} pieces), but it is {local_len * cp_size} tokens "
+            f"({local_len} on this rank); pad the sequence to a multiple of {multiple} or use "
+            "layout='contiguous'")
+
+
+def _check_ulysses_group(cp_algo, ulysses_group, cp_group, cp_size: int, heads: int) -> int:
+    """Hybrid CP's Ulysses group: U consecutive CP ranks holding this rank -> U (1: not hybrid)."""
+    if cp_algo != HYBRID:
+        if ulysses_group is not None:
+            raise ValueError(f"ulysses_group is given but cp_algo={cp_algo!r}; pass "
+                             "cp_algo='hybrid' to split heads inside ulysses_group, or drop "
+                             "ulysses_group")
+        return 1
+    if ulysses_group is None:
+        raise ValueError("cp_algo='hybrid' needs ulysses_group=: the process group of the U "
+                         "consecutive CP ranks that holds this rank (CP rank c = r*U + u, as "
+                         "MindSpeed's hybrid Ulysses group); or use cp_algo='allgather' or "
+                         "'ulysses'")
+    members, cp_members = _group_ranks(ulysses_group, "ulysses_group"), _cp_ranks(cp_group)
+    degree = len(members)
+    if cp_size % degree:
+        raise ValueError(f"ulysses_group has {degree} ranks, which does not divide CP={cp_size}; "
+                         "its size U must divide the CP size (R = CP/U ring ranks)")
+    first = comm.group_rank(cp_group) // degree * degree
+    expected = cp_members[first:first + degree]
+    if members != expected:
+        raise ValueError(
+            f"ulysses_group must be the {degree} consecutive ranks of cp_group that hold this "
+            f"rank (CP ranks {first}..{first + degree - 1}, global ranks {expected}), in CP rank "
+            f"order; got global ranks {members}. Build it as MindSpeed's hybrid groups: CP rank "
+            "c = r*U + u")
+    if heads % degree:
+        raise ValueError(f"cp_algo='hybrid' splits heads over ulysses_group: {heads} heads (per "
+                         f"TP rank) are not divisible by its size U={degree}; use a "
+                         "ulysses_group whose size divides the heads")
+    return degree
+
+
+def _group_ranks(group, name: str):
+    try:
+        return list(torch.distributed.get_process_group_ranks(group))
+    except Exception as exc:  # not a process group, or no process group initialized
+        raise ValueError(f"{name} must be a torch.distributed process group, got "
+                         f"{type(group).__name__} ({exc})") from None
+
+
+def _cp_ranks(cp_group):
+    if cp_group is None:
+        return [torch.distributed.get_rank() if torch.distributed.is_initialized() else 0]
+    return _group_ranks(cp_group, "cp_group")
+
+
+def _ulysses_degree_value(cp_algo, ulysses_group) -> int:
+    """U for the handshake (-1 when unknown), so ranks that differ on it raise alike."""
+    if cp_algo != HYBRID and ulysses_group is None:
+        return 1
+    try:
+        return comm.group_size(ulysses_group)
+    except Exception:
+        return handshake.UNKNOWN
+
+
+def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
+    """cu_seqlens -> a tuple of global document boundaries (or None), checked."""
+    if layout == "doc_zigzag" and degree > 1:
+        raise ValueError("layout='doc_zigzag' has no hybrid form: with cp_algo='hybrid' use "
+                         "layout='zigzag' or 'contiguous' (cu_seqlens still applies)")
+    if cu_seqlens is None:
+        if layout == "doc_zigzag":
+            raise ValueError("layout='doc_zigzag' needs cu_seqlens= (the global document "
+                             "boundaries); without documents use layout='zigzag'")
+        return None
+    if query.shape[1] != 1:
+        raise ValueError(f"cu_seqlens describes one packed sequence, so the micro-batch must be 1 "
+                         f"(got {query.shape[1]}); pack the batch into one sequence of documents "
+                         "(as --reset-attention-mask does with micro-batch 1) or drop cu_seqlens")
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+            raise ValueError("cu_seqlens must be a 1-D integer tensor or a list of ints, got a "
+                             f"{cu_seqlens.dtype} tensor of shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device.type == "meta":
+            raise ValueError("cu_seqlens is a meta tensor (it has no values); pass the document "
+                             "boundaries as a CPU/device integer tensor or a list of ints")
+        cu_seqlens = cu_seqlens.tolist()
+    try:
+        return check_documents(cu_seqlens, query.shape[0] * cp_size, layout, cp_size)
+    except OverflowError:  # int(inf)
+        raise ValueError("cu_seqlens must hold finite integer document boundaries (0 ... "
+                         f"sequence length), got {list(cu_seqlens)!r}"[:300]) from None
+
+
+def check_option_values(options: AttnOptions) -> None:
+    """The options' values that need no tensors (the flags, LAGA's block options): what an
+    adapter can check when it is configured, before the first forward."""
+    _check_flags(options)
+    if options.form == "laga":
+        _check_laga_flags(options)
+
+
+def _check_laga_flags(options: AttnOptions):
+    for name in ("recompute_kv", "trim_causal_prefix"):
+        if not isinstance(getattr(options, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(options, name)!r}")
+    block = options.kv_block_size
+    if block is not None:
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise ValueError(f"kv_block_size must be a positive int or None, got {block!r}")
+        if not options.recompute_kv:
+            raise ValueError("kv_block_size needs recompute_kv=True: blockwise rebuild keeps no "
+                             "K/V for backward, so it rebuilds them there")
+
+
+def _check_laga_options(options: AttnOptions, kv_latent, k_pos_emb, cp_size: int):
+    _check_laga_flags(options)
+    gather = options.latent_gather
+    if gather is not None:
+        from .forms.latent_source import LatentGather
+        if not isinstance(gather, LatentGather):
+            raise ValueError("latent_gather must come from start_latent_gather(kv_latent, "
+                             f"k_pos_emb, cp_group=...), got {type(gather).__name__}")
+        if not gather.started_on(kv_latent, k_pos_emb):
+            raise ValueError("latent_gather was started on other kv_latent/k_pos_emb tensors than "
+                             "the ones passed here; pass the same tensors to both calls")
+        if gather.cp_group is not options.cp_group or cp_size == 1:
+            raise ValueError("latent_gather was started on another cp_group; pass the same group")
+
+
+def _check_flags(options: AttnOptions):
+    if options.check_ranks is not None and not isinstance(options.check_ranks, bool):
+        raise ValueError(f"check_ranks must be True, False or None, got {options.check_ranks!r}")
+    if not isinstance(options.pad_v, bool):
+        raise ValueError(f"pad_v must be True or False, got {options.pad_v!r}")
+
+
+def documents_code(documents) -> int:
+    """The document boundaries as one int64 for the handshake (0: no documents)."""
+    if documents is None:
+        return 0
+    digest = hashlib.blake2b(repr(documents).encode(), digest_size=8).digest()
+    return struct.unpack("<q", digest)[0] or 1
+
+
+def _fused_block_ops(device: torch.device, dtype) -> bool:
+    """Whether kernels/block.py has fused ops for these tensors (CUDA's memory-
+    efficient kernel has no float64)."""
+    return device.type == "cpu" or (device.type == "cuda" and dtype != torch.float64)
+
+
+def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False, dtype=None) -> str:
+    """'auto' -> 'npu' on NPU tensors, else 'sdpa'; 'npu' needs torch_npu.
+
+    For the blockwise recompute path 'sdpa' is the fused block kernel
+    (kernels/block.py: CPU flash or CUDA memory-efficient attention) and
+    'eager' the reference math; 'auto' picks 'eager' where no fused block op
+    exists for the device and dtype."""
+    if kernel == "auto":
+        fused = not blockwise or _fused_block_ops(device, dtype)
+        kernel = "npu" if device.type == "npu" else ("sdpa" if fused else "eager")
+    if blockwise and kernel == "sdpa" and not _fused_block_ops(device, dtype):
+        raise ValueError(
+            f"recompute_kv=True with kernel='sdpa' runs fused block ops for CPU tensors and "
+            f"CUDA tensors other than float64, not {device.type} {dtype}; use kernel='eager' "
+            "(or 'auto', which picks it)")
+    if kernel == "npu":
+        from .kernels import npu
+        npu.require_torch_npu()
+    return kernel
+
+
+def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> AttnSetup:
+    """Validate one call of a form (its tensors and options) and agree on it across the group.
+
+    ``cp_group`` itself is checked first and alone (no exchange is possible
+    over a group that is not one, or without this rank).
+    """
+    o = options
+    cp_size = comm.check_group(o.cp_group)
+    failure: Optional[BaseException] = None
+    dims = documents = None
+    degree, kernel = 1, o.kernel
+    try:
+        _check_flags(o)
+        _check_choices(o.cp_algo, o.layout, o.kernel, o.causal, o.softmax_scale)
+        dims = _dims(query, kv_latent, k_pos_emb, kv_up_weight, o.qk_head_dim, o.v_head_dim)
+        _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
+        degree = _check_ulysses_group(o.cp_algo, o.ulysses_group, o.cp_group, cp_size, dims.heads)
+        _check_split(dims, query.shape[0], cp_size, o.cp_algo, o.layout, degree)
+        documents = _documents(o.cu_seqlens, query, cp_size, o.layout, degree)
+        kernel = resolve_kernel(o.kernel, query.device, o.blockwise, query.dtype)
+        if o.form == "laga":
+            _check_laga_options(o, kv_latent, k_pos_emb, cp_size)
+    except Exception as exc:  # noqa: BLE001 -- whatever failed, the peers must hear of it
+        if cp_size == 1:
+            raise
+        failure = exc
+    _exchange(o, (query, kv_latent, k_pos_emb, kv_up_weight), dims, documents, failure)
+    return AttnSetup(dims=dims, local_len=query.shape[0], batch=query.shape[1],
+                     cp_group=o.cp_group, cp_size=cp_size, cp_rank=comm.group_rank(o.cp_group),
+                     cp_algo=o.cp_algo, layout=o.layout, causal=o.causal, kernel=kernel,
+                     softmax_scale=float(o.softmax_scale), documents=documents, pad_v=o.pad_v,
+                     ulysses_group=o.ulysses_group if o.cp_algo == HYBRID else None,
+                     ulysses_degree=degree)
+
+
+def _exchange(o: AttnOptions, tensors, dims, documents, failure) -> None:
+    """The handshake (handshake.py), unless every rank agreed to skip it and this call does
+    not ask for it (explicit check_ranks=True). Raises ``failure`` here on this rank."""
+    force = o.check_ranks is True
+    if handshake.skips(o.cp_group) and not force:  # build no row on the hot path
+        handshake.agree({}, failure, o.cp_group, "cpu")
+        return
+    values = _agreed_values(o, tensors, dims)
+    values["ulysses_degree"] = _ulysses_degree_value(o.cp_algo, o.ulysses_group)
+    if failure is None:
+        values["documents"] = documents_code(documents)
+    query = tensors[0]
+    device = query.device if isinstance(query, torch.Tensor) else "cpu"
+    details = {"documents": list(documents or ())} if failure is None else None
+    handshake.agree(values, failure, o.cp_group, device, names=_NAMES, force=force,
+                    details=details)
+
+
+_NAMES = {"form": FORMS, "cp_algo": ATTN_CP_ALGOS, "layout": LAYOUTS, "stage": handshake.STAGES}
+
+
+def _code(choices, value) -> int:
+    known = isinstance(value, str) and value in choices
+    return choices.index(value) if known else handshake.UNKNOWN
+
+
+def _flag(value) -> int:
+    """An option as the handshake's integer (-1 when it is not a valid value)."""
+    return int(value) if isinstance(value, bool) else handshake.UNKNOWN
+
+
+def _agreed_values(o: AttnOptions, tensors, dims: Optional[MLADims]) -> Dict[str, int]:
+    """What every rank must agree on, as integers (unknown values stay out)."""
+    query = tensors[0]
+    values = {"stage": 0, "check_ranks": int(o.check_ranks is not False),
+              "form": _code(FORMS, o.form), "cp_algo": _code(ATTN_CP_ALGOS, o.cp_algo),
+              "layout": _code(LAYOUTS, o.layout)}
+    if isinstance(o.causal, bool):
+        values["causal"] = int(o.causal)
+    if (isinstance(o.softmax_scale, numbers.Real) and not isinstance(o.softmax_scale, bool)
+            and _finite(o.softmax_scale)):
+        values["softmax_scale"] = handshake.float_bits(o.softmax_scale)
+    if dims is not None:
+        values.update(local_len=query.shape[0], micro_batch=query.shape[1], heads=dims.heads,
+                      qk_head_dim=dims.qk_head_dim, rope_dim=dims.rope_dim,
+                      v_head_dim=dims.v_head_dim, kv_lora_rank=dims.kv_lora_rank,
+                      dtype=handshake.dtype_code(query.dtype),
+                      requires_grad=handshake.grad_pattern(dict(zip(handshake.INPUTS, tensors))))
+    if o.form == "laga":
+        block = o.kv_block_size
+        values.update(recompute_kv=_flag(o.recompute_kv),
+                      trim_causal_prefix=_flag(o.trim_causal_prefix),
+                      kv_block_size=block if isinstance(block, int) and not isinstance(block, bool)
+                      else 0, latent_gather=int(o.latent_gather is not None))
+    return values

@@ -1,0 +1,487 @@
+"""``mindspeed-laga bench``: the forms side by side, measured, beside the cost model.
+
+Runs explicit, absorbed, LAGA and every LAGA option (prefix trimming, K/V
+recompute, blockwise, and with CP the overlapped latent gather) forward+backward on P ranks: spawned gloo workers
+on CPU by default, or this process's rank under torchrun (RANK/WORLD_SIZE
+set; any backend). For each variant and sequence length: collective bytes
+(byte counter), activation bytes saved for backward (saved-tensor hooks,
+each storage once, kv_up_weight excluded) beside the cost model's figure,
+peak memory above the inputs beside the model's peak (an accelerator's
+max_memory_allocated; on CPU the allocator's events under the torch profiler,
+in one extra untimed run per variant), the model's attention FLOPs, median fwd+bwd time, and the worst relative error
+against the float64 single-process reference. With --doc-lens/--num-docs
+the forms get cu_seqlens (packed documents).
+Writes JSON (every figure in the table) and, with matplotlib, PNG plots.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import Dict, List, Optional
+
+from .. import costmodel as cm
+from ..runspec import RunSpec, standard_runs
+from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, HYBRID, KERNELS, LAYOUTS  # noqa: F401
+from ...vocab.dims import ModelDims  # noqa: F401
+from .output import (MiB, check_output_path, dtype_arg, one_line_errors, pad as _pad,
+                     ratio as _ratio)
+from .plot import check_plot_path, write_plot
+from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
+
+# How long spawned ranks may take for the whole benchmark before they count as hung: a
+# bench at model dims on CPU runs for many minutes, which is not a hang.
+RUN_TIMEOUT_S = 3600.0
+
+# The table: (header, JSON key, format). Every cell is a key of the row's JSON.
+COLUMNS = (
+    ("variant", "variant", "{:<20}"),
+    ("fwd bytes", "comm_forward_bytes", "{:>10,}"),
+    ("bwd bytes", "comm_backward_bytes", "{:>10,}"),
+    ("wire bytes", "comm_wire_bytes", "{:>11,}"),
+    ("expl/form", "comm_explicit_over_form", "{:>9}"),
+    ("saved KiB", "saved_kib", "{:>10.1f}"),
+    ("model KiB", "model_saved_kib", "{:>10.1f}"),
+    ("meas/model", "saved_measured_over_model", "{:>10}"),
+    ("form/expl", "saved_form_over_explicit", "{:>9}"),
+    ("attn GFLOP", "model_attention_gflop", "{:>10.4f}"),
+    ("peak MiB", "peak_mib", "{:>8}"),
+    ("model peak", "model_peak_mib", "{:>10.2f}"),
+    ("ms", "ms", "{:>8.2f}"),
+    ("max rel err", "max_rel_err", "{:>11.2e}"),
+)
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="measure bytes, saved activations, time and error per form",
+                       description=__doc__.split("\n\n")[1])
+    one_line_errors(p, "bench")
+    p.add_argument("--cp", type=positive_int, default=4,
+                   help="CP size: gloo processes to spawn (default 4); under torchrun the world size")
+    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both", HYBRID), default="both",
+                   help="both = allgather and ulysses; hybrid needs --ulysses-degree (spawned ranks)")
+    p.add_argument("--ulysses-degree", type=positive_int, default=None, metavar="U",
+                   help="hybrid CP: heads split inside groups of U consecutive ranks, the latent "
+                        "(explicit: K/V) across them")
+    p.add_argument("--seq-lens", "--seq-len", dest="seq_lens", default="128,256,512",
+                   help="comma-separated full sequence lengths (default 128,256,512; --seq-len "
+                        "is the same flag)")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="sequence split (default: zigzag for allgather, contiguous for ulysses; "
+                        "doc_zigzag cuts every document into 2*CP chunks, with --doc-lens/--num-docs)")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--doc-lens", default=None, metavar="N,N,...",
+                      help="packed documents' lengths (sum = the sequence length; one --seq-lens "
+                           "value): the forms get cu_seqlens; batch 1")
+    docs.add_argument("--num-docs", default=None, metavar="N[,N...]",
+                      help="N equal documents per sequence; a list (e.g. 1,4,16) runs each")
+    p.add_argument("--kernel", choices=KERNELS, default="sdpa",
+                   help="attention kernel of the non-recomputing variants (default sdpa); "
+                        "recompute variants use 'auto' (fused block ops on CPU/CUDA, npu on NPU)")
+    p.add_argument("--dtype", type=dtype_arg(("float32", "bfloat16")), default="float32",
+                   help="float32 (default) or bfloat16 (fp32/bf16 alike)")
+    p.add_argument("--kv-block-size", type=positive_int, default=None,
+                   help="keys per block of the blockwise variants (default: S/4)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="timed runs per variant")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--forms-only", action="store_true",
+                   help="only explicit, absorbed and LAGA (no LAGA options)")
+    p.add_argument("--json", default="bench.json", metavar="PATH",
+                   help="write every figure here (default bench.json; '-' = stdout only)")
+    p.add_argument("--plot", default="bench.png", metavar="PATH",
+                   help="PNG plots (needs matplotlib; default bench.png; '' = none)")
+    p.add_argument("--backend", default=None,
+                   help="torchrun only: process-group backend (default nccl on CUDA, hccl on NPU, gloo)")
+    add_shape_args(p, CPU_DEFAULT, seq_len=False)
+
+
+# ---------------------------------------------------------------- what to run
+
+def parse_seq_lens(text: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seq-lens {text!r} must be comma-separated integers, e.g. 128,256")
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"--seq-lens {text!r} must list positive lengths")
+    return values
+
+
+def parse_ints(flag: str, text: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 4096,1024")
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} {text!r} must list positive integers")
+    return values
+
+
+def document_settings(args, seq_len: int) -> List[Optional[tuple]]:
+    """The document lengths to run at ``seq_len``: [None] without --doc-lens/--num-docs."""
+    if args.doc_lens is not None:
+        return [cm.doc_lens_for(seq_len, parse_ints("--doc-lens", args.doc_lens))]
+    if args.num_docs is not None:
+        return [cm.doc_lens_for(seq_len, num_docs=n) for n in parse_ints("--num-docs", args.num_docs)]
+    return [None]
+
+
+def variants_for(args, seq_len: int, cp_size: int) -> List[RunSpec]:
+    """The three forms plus every LAGA option (overlap only with CP, beside a twin
+    without it that runs the same stand-in query projection)."""
+    return standard_runs(args.kv_block_size or max(seq_len // 4, 1), overlap=cp_size > 1,
+                         query_projection_pair=True, forms_only=args.forms_only)
+
+
+def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type: str,
+                 ulysses_degree: int = 1) -> cm.Config:
+    dims = ModelDims(shape.heads, shape.qk_head_dim, shape.rope_dim, shape.v_head_dim, shape.kv_lora_rank)
+    # torch SDPA's CPU dispatch is what the model's "sdpa" describes; on an accelerator
+    # its kernels keep no score matrix: model them as "fused".
+    if kernel == "auto":
+        kernel = {"cpu": cm.SDPA, "npu": cm.NPU}.get(device_type, cm.FUSED)
+    model_kernel = cm.FUSED if kernel == cm.SDPA and device_type != "cpu" else kernel
+    return cm.Config(dims, shape.seq_len, shape.batch, cp_size, 1, algo, DEFAULT_LAYOUT[algo],
+                     args.dtype, model_kernel, True, ulysses_degree=ulysses_degree)
+
+
+def ulysses_degree_from_args(args, cp_size: int) -> int:
+    """U for --cp-algo hybrid (1 otherwise), checked before anything runs."""
+    degree = getattr(args, "ulysses_degree", None)
+    if args.cp_algo != HYBRID:
+        if degree is not None:
+            raise ValueError(f"--ulysses-degree goes with --cp-algo hybrid, not --cp-algo {args.cp_algo}")
+        return 1
+    if degree is None:
+        raise ValueError("--cp-algo hybrid needs --ulysses-degree U (a divisor of --cp)")
+    if _torchrun():
+        raise ValueError("--cp-algo hybrid runs on spawned gloo ranks; run it without torchrun")
+    if cp_size % degree:
+        raise ValueError(f"--ulysses-degree {degree} must divide --cp {cp_size}")
+    return degree
+
+
+def build_runs(args, cp_size: int, device_type: str):
+    """Every (sequence length, documents, cp_algo, variant) run and its model (rank 0)."""
+    from ..cases import Case
+    from ..measure import case_config
+    algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
+    if (args.doc_lens or args.num_docs) and args.micro_batch != 1:
+        raise ValueError(f"--doc-lens/--num-docs pack documents into one sequence: use "
+                         f"--micro-batch 1 (got {args.micro_batch})")
+    degree = ulysses_degree_from_args(args, cp_size)
+    runs, models = [], []
+    for seq_len in parse_seq_lens(args.seq_lens):
+        shape = shape_from_args(args, seq_len)
+        for doc_lens, algo in [(d, a) for d in document_settings(args, seq_len) for a in algos]:
+            layout = args.layout or DEFAULT_LAYOUT[algo]
+            cfg = replace(model_config(args, shape, cp_size, algo, args.kernel, device_type, degree),
+                          layout=layout, doc_lens=doc_lens)
+            variants = variants_for(args, seq_len, cp_size)
+            cm.validate(cfg, variants)
+            bounds = cfg.documents
+            for v in variants:
+                kernel = "auto" if v.recompute_kv else args.kernel
+                case = Case(spec=v, cp_algo=algo, layout=layout, kernel=kernel, dtype=args.dtype,
+                            shape=shape, cu_seqlens=bounds,
+                            ulysses_degree=degree if algo == HYBRID else 1)
+                runs.append(case)
+                models.append(_model(case_config(case, cp_size, device_type), v, cp_size))
+    return runs, models
+
+
+def _model(cfg, spec: RunSpec, cp_size: int):
+    """Rank 0's costs (what the table compares with rank 0's measurement), with the peak
+    terms of the rank the model expects to peak highest (the table's peak is the worst
+    rank's)."""
+    costs = [cm.form_cost(cfg, spec, r) for r in range(cp_size)]
+    return replace(costs[0], peak=max(costs, key=lambda c: c.peak_bytes).peak)
+
+
+# ---------------------------------------------------------------- rows
+
+def make_rows(runs, models, per_rank: List[List[dict]], ulysses_degree: int = 1) -> List[dict]:
+    """One JSON row per run: measured (rank 0, worst error/time over ranks) and modelled."""
+    from .. import equivalence as eq
+    rows = []
+    refs: Dict[tuple, dict] = {}
+    for i, (case, model) in enumerate(zip(runs, models)):
+        ranks = [r[i] for r in per_rank]
+        key = (case.shape, case.dtype, case.seed, case.causal, case.cu_seqlens)
+        if key not in refs:
+            refs[key] = eq.reference(case) if case.cu_seqlens is None else document_reference(case)
+        err = max(eq.relative_errors(eq.assemble(ranks, case), refs[key]).values())
+        r0 = ranks[0]
+        fwd = _comm(r0, "forward", "payload")
+        bwd = _comm(r0, "backward", "payload")
+        wire = _comm(r0, "forward", "wire") + _comm(r0, "backward", "wire")
+        peak = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
+        unmeasured = [r.get("peak_reason") for r in ranks if r["peak_bytes"] is None]
+        rows.append({
+            "seq_len": case.shape.seq_len, "cp_algo": case.cp_algo, "layout": case.layout,
+            "documents": len(case.cu_seqlens) - 1 if case.cu_seqlens else 1,
+            "cu_seqlens": list(case.cu_seqlens) if case.cu_seqlens else None,
+            "variant": case.spec.name, "form": case.form, "kernel": case.kernel,
+            "model_kernel": model.kernel, "options": dict(case.options),
+            "comm_forward_bytes": fwd, "comm_backward_bytes": bwd, "comm_wire_bytes": wire,
+            "comm_design_bytes": sum(r0["design_bytes"].values()),
+            "model_comm_forward_bytes": model.comm_bytes("forward"),
+            "model_comm_backward_bytes": model.comm_bytes("backward"),
+            "model_comm_wire_bytes": model.comm_bytes(None, "wire"),
+            "saved_bytes": r0["saved_bytes"], "saved_kib": r0["saved_bytes"] / 1024,
+            "saved_bytes_by_rank": [r["saved_bytes"] for r in ranks],
+            "model_saved_bytes": model.saved_bytes, "model_saved_kib": model.saved_bytes / 1024,
+            "model_saved_terms": [t.__dict__ for t in model.saved],
+            "saved_measured_over_model": _ratio(r0["saved_bytes"], model.saved_bytes),
+            "peak_bytes": max(peak) if peak else None,
+            "peak_mib": f"{max(peak) / MiB:.2f}" if peak else "n/a",
+            "peak_reason": None if peak else (unmeasured[0] if unmeasured else None),
+            "model_peak_bytes": model.peak_bytes, "model_peak_mib": model.peak_bytes / MiB,
+            "model_peak_terms": [t.__dict__ for t in model.peak],
+            "peak_measured_over_model": _ratio(max(peak), model.peak_bytes) if peak else None,
+            "model_attention_flops": model.flops["attention_fwd"] + model.flops["attention_bwd"],
+            "model_attention_gflop": (model.flops["attention_fwd"] + model.flops["attention_bwd"]) / 1e9,
+            "model_attention_visible_fwd_flops": model.flops["attention_visible_fwd"],
+            "ms": 1e3 * max(r["seconds"] for r in ranks),
+            "comm_seconds": r0.get("comm_seconds"),
+            "max_rel_err": err,
+        })
+        if ulysses_degree > 1:
+            rows[-1].update({"ulysses_degree": ulysses_degree,
+                             "comm_wire_by_group": r0["wire_by_group"],
+                             "model_comm_wire_by_group": cm.comm_by_group(model)})
+    _add_relative(rows)
+    return rows
+
+
+def _comm(result, direction, measure) -> int:
+    return sum(v[measure] for k, v in result["comm"].get(direction, {}).items() if k != "handshake")
+
+
+def _group(r: dict) -> tuple:
+    return r["seq_len"], r["cp_algo"], r["documents"]
+
+
+def document_reference(case) -> dict:
+    """Float64 single-device output and grads with packed documents: every document is
+    an independent sequence, so the reference runs each alone and concatenates (the
+    kv_up_weight grads add up)."""
+    import torch
+    from ..cases import DTYPES, INPUTS, full_inputs
+    from ...reference import mla_attention_reference
+    full = full_inputs(case.shape, case.seed)
+    dtype = DTYPES[case.dtype]
+    inputs = {k: full[k].to(dtype).double().requires_grad_() for k in INPUTS}
+    grad_out = full["grad_out"].to(dtype).double()
+    outs = []
+    for a, b in zip(case.cu_seqlens[:-1], case.cu_seqlens[1:]):
+        outs.append(mla_attention_reference(*(inputs[k][a:b] for k in INPUTS[:3]), inputs["kv_up_weight"],
+                                            softmax_scale=case.shape.softmax_scale, causal=case.causal))
+    out = torch.cat(outs)
+    out.backward(grad_out)
+    return {"out": out.detach(), "grads": {k: v.grad for k, v in inputs.items()}}
+
+
+def _add_relative(rows: List[dict]) -> None:
+    """Ratios against explicit at the same (seq_len, cp_algo); the overlap share."""
+    groups: Dict[tuple, Dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault(_group(r), {})[r["variant"]] = r
+    for group in groups.values():
+        ex = group["explicit"]
+        for r in group.values():
+            total = r["comm_forward_bytes"] + r["comm_backward_bytes"]
+            r["comm_explicit_over_form"] = _ratio(ex["comm_forward_bytes"] + ex["comm_backward_bytes"], total)
+            r["saved_form_over_explicit"] = _ratio(r["saved_bytes"], ex["saved_bytes"])
+        base, ov = group.get("laga+qproj"), group.get("laga+overlap")
+        if base and ov:
+            ov["overlap_speedup"] = base["ms"] / ov["ms"]
+            blocked = [(x.get("comm_seconds") or {}).get("latent") for x in (base, ov)]
+            if None not in blocked and blocked[0] > 0:
+                ov["latent_blocked_ms"] = {"without_overlap": 1e3 * blocked[0], "with_overlap": 1e3 * blocked[1]}
+                ov["latent_comm_hidden_share"] = 1 - blocked[1] / blocked[0]
+
+
+# ---------------------------------------------------------------- output
+
+def print_table(rows: List[dict], out=None) -> None:
+    out = out or sys.stdout
+    header = " ".join(_pad(h, fmt) for h, _, fmt in COLUMNS)
+    current = None
+    for r in rows:
+        if _group(r) != current:
+            current = _group(r)
+            docs = f" documents={r['documents']}" if r["cu_seqlens"] else ""
+            hybrid = f" U={r['ulysses_degree']}" if "ulysses_degree" in r else ""
+            print(f"\nS={r['seq_len']} cp_algo={r['cp_algo']}{hybrid} layout={r['layout']}{docs}",
+                  file=out)
+            print(header, file=out)
+            print("-" * len(header), file=out)
+        print(" ".join(fmt.format(r[key]) for _, key, fmt in COLUMNS), file=out)
+        if "comm_wire_by_group" in r:
+            got, model = r["comm_wire_by_group"], r["model_comm_wire_by_group"]
+            print("  wire by group (measured / model): " + ", ".join(
+                f"{g} {got.get(g, 0):,} / {model.get(g, 0):,.0f}" for g in sorted(set(got) | set(model))),
+                file=out)
+        if "latent_comm_hidden_share" in r:
+            b = r["latent_blocked_ms"]
+            print(f"  overlap: fwd+bwd speedup {r['overlap_speedup']:.2f}x over laga+qproj (same "
+                  "work, gather not overlapped); latent gather + "
+                  f"reduce-scatter blocked {b['without_overlap']:.2f} ms -> {b['with_overlap']:.2f} ms "
+                  f"({100 * r['latent_comm_hidden_share']:.0f}% hidden)", file=out)
+
+
+# ---------------------------------------------------------------- hybrid CP (spawned ranks)
+
+
+def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmup: int,
+                  cpu_peak: bool = False) -> List[dict]:
+    """:func:`run_on_ranks` entry for --cp-algo hybrid: one result per run, in the format
+    of ``measure.run_on_rank`` plus the wire bytes per group."""
+    import torch.distributed as dist
+    from ...comm import ulysses_group
+    from ..measure import run_on_rank
+    group = ulysses_group(dist.group.WORLD, degree)
+    out = []
+    for i, case in enumerate(runs):
+        out.append(run_on_rank(case, rank, cp_size, dist.group.WORLD, repeat, warmup,
+                               ulysses_group=group, cpu_peak=cpu_peak))
+        if rank == 0:
+            print(f"  [{i + 1}/{len(runs)}] {case.spec.name} S={case.shape.seq_len} hybrid U={degree}",
+                  flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- running
+
+def _torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _run_torchrun(args, runs, repeat, warmup):
+    """This process is one rank: run every variant, gather all ranks' results on every rank."""
+    import torch.distributed as dist
+    from ..measure import default_backend, set_local_device, worker
+    backend = args.backend or default_backend()
+    set_local_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    try:
+        mine = worker(dist.get_rank(), dist.get_world_size(), runs, repeat, warmup, False, True,
+                      cpu_peak=True)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return gathered, dist.get_rank()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args) -> int:
+    from ..spawn import run_on_ranks
+    from ..measure import device_type as measure_device_type, worker
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    check_output_path("--json", args.json)
+    check_plot_path(args.plot)
+    check_output_path("--plot", args.plot)
+    torchrun = _torchrun()
+    cp_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.cp
+    device_type = measure_device_type(args.backend) if torchrun else "cpu"
+    check_kernel(args.kernel, device_type, torchrun)
+    runs, models = build_runs(args, cp_size, device_type)
+    where = f"torchrun, world size {cp_size}" if torchrun else f"{cp_size} spawned gloo CPU ranks"
+    s = runs[0].shape
+    print(f"bench: {where}; {len(runs)} runs ({args.warmup} warm-up + {args.repeat} timed each); "
+          f"b={s.batch}, n={s.heads}, d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, "
+          f"d_c={s.kv_lora_rank}, {args.dtype}, kernel={args.kernel}", flush=True)
+    start = time.perf_counter()
+    if torchrun:
+        per_rank, rank = _run_torchrun(args, runs, args.repeat, args.warmup)
+        if rank != 0:
+            return 0
+    elif args.cp_algo == HYBRID:
+        per_rank = run_on_ranks(hybrid_worker, cp_size, args.ulysses_degree, runs, args.repeat,
+                                args.warmup, True, timeout_s=RUN_TIMEOUT_S)
+    else:
+        # (count_flops, progress, cpu_peak): spawned ranks run on the CPU, measure its peak
+        per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True, True,
+                                timeout_s=RUN_TIMEOUT_S)
+    rows = make_rows(runs, models, per_rank, args.ulysses_degree if args.cp_algo == HYBRID else 1)
+    print_table(rows)
+    print_document_trend(rows)
+    print(f"\nbytes: rank 0's payload handed to the collectives (fwd, bwd) and bytes it sends "
+          f"(wire); saved: activations autograd keeps in the attention call, each storage once, "
+          f"kv_up_weight excluded (rank 0), beside the cost model; ms: slowest rank's median "
+          f"fwd+bwd; err: worst output/grad error vs the float64 reference; attn GFLOP: the "
+          f"model's attention FLOPs (fwd+bwd, rank 0, as the kernels execute them).")
+    reasons = [r["peak_reason"] for r in rows if r["peak_reason"]]
+    print(peak_note(device_type, reasons[0] if reasons else None)
+          + f" {time.perf_counter() - start:.1f} s.")
+    _write_outputs(args, rows, cp_size, where)
+    return 0
+
+
+def check_kernel(kernel: str, device_type: str, torchrun: bool) -> None:
+    """--kernel npu needs NPU tensors: torchrun on an Ascend host with torch_npu (checked
+    here, before any rank starts)."""
+    if kernel != "npu":
+        return
+    if not torchrun:
+        raise ValueError("--kernel npu runs on NPU tensors, but without torchrun bench spawns "
+                         "gloo CPU ranks; run it under torchrun on an Ascend host, or use "
+                         "--kernel sdpa/eager on CPU")
+    from ...kernels import npu
+    npu.require_torch_npu()
+    if device_type != "npu":
+        raise ValueError(f"--kernel npu runs on NPU tensors, but this torchrun job runs on "
+                         f"{device_type}; use --kernel sdpa/eager/auto here")
+
+
+def peak_note(device_type: str, unmeasured: Optional[str] = None) -> str:
+    """What the two peak columns are, and whether this machine checks the model's
+    (``unmeasured``: why the measured peak is n/a, if it is)."""
+    what = ("model peak: the cost model's prediction in MiB for the rank it expects highest "
+            "(saved + output + the largest transient, costmodel/peak.py)")
+    if unmeasured:
+        return f"peak: n/a ({unmeasured}); {what}, unchecked on this machine."
+    if device_type == "cpu":
+        return ("peak: the CPU allocator's peak above the inputs, from the torch profiler's "
+                "memory events in one extra untimed fwd+bwd per variant (worst rank); "
+                f"{what}.")
+    return (f"peak: max_memory_allocated above the inputs after reset_peak_memory_stats "
+            f"({device_type}, worst rank); {what}.")
+
+
+def print_document_trend(rows: List[dict], out=None) -> None:
+    """The blockwise path's attention FLOPs and time against the number of documents."""
+    out = out or sys.stdout
+    trends: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        if r["variant"] == "laga+blockwise":
+            trends.setdefault((r["seq_len"], r["cp_algo"]), []).append(r)
+    for (seq_len, algo), rs in trends.items():
+        if len(rs) < 2:
+            continue
+        first = rs[0]
+        cells = ", ".join(f"{r['documents']} docs {r['model_attention_gflop']:.4f} GFLOP "
+                          f"({r['model_attention_flops'] / first['model_attention_flops']:.3f}x) "
+                          f"{r['ms']:.2f} ms ({r['ms'] / first['ms']:.2f}x)" for r in rs)
+        print(f"\nlaga+blockwise S={seq_len} {algo}, attention vs documents: {cells}", file=out)
+
+
+def _write_outputs(args, rows, cp_size, where) -> None:
+    doc = {"cp_size": cp_size, "where": where, "dtype": args.dtype, "kernel": args.kernel,
+           "doc_lens": args.doc_lens, "num_docs": args.num_docs, "layout": args.layout,
+           "repeat": args.repeat, "warmup": args.warmup, "columns": [k for _, k, _ in COLUMNS],
+           "rows": rows}
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        print(f"JSON: {args.json}")
+    elif args.json == "-":
+        print(json.dumps(doc, indent=1, default=str))
+    if args.plot:
+        written = write_plot(rows, args.plot)
+        print(f"plot: {written}" if written else
+              "plot: skipped (matplotlib is not installed; pip install matplotlib)")

@@ -1,0 +1,454 @@
+"""``mindspeed-laga plan``: the cost model's table for one configuration.
+
+Per layer and per CP rank, for every form and LAGA option: collective bytes
+(the paper's payload*(P-1)/P and the wire bytes a rank sends), activation
+bytes saved for backward by the attention block (eager and fused kernels),
+attention and K/V-rebuild FLOPs, each beside explicit. With --device-memory
+and --num-layers: whether each form's attention activations fit. With the
+910B link/throughput defaults (or yours): an estimated per-layer time for
+every form and cp_algo, the fastest named. With --npus-per-node (or
+--ulysses-degree): hybrid CP beside allgather and ulysses on nodes with an
+intra-node and an inter-node link, the fastest (form, cp_algo, U) named.
+Nothing runs; see
+``mindspeed-laga bench`` for measurements.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from typing import Dict, List
+
+from .. import costmodel as cm
+from ..runspec import standard_runs
+from ...vocab.names import CP_ALGOS, HYBRID, LAYOUTS
+from ...vocab.dims import ModelDims
+from .output import (GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, one_line_errors,
+                     ratio as _ratio)
+
+KERNEL_CHOICES = (cm.EAGER, cm.FUSED, cm.NPU, "both")
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+DIM_FLAGS = (("heads", "heads"), ("qk_head_dim", "qk_head_dim"), ("qk_pos_emb_head_dim", "rope_dim"),
+             ("v_head_dim", "v_head_dim"), ("kv_lora_rank", "kv_lora_rank"),
+             ("hidden_size", "hidden_size"), ("q_lora_rank", "q_lora_rank"))
+
+
+def add_parser(sub):
+    p = sub.add_parser("plan", help="model comm bytes, activation memory, FLOPs and time per form",
+                       description=__doc__.split("\n\n")[1])
+    one_line_errors(p, "plan")
+    p.add_argument("--preset", default="deepseek-v3",
+                   help=f"MLA dims: one of {sorted(cm.PRESETS)} (default deepseek-v3); the dim "
+                        "flags below override single values")
+    g = p.add_argument_group("MLA dims (override the preset)")
+    for flag, _ in DIM_FLAGS:
+        g.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--cp", type=int, default=8, help="context-parallel size (default 8)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: heads per rank = n/TP")
+    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both", HYBRID), default="ulysses",
+                   help="both = allgather and ulysses; hybrid needs --ulysses-degree")
+    p.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
+                   help="hybrid CP: heads split inside groups of U consecutive CP ranks, the latent "
+                        "(explicit: K/V) across them; also the U of the node table's hybrid rows "
+                        "(default there: every U dividing CP)")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="default: zigzag for allgather, contiguous for ulysses")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--doc-lens", default=None, metavar="N,N,...",
+                      help="packed documents' lengths, summing to --seq-len (a query sees only "
+                           "its own document)")
+    docs.add_argument("--num-docs", type=int, default=None, metavar="N",
+                      help="N equal documents (N divides --seq-len)")
+    p.add_argument("--dtype", type=dtype_arg(("bfloat16", "float16", "float32")), default="bf16",
+                   help="bf16 (default), fp16 or fp32 (bfloat16/float16/float32 alike)")
+    p.add_argument("--kernel", choices=KERNEL_CHOICES, default="both",
+                   help="eager (scores kept), fused (flash-style), npu (npu_fusion_attention), "
+                        "both = eager and fused (default)")
+    p.add_argument("--kv-block-size", type=int, default=2048,
+                   help="keys per rebuilt block for the blockwise LAGA rows (default 2048)")
+    p.add_argument("--device-memory", type=finite_float, default=None, metavar="GiB",
+                   help="device memory for the fit check (with --num-layers)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="attention layers held by one device (fit check)")
+    p.add_argument("--link-bandwidth", type=finite_float, default=None, metavar="GB/s",
+                   help="bytes per second a rank can send (default: 910B intra-node 196 and "
+                        "cross-node 25, both shown)")
+    p.add_argument("--device-tflops", type=finite_float, default=None,
+                   help="effective matmul throughput per device (default 160: ~50%% of 910B bf16 peak)")
+    g = p.add_argument_group("nodes (the two-link table: allgather, ulysses and hybrid CP)")
+    g.add_argument("--npus-per-node", "--gpus-per-node", dest="devices_per_node", type=int, default=None,
+                   metavar="N", help="devices per node (910B: 8); shows the node table")
+    g.add_argument("--intra-node-bandwidth", type=finite_float, default=None, metavar="GB/s",
+                   help="bytes per second a rank sends inside a node (default 196: 910B HCCS)")
+    g.add_argument("--inter-node-bandwidth", type=finite_float, default=None, metavar="GB/s",
+                   help="bytes per second a rank sends to other nodes (default 25: 200 Gb/s RoCE)")
+    p.add_argument("--terms", action="store_true",
+                   help="also list every saved tensor of every variant (rank 0, last kernel)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+# ---------------------------------------------------------------- config
+
+def dims_from_args(args) -> ModelDims:
+    dims = cm.preset(args.preset)
+    changes = {field: getattr(args, flag) for flag, field in DIM_FLAGS if getattr(args, flag) is not None}
+    return replace(dims, **changes)
+
+
+def configs_from_args(args) -> List[cm.Config]:
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype {args.dtype!r} is unknown; use bf16, fp16 or fp32")
+    for flag in ("seq_len", "micro_batch", "cp", "tp", "kv_block_size", "num_layers", "ulysses_degree",
+                 "devices_per_node"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            name = "npus-per-node" if flag == "devices_per_node" else flag.replace('_', '-')
+            raise ValueError(f"--{name} must be positive, got {value}")
+    for flag in ("device_memory", "link_bandwidth", "device_tflops", "intra_node_bandwidth",
+                 "inter_node_bandwidth"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if (args.device_memory is None) != (args.num_layers is None):
+        raise ValueError("--device-memory and --num-layers go together (the fit check needs both)")
+    if args.cp_algo == HYBRID and args.ulysses_degree is None:
+        raise ValueError("--cp-algo hybrid needs --ulysses-degree U (the Ulysses group's size, a "
+                         "divisor of --cp)")
+    dims = dims_from_args(args)
+    doc_lens = cm.doc_lens_for(args.seq_len, parse_doc_lens(args.doc_lens), args.num_docs)
+    algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
+    out = []
+    for algo in algos:
+        cfg = cm.Config(dims=dims, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                        cp_size=args.cp, tp_size=args.tp, cp_algo=algo, layout=args.layout,
+                        dtype=DTYPES[args.dtype], kernel=cm.FUSED, doc_lens=doc_lens,
+                        ulysses_degree=args.ulysses_degree if algo == HYBRID else 1)
+        cm.validate(cfg, standard_runs(args.kv_block_size))
+        out.append(cfg)
+    return out
+
+
+def parse_doc_lens(text):
+    """``--doc-lens 4096,1024,...`` -> a tuple of ints (None when not given)."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--doc-lens {text!r} must be comma-separated integers, e.g. 4096,1024")
+
+
+def machines_from_args(args) -> List[cm.Machine]:
+    if args.link_bandwidth is None and args.device_tflops is None:
+        return list(cm.MACHINES.values())
+    base = cm.MACHINES["910b-intra-node"]
+    return [cm.Machine("custom", args.link_bandwidth or base.link_gbps, args.device_tflops or base.tflops)]
+
+
+# ---------------------------------------------------------------- the plan
+
+def kernels_from_args(args) -> List[str]:
+    return [cm.EAGER, cm.FUSED] if args.kernel == "both" else [args.kernel]
+
+
+def build_plan(args) -> dict:
+    """Everything the tables show, as one JSON-able dict."""
+    configs = configs_from_args(args)
+    variants = standard_runs(min(args.kv_block_size, args.seq_len))
+    kernels = kernels_from_args(args)
+    plan = {"config": cm.config_summary(configs[0]), "units": {
+        "bytes": "per layer, per CP rank", "flops": "per layer, per CP rank (worst rank)",
+        "comm_design": "payload*(P-1)/P (the paper's convention; docs/DESIGN.md, section 'Communication')",
+        "comm_wire": "bytes this rank sends (ring all-gather/reduce-scatter: (P-1) shards)"},
+        "algos": {}}
+    plan["config"]["cp_algo"] = [c.cp_algo for c in configs]
+    for cfg in configs:
+        per_kernel = {k: {v.name: cm.rank_summary(replace(cfg, kernel=k), v) for v in variants}
+                      for k in kernels}
+        plan["algos"][cfg.cp_algo] = {"layout": cfg.seq_layout, "ulysses_degree": cfg.ulysses_degree,
+                                      "kernels": per_kernel,
+                                      "notes": trade_off_notes(per_kernel[kernels[-1]])}
+        if args.device_memory is not None:
+            plan["algos"][cfg.cp_algo]["fit"] = fit_check(per_kernel, args.device_memory, args.num_layers)
+    # The one-link estimates cover allgather and ulysses (U = 1); hybrid is in the node table.
+    plan["time"] = time_estimates(replace(configs[0], ulysses_degree=1), variants, machines_from_args(args))
+    if args.devices_per_node is not None or args.ulysses_degree is not None or args.cp_algo == HYBRID:
+        plan["nodes"] = node_estimates(replace(configs[0], ulysses_degree=1), variants,
+                                       cluster_from_args(args), args.ulysses_degree)
+    return plan
+
+
+def trade_off_notes(rows: Dict[str, dict]) -> Dict[str, float]:
+    """The allgather trade-offs of docs/DESIGN.md, sections 'Memory' and 'FLOPs', as numbers (fused kernel rows unless only eager)."""
+    ex, ab, la = rows["explicit"], rows["absorbed"], rows["laga"]
+
+    def comm(r):
+        return r["comm"]["forward"]["design"] + r["comm"]["backward"]["design"]
+
+    def wire(r):
+        return r["comm"]["forward"]["wire"] + r["comm"]["backward"]["wire"]
+
+    def saved(r):
+        return r["saved_bytes"]["worst"]
+
+    def fl(r, key, which="worst"):
+        return r["flops"][key][which]
+
+    def div(a, b):  # None where there is nothing to compare (no CP: no bytes)
+        return a / b if b else None
+
+    notes = {
+        "comm_explicit_over_laga_design": div(comm(ex), comm(la)),
+        "comm_explicit_over_laga_wire": div(wire(ex), wire(la)),
+        "saved_absorbed_over_explicit": div(saved(ab), saved(ex)),
+        "saved_laga_over_explicit": div(saved(la), saved(ex)),
+        "attention_flops_absorbed_over_explicit": fl(ab, "attention_fwd") / fl(ex, "attention_fwd"),
+        "rebuild_flops_laga_over_explicit": fl(la, "rebuild_fwd") / fl(ex, "rebuild_fwd"),
+        "extra_rebuild_over_visible_attention": (fl(la, "rebuild_fwd") - fl(ex, "rebuild_fwd"))
+        / fl(ex, "attention_visible_fwd"),
+    }
+    if "laga+trim" in rows:
+        notes["rebuild_flops_laga_trim_over_explicit_average"] = (
+            fl(rows["laga+trim"], "rebuild_fwd", "average") / fl(ex, "rebuild_fwd", "average"))
+        notes["rebuild_flops_laga_trim_over_explicit_worst"] = (
+            fl(rows["laga+trim"], "rebuild_fwd") / fl(ex, "rebuild_fwd"))
+    for name in ("laga+blockwise", "laga+recompute"):
+        if name in rows:
+            r = rows[name]
+            notes[f"saved_{name}_over_explicit"] = saved(r) / saved(ex)
+            notes[f"saved_{name}_over_absorbed"] = saved(r) / saved(ab)
+            notes[f"rebuild_flops_fwd_bwd_{name}_over_laga"] = (
+                (fl(r, "rebuild_fwd") + fl(r, "rebuild_bwd")) / (fl(la, "rebuild_fwd") + fl(la, "rebuild_bwd")))
+    return notes
+
+
+def fit_check(per_kernel: Dict[str, Dict[str, dict]], device_gib: float, layers: int) -> dict:
+    out = {}
+    for kernel, rows in per_kernel.items():
+        for name, r in rows.items():
+            need = r["saved_bytes"]["worst"] * layers
+            out.setdefault(kernel, {})[name] = {"bytes": need, "fraction": need / (device_gib * GiB),
+                                                "fits": need <= device_gib * GiB}
+    return out
+
+
+def time_estimates(cfg: cm.Config, variants, machines) -> dict:
+    """Per-layer fwd+bwd seconds for every form and cp_algo (fused kernel), fastest named."""
+    out = {}
+    for machine in machines:
+        rows = {}
+        for algo in CP_ALGOS:
+            c = replace(cfg, cp_algo=algo, layout=None, kernel=cm.FUSED)
+            try:
+                cm.validate(c)
+            except ValueError as exc:
+                rows[algo] = {"error": str(exc)}
+                continue
+            rows[algo] = {v.name: cm.estimate_seconds(c, cm.summarize(c, v), machine).as_dict()
+                          for v in variants}
+        timed = [(t["total_s"], algo, name) for algo, r in rows.items() if "error" not in r
+                 for name, t in r.items()]
+        best = min(timed) if timed else None
+        out[machine.name] = {"link_gbps": machine.link_gbps, "tflops": machine.tflops, "rows": rows,
+                             "fastest": {"cp_algo": best[1], "variant": best[2], "seconds": best[0]}
+                             if best else None}
+    return out
+
+
+def cluster_from_args(args) -> cm.Cluster:
+    base = cm.CLUSTERS["910b"]
+    cluster = replace(base, intra_gbps=args.intra_node_bandwidth or base.intra_gbps,
+                      inter_gbps=args.inter_node_bandwidth or base.inter_gbps,
+                      tflops=args.device_tflops or base.tflops,
+                      devices_per_node=args.devices_per_node or base.devices_per_node)
+    return cluster if cluster == base else replace(cluster, name="custom")
+
+
+def node_candidates(cfg: cm.Config, degree) -> List[cm.Config]:
+    """allgather, ulysses and hybrid (the given U, else every U with 1 < U < P)."""
+    degrees = [degree] if degree is not None else [u for u in range(2, cfg.cp_size) if cfg.cp_size % u == 0]
+    out = [replace(cfg, cp_algo=a, layout=None, kernel=cm.FUSED) for a in CP_ALGOS]
+    out += [replace(cfg, cp_algo=HYBRID, layout=None, kernel=cm.FUSED, ulysses_degree=u) for u in degrees]
+    return out
+
+
+def node_estimates(cfg: cm.Config, variants, cluster: cm.Cluster, degree=None) -> dict:
+    """Per-layer fwd+bwd time of every variant under allgather, ulysses and hybrid CP on
+    nodes with two links; the fastest (variant, cp_algo, U) named."""
+    rows = []
+    for c in node_candidates(cfg, degree):
+        label = {"cp_algo": c.cp_algo, "ulysses_degree": c.ulysses_degree}
+        try:
+            cm.validate(c)
+        except ValueError as exc:
+            if c.cp_algo == HYBRID and degree is not None:
+                raise
+            rows.append({**label, "error": str(exc)})
+            continue
+        spans = c.cp_algo == HYBRID and not cm.ulysses_fits_node(c, cluster.devices_per_node)
+        for v in variants:
+            t = cm.estimate_cluster_seconds(c, cm.summarize(c, v), cluster)
+            rows.append({**label, "variant": v.name, "ulysses_spans_nodes": spans, **t.as_dict()})
+    timed = [r for r in rows if "error" not in r]
+    best = min(timed, key=lambda r: r["total_s"]) if timed else None
+    return {"cluster": asdict(cluster), "rows": rows,
+            "fastest": {k: best[k] for k in ("variant", "cp_algo", "ulysses_degree", "total_s")}
+            if best else None}
+
+
+# ---------------------------------------------------------------- printing
+
+def print_plan(plan: dict) -> None:
+    c = plan["config"]
+    print(f"plan: n={c['heads']} d_n={c['qk_head_dim']} d_r={c['qk_pos_emb_head_dim']} "
+          f"d_v={c['v_head_dim']} d_c={c['kv_lora_rank']}, S={c['seq_len']}, b={c['micro_batch']}, "
+          f"CP={c['cp_size']}, TP={c['tp_size']}, {c['dtype']}; per layer and per CP rank (model)")
+    if c.get("doc_lens"):
+        lens = c["doc_lens"]
+        shown = ",".join(map(str, lens)) if len(lens) <= 8 else f"{len(lens)} documents"
+        print(f"documents: {shown} (a query sees only its own document)")
+    for algo, entry in plan["algos"].items():
+        kernels = list(entry["kernels"])
+        rows = entry["kernels"][kernels[0]]
+        ex = rows["explicit"]
+        hybrid = f", U={entry['ulysses_degree']}" if algo == HYBRID else ""
+        print(f"\ncp_algo={algo} (layout {entry['layout']}{hybrid})")
+        head = (f"{'variant':<20} {'comm fwd+bwd':>13} {'explicit/':>9} {'wire fwd+bwd':>13} {'explicit/':>9}"
+                + "".join(f" {'saved ' + k:>14} {'form/expl':>9} {'peak ' + k:>14}" for k in kernels)
+                + f" {'attn TFLOP':>10} {'rebuild TFLOP':>13}")
+        print(head)
+        print(f"{'':<20} {'(design)':>13} {'form':>9} {'(sent)':>13} {'form':>9}"
+              + "".join(f" {'(worst rank)':>14} {'':>9} {'(worst rank)':>14}" for _ in kernels)
+              + f" {'fwd+bwd':>10} {'fwd+bwd':>13}")
+        print("-" * len(head))
+        ex_comm = ex["comm"]["forward"]["design"] + ex["comm"]["backward"]["design"]
+        ex_wire = ex["comm"]["forward"]["wire"] + ex["comm"]["backward"]["wire"]
+        for name, r in rows.items():
+            comm = r["comm"]["forward"]["design"] + r["comm"]["backward"]["design"]
+            wire = r["comm"]["forward"]["wire"] + r["comm"]["backward"]["wire"]
+            line = (f"{name:<20} {_fmt_bytes(comm):>13} {_ratio(ex_comm, comm):>9} "
+                    f"{_fmt_bytes(wire):>13} {_ratio(ex_wire, wire):>9}")
+            for k in kernels:
+                saved = entry["kernels"][k][name]["saved_bytes"]["worst"]
+                base = entry["kernels"][k]["explicit"]["saved_bytes"]["worst"]
+                peak = entry["kernels"][k][name]["peak_bytes"]["worst"]
+                line += f" {_fmt_bytes(saved):>14} {_ratio(saved, base):>9} {_fmt_bytes(peak):>14}"
+            f = entry["kernels"][kernels[-1]][name]["flops"]
+            attn = (f["attention_fwd"]["worst"] + f["attention_bwd"]["worst"]) / 1e12
+            reb = (f["rebuild_fwd"]["worst"] + f["rebuild_bwd"]["worst"]) / 1e12
+            line += f" {attn:>10.3f} {reb:>13.3f}"
+            print(line)
+        _print_notes(entry["notes"], kernels[-1])
+        if plan.get("show_terms"):
+            _print_terms(entry["kernels"][kernels[-1]], kernels[-1])
+        if "fit" in entry:
+            _print_fit(entry["fit"])
+    _print_times(plan["time"])
+    if "nodes" in plan:
+        _print_nodes(plan["nodes"])
+    print("\nsaved: activation bytes autograd keeps inside the attention call, worst CP rank "
+          "(kv_up_weight excluded); peak: predicted peak memory of the call above its inputs (saved + "
+          "output + the largest transient: kernel workspace, backward buffers or the blockwise "
+          "block and accumulators; an estimate, `--terms` names them); FLOPs: the last kernel's, "
+          "attention as executed (masked keys of each segment's key window included); `--json` "
+          "has every term, rank averages included.")
+
+
+def _x(value) -> str:
+    return "n/a (no CP)" if value is None else f"{value:.2f}x"
+
+
+def _print_notes(n: dict, kernel: str) -> None:
+    print(f"  trade-offs ({kernel} kernel): comm explicit/LAGA {_x(n['comm_explicit_over_laga_design'])} "
+          f"(design), {_x(n['comm_explicit_over_laga_wire'])} (wire); saved absorbed/explicit "
+          f"{n['saved_absorbed_over_explicit']:.2f}x, LAGA/explicit {n['saved_laga_over_explicit']:.2f}x; "
+          f"absorbed attention FLOPs {n['attention_flops_absorbed_over_explicit']:.2f}x explicit; "
+          f"LAGA rebuild FLOPs {n['rebuild_flops_laga_over_explicit']:.2f}x explicit "
+          f"(extra = {100 * n['extra_rebuild_over_visible_attention']:.0f}% of causal attention FLOPs)")
+    if "rebuild_flops_laga_trim_over_explicit_average" in n:
+        print(f"  prefix trimming: rebuild {n['rebuild_flops_laga_trim_over_explicit_average']:.2f}x "
+              f"explicit on the rank average, {n['rebuild_flops_laga_trim_over_explicit_worst']:.2f}x "
+              "on the worst rank")
+    for name in ("laga+blockwise", "laga+recompute"):
+        if f"saved_{name}_over_explicit" in n:
+            print(f"  {name}: saved {n[f'saved_{name}_over_explicit']:.2f}x explicit, "
+                  f"{n[f'saved_{name}_over_absorbed']:.2f}x absorbed; rebuild FLOPs (fwd+bwd) "
+                  f"{n[f'rebuild_flops_fwd_bwd_{name}_over_laga']:.2f}x LAGA's")
+
+
+def _print_terms(rows: Dict[str, dict], kernel: str) -> None:
+    print(f"  saved tensors, rank 0, {kernel} kernel (MiB):")
+    for name, r in rows.items():
+        cells = "; ".join(f"{t['name']} {t['bytes'] / MiB:.1f}" for t in r["saved_terms_rank0"])
+        print(f"    {name}: {cells}")
+    print(f"  peak terms, rank 0, {kernel} kernel (MiB):")
+    for name, r in rows.items():
+        cells = " + ".join(f"{t['name']} {t['bytes'] / MiB:.1f}" for t in r["peak_terms_rank0"])
+        print(f"    {name}: {cells}")
+
+
+def _print_fit(fit: dict) -> None:
+    for kernel, rows in fit.items():
+        cells = ", ".join(f"{name} {'fits' if r['fits'] else 'DOES NOT FIT'} ({100 * r['fraction']:.0f}%)"
+                          for name, r in rows.items())
+        print(f"  fit ({kernel}): {cells}")
+
+
+def _print_times(times: dict) -> None:
+    for name, m in times.items():
+        print(f"\nestimated per-layer fwd+bwd time, {name} (link {m['link_gbps']:g} GB/s per rank, "
+              f"{m['tflops']:g} TFLOPS effective, fused kernel, worst rank; serial compute + comm, "
+              "minus what the overlapped latent gather hides behind the query projection):")
+        for algo, rows in m["rows"].items():
+            if "error" in rows:
+                print(f"  {algo:<10} n/a: {rows['error']}")
+                continue
+            cells = "  ".join(f"{v} {1e3 * t['total_s']:.2f}" for v, t in rows.items())
+            print(f"  {algo:<10} ms: {cells}")
+        if m["fastest"]:
+            f = m["fastest"]
+            print(f"  fastest: {f['variant']} with cp_algo={f['cp_algo']} ({1e3 * f['seconds']:.2f} ms)")
+
+
+def _algo_label(r: dict) -> str:
+    return f"hybrid U={r['ulysses_degree']}" if r["cp_algo"] == HYBRID else r["cp_algo"]
+
+
+def _print_nodes(nodes: dict) -> None:
+    c = nodes["cluster"]
+    print(f"\nestimated per-layer fwd+bwd time on nodes of {c['devices_per_node']} devices ({c['name']}: "
+          f"intra-node {c['intra_gbps']:g} GB/s, inter-node {c['inter_gbps']:g} GB/s per rank, "
+          f"{c['tflops']:g} TFLOPS effective; fused kernel, worst rank; a group inside a node runs at the "
+          "intra-node link, an all-to-all across nodes sends to its node's peers intra-node and to the "
+          "rest inter-node, a gather across nodes runs at the inter-node link):")
+    head = (f"  {'cp_algo':<14} {'variant':<20} {'ms':>9} {'compute':>9} {'comm':>8} "
+            f"{'intra GiB':>10} {'inter GiB':>10}")
+    print(head)
+    print("  " + "-" * (len(head) - 2))
+    for r in nodes["rows"]:
+        if "error" in r:
+            print(f"  {_algo_label(r):<14} n/a: {r['error']}")
+            continue
+        print(f"  {_algo_label(r):<14} {r['variant']:<20} {1e3 * r['total_s']:>9.2f} "
+              f"{1e3 * r['compute_s']:>9.2f} {1e3 * (r['comm_s'] - r['hidden_s']):>8.2f} "
+              f"{r['intra_bytes'] / GiB:>10.3f} {r['inter_bytes'] / GiB:>10.3f}")
+    spanning = sorted({r["ulysses_degree"] for r in nodes["rows"] if r.get("ulysses_spans_nodes")})
+    for u in spanning:
+        print(f"  note: U={u} does not fit in a node of {c['devices_per_node']} devices: its all-to-alls "
+              "cross nodes (inter-node link for the remote peers)")
+    f = nodes["fastest"]
+    if f:
+        u = f", U={f['ulysses_degree']}" if f["cp_algo"] == HYBRID else ""
+        print(f"  fastest: {f['variant']} with cp_algo={f['cp_algo']}{u} ({1e3 * f['total_s']:.2f} ms)")
+
+
+def run(args) -> int:
+    plan = build_plan(args)
+    plan["show_terms"] = bool(args.terms)
+    if args.json:
+        print(json.dumps(plan, indent=1))
+    else:
+        print_plan(plan)
+    return 0

@@ -1,0 +1,83 @@
+"""``mindspeed-laga verify``: the three forms on P gloo ranks against the reference.
+
+Spawns P CPU processes, runs explicit, absorbed and LAGA forward+backward on
+the same inputs, and prints per form: the worst relative error (output and
+every grad) against the float64 single-device reference on the full
+sequence, collective bytes forward/backward (from the byte counter), and the
+median fwd+bwd wall time. Exits 1 if any error is above the tolerance.
+"""
+from __future__ import annotations
+
+from .. import equivalence as eq
+from ..runspec import standard_runs
+from ..spawn import run_on_ranks
+from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, SEQUENCE_LAYOUTS
+from ...vocab.segments import check_seq_len
+from .output import dtype_arg, one_line_errors
+from .shapes import add_shape_args, positive_int, shape_from_args
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
+
+
+def add_parser(sub):
+    p = sub.add_parser("verify", help="run the three forms on P gloo ranks and check them",
+                       description=__doc__.split("\n\n")[1])
+    one_line_errors(p, "verify")
+    p.add_argument("--cp", type=positive_int, default=4, help="CP size (gloo processes), default 4")
+    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="both")
+    p.add_argument("--layout", choices=SEQUENCE_LAYOUTS, default=None,
+                   help="default: zigzag for allgather, contiguous for ulysses")
+    p.add_argument("--kernel", choices=("eager", "sdpa"), default="sdpa")
+    p.add_argument("--dtype", type=dtype_arg(tuple(TOLERANCE)), default="float32",
+                   help="float32 (default) or bfloat16 (fp32/bf16 alike)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="timed runs after one warm-up")
+    add_shape_args(p)
+
+
+def cases_from_args(args):
+    shape = shape_from_args(args)
+    algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
+    return [eq.Case(spec=v, cp_algo=a, layout=args.layout or DEFAULT_LAYOUT[a], kernel=args.kernel,
+                    dtype=args.dtype, shape=shape) for a in algos for v in standard_runs(forms_only=True)]
+
+
+def run(args) -> int:
+    cases = cases_from_args(args)
+    for layout in dict.fromkeys(c.layout for c in cases):
+        check_seq_len(args.seq_len, layout, args.cp)
+    if any(c.cp_algo == "ulysses" for c in cases) and args.heads % args.cp:
+        raise ValueError(f"--heads {args.heads} is not divisible by --cp {args.cp} (ulysses splits heads)")
+    s = cases[0].shape
+    print(f"verify: CP={args.cp} gloo ranks, S={s.seq_len}, b={s.batch}, n={s.heads}, "
+          f"d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, d_c={s.kv_lora_rank}, "
+          f"{args.dtype}, kernel={args.kernel}")
+    per_rank = run_on_ranks(eq.worker, args.cp, cases, args.repeat, 1)
+    failed = False
+    header = f"{'form':<9} {'cp_algo':<9} {'layout':<10} {'max rel err':>11} {'fwd bytes':>10} " \
+             f"{'bwd bytes':>10} {'explicit/form':>13} {'fwd+bwd ms':>10}"
+    print(header)
+    print("-" * len(header))
+    explicit_bytes = {}
+    for i, case in enumerate(cases):
+        ranks = [r[i] for r in per_rank]
+        err = max(eq.relative_errors(eq.assemble(ranks, case), eq.reference(case)).values())
+        fwd = _bytes(ranks[0], "forward")
+        bwd = _bytes(ranks[0], "backward")
+        explicit_bytes.setdefault(case.cp_algo, fwd + bwd if case.form == "explicit" else None)
+        base = explicit_bytes[case.cp_algo]
+        ratio = f"{base / (fwd + bwd):.2f}x" if base else "-"
+        ms = 1e3 * max(r["seconds"] for r in ranks)
+        ok = err <= TOLERANCE[args.dtype]
+        failed |= not ok
+        print(f"{case.form:<9} {case.cp_algo:<9} {case.layout:<10} {err:>11.2e} {fwd:>10,} "
+              f"{bwd:>10,} {ratio:>13} {ms:>10.1f}{'' if ok else '  FAIL'}")
+    print("bytes: per rank, payload handed to the collectives (all-gather input, reduce-scatter "
+          "output, all-to-all input); time: slowest rank's median")
+    print("FAILED: errors above tolerance" if failed else
+          f"OK: every form matches the reference within {TOLERANCE[args.dtype]:g}")
+    return 1 if failed else 0
+
+
+def _bytes(result, direction) -> int:
+    kinds = result["comm"].get(direction, {})
+    return sum(v["payload"] for k, v in kinds.items() if k != "handshake")

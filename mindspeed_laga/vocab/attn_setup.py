@@ -1,0 +1,82 @@
+"""What a form needs besides the tensors: :class:`AttnSetup`, made once per call by the checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from .dims import MLADims
+from .keys import key_ranges
+from .names import HYBRID
+from .segments import Documents, Segment, query_segments
+
+
+def heads_split(cp_algo: str, cp_size: int, ulysses_degree: int = 1) -> bool:
+    """Whether heads are split (ulysses: over the CP group; hybrid: over its Ulysses
+    group of ``ulysses_degree`` ranks) rather than all kept."""
+    if cp_algo == HYBRID:
+        return ulysses_degree > 1
+    return cp_algo == "ulysses" and cp_size > 1
+
+
+@dataclass(frozen=True)
+class AttnSetup:
+    """Everything a form needs besides the tensors (made by ``checks.check``)."""
+
+    dims: MLADims
+    local_len: int
+    batch: int
+    cp_group: object
+    cp_size: int
+    cp_rank: int
+    cp_algo: str
+    layout: str
+    causal: bool
+    kernel: str
+    softmax_scale: float
+    documents: Documents = None   # cu_seqlens (global), or None: one sequence
+    pad_v: bool = False           # kernel "npu": zero-pad V to the q/k head dim for the fused op
+    # Hybrid CP only: the Ulysses group (U consecutive CP ranks holding this one) and U.
+    # U also names the hybrid layout (docs/DESIGN.md "Hybrid CP"); 1 everywhere else.
+    ulysses_group: object = None
+    ulysses_degree: int = 1
+
+    @property
+    def heads_split(self) -> bool:
+        """Heads split over the split group: Q goes out and O comes back by all-to-all."""
+        return heads_split(self.cp_algo, self.cp_size, self.ulysses_degree)
+
+    @property
+    def split_group(self):
+        """The group the head all-to-alls run over: the Ulysses group (hybrid) or cp_group."""
+        return self.ulysses_group if self.cp_algo == HYBRID else self.cp_group
+
+    @property
+    def split_size(self) -> int:
+        return self.ulysses_degree if self.cp_algo == HYBRID else self.cp_size
+
+    @property
+    def split_rank(self) -> int:
+        return self.cp_rank % self.ulysses_degree if self.cp_algo == HYBRID else self.cp_rank
+
+    @property
+    def seq_len(self) -> int:
+        """The full sequence length (every rank's tokens)."""
+        return self.local_len * self.cp_size
+
+    def head_slice(self) -> Tuple[int, int]:
+        """(first, count): the heads this rank attends (all, or its n/P block)."""
+        n = self.dims.heads
+        if not self.heads_split:
+            return 0, n
+        h = n // self.split_size
+        return self.split_rank * h, h
+
+    def query_segments(self) -> List[Segment]:
+        """Segments of the queries the attention sees on this rank."""
+        return query_segments(self.layout, self.cp_size, self.cp_rank, self.local_len,
+                              self.heads_split, self.documents,
+                              ulysses_degree=self.ulysses_degree)
+
+    def key_ranges(self) -> List[Tuple[int, int]]:
+        """Position ranges of the keys this rank's queries see (what trimming rebuilds)."""
+        return key_ranges(self.query_segments(), self.seq_len, self.causal, self.documents)

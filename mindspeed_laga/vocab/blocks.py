@@ -1,0 +1,31 @@
+"""The blockwise walk's row policy: how many query rows a row block takes, and which segments join."""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional
+
+from .segments import Segment
+
+# Query rows per row block of the blockwise walk, in keys per block. Each row block
+# rebuilds the K/V of the key blocks it sees, so rows per block trade rebuild work
+# (about ``(S / rows + 1) / 2`` rebuilds of every key, causal) against the float32
+# accumulators that live for one row block (dq in backward, the output in forward).
+QUERY_BLOCK_KEYS = 2
+
+
+def query_block_rows(block_size: Optional[int]) -> Optional[int]:
+    """Query rows a blockwise walk takes at once; None (one block of keys): whole segments."""
+    return None if block_size is None else QUERY_BLOCK_KEYS * block_size
+
+
+def join_adjacent(segments: Iterable[Segment]) -> List[Segment]:
+    """Segments with each one that continues the previous (next local row, next position)
+    joined to it: ulysses' contiguous layout delivers every rank's tokens as one segment
+    each, in position order; the blockwise walk cuts its row blocks from the joined runs
+    so that the row blocks, not the ranks, set how often keys are rebuilt."""
+    out: List[Segment] = []
+    for local, n, g in segments:
+        if out and out[-1][0] + out[-1][1] == local and out[-1][2] + out[-1][1] == g:
+            out[-1] = (out[-1][0], out[-1][1] + n, out[-1][2])
+        else:
+            out.append((local, n, g))
+    return out

@@ -1,0 +1,1 @@
+"""LAGA inside megatron-core's ``MLASelfAttention`` (Megatron-LM without MindSpeed)."""

@@ -1,0 +1,364 @@
+"""LAGA forward for megatron-core ``MLASelfAttention`` (0.16.1 to 0.19.2; no MindSpeed).
+
+Installed by :func:`mindspeed_laga.patch_megatron_mla` (``patches/megatron_core/patch.py``). A forward
+call the LAGA path covers (CP > 1, no inference context, packed sequences
+only as THD, no attention mask, nothing from :func:`uncovered_reason`) does:
+
+1. the module's own down-projections, TP gathers and norms -> ``q_compressed``
+   (after ``q_layernorm``), ``kv_latent`` (after ``kv_layernorm``), ``k_pos_emb``;
+2. rope on ``k_pos_emb`` (and, after the module's own ``linear_q_up_proj`` or
+   ``linear_q_proj``, on ``q_pe``) at each token's *global* position. The
+   table is the module's rotary embedding for the full sequence, indexed with
+   the declared batch layout, so zigzag gives exactly what megatron's
+   CP-sliced table gives and contiguous is right too;
+3. with ``overlap_latent_gather``, the latent all-gather starts before the
+   query projection (which then hides it);
+4. the core (``laga_attention`` or ``explicit_attention``) with
+   ``linear_kv_up_proj.weight`` (this TP rank's heads) and the CP group;
+5. the module's own ``linear_proj``.
+
+THD calls (``packed_seq_params``) pass the documents and megatron's
+per-document split to the core (``megatron_thd.py``); ``cp_algo="hybrid"``
+passes the Ulysses group the patch builds (``megatron_hybrid.py``).
+
+Every other call runs the original forward unchanged, each a case where the
+original computes the configured model (docs/MEGATRON.md lists them); attention
+dropout in training, which LAGA does not compute, raises instead. The K/V up-projection
+happens inside the core, which is why ``forward`` is replaced rather than
+``core_attention``: the rotated ``k_pos_emb`` never leaves the original forward.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from mindspeed_laga import layout as layouts
+from mindspeed_laga import comm
+
+from . import compat as compat
+from ..common import check_weight_once, first_call, start_gather
+from .hybrid import check_hybrid_shape
+from .thd import PackedBatch, is_thd, packed_batch, packed_rope_positions
+
+
+@dataclass(frozen=True)
+class MegatronPatchSettings:
+    """What :func:`patch_megatron_mla` validated; read by every patched forward call."""
+
+    form: str                 # "laga" or "explicit"
+    core: Callable            # laga_attention or explicit_attention
+    cp_algo: str              # "allgather", "ulysses" or "hybrid"
+    layout: str               # the batch layout: "zigzag" or "contiguous"
+    kernel: str
+    core_options: Dict = field(default_factory=dict)
+    overlap_latent_gather: bool = False  # start the latent gather before the query projection
+    ulysses_degree: int = 1   # hybrid: CP ranks per Ulysses group (1: not hybrid)
+
+
+# the name before the MindSpeed-LLM flags got their own settings class
+LAGASettings = MegatronPatchSettings
+
+_WARNED = set()
+
+
+def _warn_once(reason: str):
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"mindspeed_laga: MLASelfAttention runs its original forward under CP: "
+                      f"{reason}", stacklevel=3)
+
+
+# ----------------------------------------------------------------- what the LAGA path covers
+
+def cp_group_of(module):
+    """The module's CP group (megatron's pg_collection, which defaults to parallel_state's)."""
+    pgs = getattr(module, "pg_collection", None)
+    if pgs is not None and getattr(pgs, "cp", None) is not None:
+        return pgs.cp
+    from megatron.core import parallel_state
+    return parallel_state.get_context_parallel_group()
+
+
+def _causal(module) -> Optional[bool]:
+    from megatron.core.transformer.enums import AttnMaskType
+    return {AttnMaskType.causal: True, AttnMaskType.no_mask: False}.get(module.attn_mask_type)
+
+
+def uncovered_reason(module, args: Dict) -> Optional[str]:
+    """Why this call must run the original forward, or None when LAGA covers it."""
+    cfg = module.config
+    training = module.training
+    checks = (
+        (args.get("inference_context") is not None or args.get("inference_params") is not None,
+         "inference (an inference context is set)"),
+        (args.get("key_value_states") is not None, "cross-attention inputs"),
+        (args.get("packed_seq_params") is not None and not is_thd(args["packed_seq_params"]),
+         "packed_seq_params with a qkv_format other than 'thd'"),
+        (args.get("attention_mask") is not None,
+         "an explicit attention_mask (LAGA builds the causal mask from positions; pass None, "
+         "e.g. Megatron-LM's --no-create-attention-mask-in-dataloader)"),
+        (any(args.get(k) is not None for k in ("rotary_pos_emb", "rotary_pos_cos",
+                                                "rotary_pos_sin", "attention_bias"))
+         or bool(args.get("rotary_pos_cos_sin")), "rope tables or an attention bias from outside"),
+        (getattr(cfg, "cache_mla_latents", False), "cache_mla_latents"),
+        (_causal(module) is None, f"attn_mask_type={module.attn_mask_type}"),
+        (getattr(module, "recompute_up_proj", False), "recompute of mla_up_proj"),
+        (training and getattr(module, "checkpoint_core_attention", False),
+         "recompute of core_attn"),
+        (any(getattr(module, k, False) for k in ("offload_qkv_linear", "offload_core_attention",
+                                                  "offload_attn_proj")), "activation offloading"),
+        (getattr(cfg, "experimental_attention_variant", None) is not None,
+         f"experimental_attention_variant={getattr(cfg, 'experimental_attention_variant', None)}"),
+        (bool(getattr(cfg, "fp8", None)) or bool(getattr(cfg, "fp4", None)), "fp8/fp4"),
+    )
+    for hit, reason in checks:
+        if hit:
+            return reason
+    return None
+
+
+# ----------------------------------------------------------------- the module's own pieces
+
+def _tp_group(module):
+    group = getattr(module, "tp_group", None)
+    return group if group is not None else module.pg_collection.tp
+
+
+def _down_project(module, hidden_states):
+    """hidden -> q_compressed [.., q_lora_rank or hidden], kv_compressed [.., d_c], k_pos_emb.
+
+    Mirrors the original's TP handling: a column-parallel down-projection gives
+    a TP-split last dim that is gathered (and, with sequence parallelism, the
+    latents go back to s/TP tokens while k_pos_emb keeps s).
+    """
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region)
+    cfg = module.config
+    tp_group = _tp_group(module)
+    q_compressed, kv_combined = compat.qkv_down_projection(module, hidden_states, tp_group)
+    split = [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim]
+    if kv_combined.size(-1) != sum(split):
+        kv_combined = gather_from_tensor_model_parallel_region(kv_combined, group=tp_group)
+        kv_compressed, k_pos_emb = torch.split(kv_combined, split, dim=-1)
+        if cfg.sequence_parallel:
+            kv_compressed = scatter_to_sequence_parallel_region(kv_compressed, group=tp_group)
+    else:
+        kv_compressed, k_pos_emb = torch.split(kv_combined, split, dim=-1)
+        if cfg.sequence_parallel and tp_group.size() > 1:
+            k_pos_emb = gather_from_sequence_parallel_region(k_pos_emb, group=tp_group)
+    return q_compressed, kv_compressed, k_pos_emb
+
+
+def _kv_norm(module, kv_compressed):
+    """kv_layernorm, or the norm TE fuses into linear_kv_up_proj (TE spec, qk_layernorm).
+
+    The fused norm's math is applied here because the core takes the latent
+    *after* the norm and the up-projection weight separately.
+    """
+    kv = module.kv_layernorm(kv_compressed)
+    fused = module.linear_kv_up_proj
+    weight = getattr(fused, "layer_norm_weight", None)
+    if weight is None:
+        return kv
+    if getattr(fused, "zero_centered_gamma", module.config.layernorm_zero_centered_gamma):
+        weight = weight + 1
+    eps = getattr(fused, "eps", module.config.layernorm_epsilon)
+    kind = getattr(fused, "normalization", module.config.normalization)
+    if kind == "RMSNorm":
+        return F.rms_norm(kv, (kv.shape[-1],), weight, eps)
+    return F.layer_norm(kv, (kv.shape[-1],), weight, getattr(fused, "layer_norm_bias", None), eps)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient over the TP group backward.
+
+    megatron's copy_to_tensor_model_parallel_region all-reduces
+    ``grad.contiguous()`` in place and returns ``grad``: when the incoming
+    gradient is not contiguous the reduced copy is dropped. The core hands the
+    latent's gradient back contiguous, but this reduction does not depend on it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _latent_to_tp_region(module, kv_latent):
+    """The latent as linear_kv_up_proj's input would be: all s tokens, dgrad summed over TP.
+
+    The core multiplies it by this TP rank's rows of the weight, so its grad
+    is a per-TP-rank partial sum, reduced as ColumnParallelLinear reduces its
+    input grad (all-reduce, or reduce-scatter under sequence parallelism).
+    """
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+    tp_group = _tp_group(module)
+    if tp_group.size() == 1:
+        return kv_latent
+    if module.config.sequence_parallel:
+        return gather_from_sequence_parallel_region(kv_latent, True, group=tp_group)
+    return _SumGradOverTP.apply(kv_latent, tp_group)
+
+
+def _query_heads(module, q_compressed):
+    """[s, b, n_local, qk_head_dim + qk_pos_emb_head_dim], before rope."""
+    proj = module.linear_q_up_proj if module.config.q_lora_rank is not None else module.linear_q_proj
+    q, _ = proj(q_compressed)
+    return q.view(*q.shape[:-1], module.num_attention_heads_per_partition, module.q_head_dim)
+
+
+def _rope_at_positions(module, local_len: int, settings: MegatronPatchSettings, cp_group):
+    """The module's rope table at this rank's global positions, and yarn's mscale."""
+    size, rank = cp_group.size(), cp_group.rank()
+    # packed_seq=True: the full table, without megatron's (zigzag) CP slice.
+    table = module.rotary_pos_emb(local_len * size, packed_seq=True)
+    table, mscale = table if isinstance(table, tuple) else (table, 1.0)
+    positions = layouts.positions(settings.layout, size, rank, local_len,
+                                  ulysses_degree=settings.ulysses_degree).to(table.device)
+    return table.index_select(0, positions), mscale
+
+
+def _rope_at_packed_positions(module, local_len: int, packed: PackedBatch, cp_group):
+    """The rope table at megatron's THD positions of this rank's tokens, and mscale."""
+    positions, rows = packed_rope_positions(packed, cp_group.size(), cp_group.rank(), local_len)
+    table = module.rotary_pos_emb(rows, packed_seq=True)
+    table, mscale = table if isinstance(table, tuple) else (table, 1.0)
+    return table.index_select(0, positions.to(table.device)), mscale
+
+
+def _call_layout(settings: MegatronPatchSettings, packed: Optional[PackedBatch]) -> Dict:
+    """The core's layout keywords: the declared split, or megatron's per-document THD split."""
+    if packed is None:
+        return {"layout": settings.layout}
+    return {"layout": "doc_zigzag", "cu_seqlens": packed.documents}
+
+
+def _apply_rope(module, x, table, mscale):
+    return compat.apply_mla_rope(x, table, module.config.rotary_interleaved, mscale)
+
+
+def _core_options(module, settings: MegatronPatchSettings, cp_group) -> Dict:
+    """The core's keywords; by default the ranks agree on shapes (and on kv_up_weight) on a
+    module's first call only."""
+    options = dict(settings.core_options)
+    first = first_call(module)
+    options.setdefault("check_ranks", first)
+    check_weight_once(first and options["check_ranks"] is not False,
+                      module.linear_kv_up_proj.weight, cp_group)
+    return options
+
+
+def check_attention_dropout(module) -> None:
+    """LAGA's attention has no dropout: a model configured with it is rejected, not changed."""
+    dropout = getattr(module.config, "attention_dropout", 0.0)
+    if module.training and dropout:
+        raise ValueError(
+            f"mindspeed_laga.patch_megatron_mla: the model has attention_dropout={dropout}, which "
+            "LAGA's attention does not apply; set attention_dropout=0.0 in the TransformerConfig "
+            "(--attention-dropout 0.0), as DeepSeek-V3 trains, or unpatch")
+
+
+def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings, cp_group,
+                         packed: Optional[PackedBatch] = None, ulysses_group=None):
+    """The covered path: hidden [s, b, h] -> (linear_proj output, bias).
+
+    ``packed``: a THD call (documents, megatron's per-document split and rope
+    positions); ``ulysses_group``: hybrid CP's group of this rank.
+    """
+    cfg = module.config
+    q_compressed, kv_compressed, k_pos_emb = _down_project(module, hidden_states)
+    if cfg.q_lora_rank is not None:
+        q_compressed = module.q_layernorm(q_compressed)
+    kv_latent = _latent_to_tp_region(module, _kv_norm(module, kv_compressed))
+    if packed is None:
+        table, mscale = _rope_at_positions(module, kv_latent.shape[0], settings, cp_group)
+    else:
+        table, mscale = _rope_at_packed_positions(module, kv_latent.shape[0], packed, cp_group)
+    k_pos_emb = _apply_rope(module, k_pos_emb.unsqueeze(2), table, mscale).squeeze(2)
+    options = _core_options(module, settings, cp_group)
+    if ulysses_group is not None:
+        options["ulysses_group"] = ulysses_group
+    handle = start_gather(settings.overlap_latent_gather, kv_latent, k_pos_emb, cp_group,
+                          options["check_ranks"])
+    gather = {} if handle is None else {"latent_gather": handle}
+    query = _query_heads(module, q_compressed)
+    q_nope, q_pe = torch.split(query, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
+    query = torch.cat([q_nope, _apply_rope(module, q_pe, table, mscale)], dim=-1)
+    out = settings.core(query, kv_latent, k_pos_emb, module.linear_kv_up_proj.weight,
+                        softmax_scale=module.softmax_scale, cp_group=cp_group,
+                        cp_algo=settings.cp_algo, causal=_causal(module),
+                        kernel=settings.kernel, qk_head_dim=cfg.qk_head_dim,
+                        v_head_dim=cfg.v_head_dim, **_call_layout(settings, packed), **options,
+                        **gather)
+    return module.linear_proj(out)
+
+
+# ----------------------------------------------------------------- the replacement forward
+
+def _covered_call(module, args: Dict, settings: MegatronPatchSettings, cp_group) -> Dict:
+    """Per-call keywords of laga_attention_block: THD documents, hybrid's Ulysses group.
+
+    Every check raises on every CP rank before any collective (or group) exists.
+    """
+    hidden_states = args["hidden_states"]
+    extra = {}
+    params = args.get("packed_seq_params")
+    if is_thd(params):
+        extra["packed"] = packed_batch(params, hidden_states, cp_group.size(), _causal(module),
+                                       settings.cp_algo, settings.layout)
+    if settings.cp_algo == "hybrid":
+        check_hybrid_shape(settings.ulysses_degree, cp_group.size(),
+                           module.num_attention_heads_per_partition)
+        extra["ulysses_group"] = comm.ulysses_group(cp_group, settings.ulysses_degree)
+    return extra
+
+
+def make_forward(original: Callable, settings: MegatronPatchSettings) -> Callable:
+    """A drop-in ``MLASelfAttention.forward`` that routes covered calls through LAGA."""
+    signature = inspect.signature(original)
+
+    def forward(self, *args, **kwargs):
+        cp_group = cp_group_of(self)
+        if cp_group is None or cp_group.size() == 1:
+            return original(self, *args, **kwargs)
+        check_attention_dropout(self)
+        bound = signature.bind(self, *args, **kwargs)
+        reason = uncovered_reason(self, bound.arguments)
+        if reason is None:
+            return laga_attention_block(self, bound.arguments["hidden_states"], settings, cp_group,
+                                        **_covered_call(self, bound.arguments, settings, cp_group))
+        if settings.layout != "zigzag":
+            # The original forward slices rope zigzag (megatron's batch layout): with
+            # other batches it would run and be silently wrong.
+            raise ValueError(
+                f"patch_megatron_mla(layout={settings.layout!r}) cannot hand this call back to "
+                f"megatron's original MLA forward ({reason}): that forward assumes the zigzag "
+                "layout of get_batch_on_this_cp_rank. Remove the cause or use zigzag batches "
+                "with layout='zigzag'.")
+        if settings.ulysses_degree > 1:
+            raise ValueError(
+                f"patch_megatron_mla(cp_algo='hybrid', ulysses_degree={settings.ulysses_degree}) "
+                f"cannot hand this call back to megatron's original MLA forward ({reason}): "
+                "hybrid batches are split by the hybrid zigzag, which that forward does not "
+                "know. Remove the cause or use cp_algo='allgather'/'ulysses'.")
+        if self.training:
+            _warn_once(reason)
+        return original(self, *args, **kwargs)
+
+    forward.__wrapped__ = original
+    forward.laga_settings = settings
+    forward.__name__ = "laga_mla_forward"
+    forward.__doc__ = f"LAGA MLA forward ({settings.form}, {settings.cp_algo}, {settings.layout})."
+    return forward

@@ -1,0 +1,1 @@
+"""LAGA inside MindSpeed-LLM: the forward wrapper of ``CustomMLASelfAttention`` and its host checks."""

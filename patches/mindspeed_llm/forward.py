@@ -1,0 +1,245 @@
+"""LAGA inside MindSpeed-LLM's ``CustomMLASelfAttention.forward``.
+
+``LAGAFeature`` registers :func:`laga_mla_forward_wrapper` on MindSpeed's
+patch manager; its name ends in ``wrapper``, so MindSpeed stacks it around the
+forward (and around any other feature's patch of it) instead of replacing it.
+
+In training with CP > 1 the wrapped forward computes the query, the kv latent
+and the rope key with the module's own submodules, exactly as the original's
+up-projection does, applies rope (``rotary_pos_emb`` is already sliced to this
+rank's global positions), hands them to :func:`mindspeed_laga.laga_attention`
+and finishes with ``linear_proj``. Anything else (evaluation, inference,
+CP size 1) runs the original forward untouched.
+
+With ``--reset-attention-mask`` the document boundaries are read where
+MindSpeed's CP attention reads them (``get_actual_seq_len``) and rope is
+applied exactly as the original applies it (with ``packed_seq_params`` as its
+``cu_seqlens``, the table MindSpeed-LLM builds from the reset position ids).
+With ``hybrid_cp_algo`` the heads split inside MindSpeed's hybrid Ulysses group.
+
+The forward copied here is MindSpeed-LLM's at the commit named in
+``host_versions.SUPPORTED_MINDSPEED_LLM``; another version fails with that
+named when the patch is applied or on a module's first LAGA call.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import torch
+
+from mindspeed_laga.api import laga_attention
+from mindspeed_laga.features.laga_args import laga_settings
+
+from ..common import check_weight_once, first_call, start_gather
+from ..host_versions import check_mindspeed_llm_forward, check_mindspeed_llm_module
+
+# forward arguments that only non-training or packed paths pass; any of them -> original
+_ORIGINAL_ONLY = ("key_value_states", "inference_context", "inference_params", "rotary_pos_cos",
+                  "rotary_pos_sin", "attention_bias", "packed_seq_params", "sequence_len_offset")
+# ...except packed_seq_params under --reset-attention-mask: MindSpeed-LLM's GPT forward
+# then carries the same document boundaries in it (and the rope position ids)
+_DOCUMENT_ARGS = ("packed_seq_params",)
+
+
+def laga_mla_forward_wrapper(forward):
+    """Wrap ``CustomMLASelfAttention.forward``: LAGA where it applies, else ``forward``."""
+    check_mindspeed_llm_forward(forward)
+    signature = inspect.signature(forward)
+
+    @functools.wraps(forward)
+    def forward_with_laga(self, *args, **kwargs):
+        call = signature.bind(self, *args, **kwargs).arguments
+        megatron_args = _megatron_args()
+        cp_group = _laga_cp_group(self, call, megatron_args)
+        if cp_group is None:
+            return forward(self, *args, **kwargs)
+        return laga_self_attention(self, call["hidden_states"], call.get("rotary_pos_emb"),
+                                   cp_group, megatron_args,
+                                   packed_seq_params=call.get("packed_seq_params"))
+
+    return forward_with_laga
+
+
+def _megatron_args():
+    from megatron.training import get_args
+    return get_args()
+
+
+def _laga_cp_group(self, call, megatron_args):
+    """The CP group when LAGA runs this call, else None."""
+    if not getattr(megatron_args, "mla_latent_all_gather", False) or not self.training:
+        return None
+    allowed = _DOCUMENT_ARGS if getattr(megatron_args, "reset_attention_mask", False) else ()
+    if any(call.get(name) is not None for name in _ORIGINAL_ONLY if name not in allowed):
+        return None
+    # not self.config: MindSpeed's CP attention sets config.context_parallel_size = 1 while it is built (docs/DESIGN.md, section 'Host facts')
+    from megatron.core import parallel_state
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
+
+
+def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
+                        packed_seq_params=None):
+    """MLA self-attention with LAGA as the core; returns ``linear_proj``'s (output, bias)."""
+    check_mindspeed_llm_module(self)
+    settings = laga_settings(megatron_args)
+    overlap = settings.overlap and torch.distributed.get_world_size(cp_group) > 1
+    check_ranks = first_call(self)
+    check_weight_once(check_ranks, _kv_up_weight(self), cp_group)
+    query, kv_latent, k_pos_emb, gather = _mla_inputs(self, hidden_states, rotary_pos_emb,
+                                                      cp_group if overlap else None, check_ranks,
+                                                      rope_cu_seqlens=packed_seq_params)
+    cu_seqlens = document_boundaries() if settings.documents else None
+    hooked = getattr(self, "a2a_hooked_on_attention", False)
+    if hooked:  # --moe-fb-overlap: start the MoE all-to-all where the original does
+        from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
+            launch_async_all2all)
+        launch_async_all2all()
+    core_out = laga_attention(query, kv_latent, k_pos_emb, _kv_up_weight(self),
+                              softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
+                              check_ranks=check_ranks, latent_gather=gather,
+                              qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim,
+                              cu_seqlens=cu_seqlens, ulysses_group=_ulysses_group(settings),
+                              **settings.core_options())  # pad_v = not --mla-fa-without-pad
+    if hooked and core_out.requires_grad:
+        from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
+            launch_async_all2all_hook)
+        core_out.register_hook(launch_async_all2all_hook)
+    return self.linear_proj(core_out)
+
+
+def document_boundaries():
+    """--reset-attention-mask: the global document boundaries [0, end_1, ..., S].
+
+    MindSpeed keeps the cumulative ends (no leading 0) in ``get_actual_seq_len``;
+    for megatron_cp_algo its loader padded every document to a multiple of
+    2*CP and divided the ends by the ring degree (CP), for ulysses and
+    kvallgather the ring degree is 1.
+    """
+    from mindspeed.core.context_parallel.get_batch_utils import get_actual_seq_len, get_ring_degree
+
+    ends = get_actual_seq_len()
+    if ends is None:
+        raise ValueError("--reset-attention-mask is set but MindSpeed holds no document "
+                         "boundaries (get_actual_seq_len() is None): feed batches through "
+                         "MindSpeed's get_batch, or drop --reset-attention-mask")
+    ends = torch.as_tensor(ends).reshape(-1).double() * get_ring_degree()
+    return [0] + [int(end) for end in torch.round(ends).tolist()]
+
+
+def _ulysses_group(settings):
+    """hybrid_cp_algo: MindSpeed's Ulysses sub-group of the CP group holding this rank."""
+    if settings.cp_algo != "hybrid":
+        return None
+    from mindspeed.core.context_parallel.model_parallel_utils import (
+        get_context_parallel_group_for_hybrid_ulysses)
+    return get_context_parallel_group_for_hybrid_ulysses()
+
+
+def _rope(self):
+    """The apply_rotary_pos_emb the original forward calls (its module's, patches included)."""
+    import sys
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
+    return getattr(sys.modules.get(type(self).__module__), "apply_rotary_pos_emb",
+                   apply_rotary_pos_emb)
+
+
+def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_ranks=True,
+                rope_cu_seqlens=None):
+    """query [s,b,n,d_n+d_r], kv_latent [s,b,d_c], k_pos_emb [s,b,d_r] as the original builds
+    them, and the latent all-gather already started when ``overlap_group`` is given.
+
+    ``rope_cu_seqlens``: what the original passes to rope as ``cu_seqlens``
+    (``packed_seq_params`` under --reset-attention-mask, else None).
+
+    s is this CP rank's tokens, gathered over TP under sequence parallelism. The
+    latent is finished first so its gather overlaps the query projection.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+
+    sequence_parallel = self.config.sequence_parallel
+    s, b, _ = hidden_states.shape
+    if sequence_parallel:
+        s *= parallel_state.get_tensor_model_parallel_world_size()
+    n = self.num_attention_heads_per_partition
+    q_compressed, kv_compressed, k_pos_emb = torch.split(
+        self.linear_qkv(hidden_states), [self.q_rank, self.kv_lora_rank, self.qk_pos_emb_head_dim],
+        dim=-1)
+
+    kv_latent = self.kv_layernorm(kv_compressed)
+    if self.mla_scale_kv_lora is not None:
+        kv_latent = kv_latent * self.mla_scale_kv_lora
+    # what linear_kv_up_proj (column-parallel) does to its input: gather the
+    # sequence under SP, else all-reduce the latent's grad over TP in backward
+    if sequence_parallel:
+        kv_latent = gather_from_sequence_parallel_region(kv_latent)
+        k_pos_emb = gather_from_sequence_parallel_region(k_pos_emb)
+    elif parallel_state.get_tensor_model_parallel_world_size() > 1:
+        # (the core hands the latent's grad back contiguous, which this region's
+        # TP all-reduce needs: see mindspeed_laga.forms.common.concat_latent)
+        kv_latent = copy_to_tensor_model_parallel_region(kv_latent)
+    apply_rotary_pos_emb = _rope(self)
+    k_pos_emb = k_pos_emb.view(s, b, 1, self.qk_pos_emb_head_dim)
+    if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
+        rotary_pos_emb = (rotary_pos_emb,) * 2
+    if rotary_pos_emb is not None:
+        k_pos_emb = apply_rotary_pos_emb(k_pos_emb, rotary_pos_emb[1], config=self.config,
+                                         cu_seqlens=rope_cu_seqlens)
+    k_pos_emb = k_pos_emb.reshape(s, b, self.qk_pos_emb_head_dim)
+    gather = start_gather(overlap_group is not None, kv_latent, k_pos_emb, overlap_group,
+                          check_ranks)
+
+    q_no_pe, q_pos_emb = _query_parts(self, q_compressed, s, b, n)
+    if rotary_pos_emb is not None:
+        q_pos_emb = apply_rotary_pos_emb(q_pos_emb, rotary_pos_emb[0], config=self.config,
+                                         cu_seqlens=rope_cu_seqlens)
+    query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
+    return query, kv_latent, k_pos_emb, gather
+
+
+def _query_parts(self, q_compressed, s, b, n):
+    """(q_no_pe, q_pos_emb), each [s, b, n, *], for q_lora_rank set or not, fused or mm-split."""
+    if self.q_layernorm is None:  # no q_lora_rank: linear_qkv already produced the query
+        q = q_compressed.view(s, b, n, -1)
+        return torch.split(q, [self.qk_head_dim, self.qk_pos_emb_head_dim], dim=-1)
+    q_compressed = self.q_layernorm(q_compressed)
+    if self.mla_scale_q_lora is not None:
+        q_compressed = q_compressed * self.mla_scale_q_lora
+    if self.mla_mm_split:
+        q_no_pe, _ = self.linear_qk_nope(q_compressed)
+        q_pos_emb, _ = self.linear_qk_rope(q_compressed)
+        return q_no_pe.view(s, b, n, -1), q_pos_emb.view(s, b, n, -1)
+    q, _ = self.linear_q_up_proj(q_compressed)
+    q = q.view(s, b, n, -1)
+    return torch.split(q, [self.qk_head_dim, self.qk_pos_emb_head_dim], dim=-1)
+
+
+def _kv_up_weight(self):
+    """[n*(d_n+d_v), d_c]: per head, its d_n key rows then its d_v value rows.
+
+    With ``--mla-mm-split`` the two halves live in linear_kv_nope and linear_v;
+    interleaving them per head is differentiable, so both weights get grads.
+    """
+    if not self.mla_mm_split:
+        return self.linear_kv_up_proj.weight
+    n = self.num_attention_heads_per_partition
+    key_rows = self.linear_kv_nope.weight.view(n, self.qk_head_dim, self.kv_lora_rank)
+    value_rows = self.linear_v.weight.view(n, self.v_head_dim, self.kv_lora_rank)
+    return torch.cat([key_rows, value_rows], dim=1).view(-1, self.kv_lora_rank)
+
+
+def softmax_scale(self, megatron_args) -> float:
+    """MindSpeed-LLM's MLA scale: 1/sqrt(q_head_dim), times yarn's mscale^2."""
+    scale = self.q_head_dim ** -0.5
+    mscale_all_dim = getattr(megatron_args, "rope_scaling_mscale_all_dim", None)
+    if getattr(megatron_args, "rope_scaling_type", None) is not None and mscale_all_dim:
+        factor = megatron_args.rope_scaling_factor
+        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
