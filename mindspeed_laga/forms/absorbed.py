@@ -42,6 +42,9 @@ def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
     out = attend(to_bnsd(q_abs), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
                  documents=setup.documents, pad_v=setup.pad_v,
+                 # the value is a view of the gathered latent (the caller's kv_latent without
+                 # CP): non-finite positions are zeroed in a copy, not in place
+                 own_kv=False,
                  epilogue=lambda o_latent: torch.einsum("bnsc,nvc->bnsv", o_latent, w_uv))
     out = from_bnsd(out)
     if not full:

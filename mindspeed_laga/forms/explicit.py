@@ -34,7 +34,7 @@ def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
                                                "value"), setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents, pad_v=setup.pad_v)
+                 documents=setup.documents, pad_v=setup.pad_v, own_kv=True)
     out = from_bnsd(out)
     if not full:
         out = heads_to_seq(out, setup, "output")

@@ -27,7 +27,7 @@ from ..kernels import attend
 from ..vocab.attn_setup import AttnSetup
 from .common import (flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
                      up_project, up_weight_rows)
-from .laga_blockwise import BlockPlan, BlockwiseLAGA
+from .laga_blockwise import BlockPlan, BlockwiseLAGA, clean_latent
 from .latent_source import SyncLatent
 
 
@@ -56,7 +56,7 @@ def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_pr
     key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents, key_ranges=ranges, pad_v=setup.pad_v)
+                 documents=setup.documents, key_ranges=ranges, pad_v=setup.pad_v, own_kv=True)
     return from_bnsd(out)
 
 
@@ -72,4 +72,5 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
                      segments=tuple(setup.query_segments()), block_size=kv_block_size,
                      kernel=setup.kernel, pad_v=setup.pad_v, documents=setup.documents,
                      key_ranges=tuple(ranges) if ranges else None)
-    return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))
+    bad = clean_latent(latent)  # the gathered latent (or its trimmed copy) is this call's own
+    return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan, bad))

@@ -32,7 +32,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..kernels import KeyIndex
+from ..kernels import KeyIndex, nonfinite, poison_rows
 from ..kernels.block import block_kernel
 from ..kernels.merge import merge_into
 from ..kernels.precision import acc_dtype
@@ -260,12 +260,20 @@ def _through_rebuild(latent_block, weight, d_key, d_value, d_latent_block, d_wei
 
 
 class BlockwiseLAGA(torch.autograd.Function):
-    """Autograd boundary: saves q, the gathered latent, the output and the lse only."""
+    """Autograd boundary: saves q, the gathered latent, the output and the lse only.
+
+    ``bad`` [S, b]: the latent's non-finite positions, already zeroed by the
+    caller (:func:`clean_latent`); the rows that see one come out NaN
+    (kernels/nonfinite.py), in the output backward keeps too, so their
+    gradients are NaN as exact attention's would be."""
 
     @staticmethod
-    def forward(ctx, q, latent, kv_up_weight, plan: BlockPlan):
+    def forward(ctx, q, latent, kv_up_weight, plan: BlockPlan, bad):
         steps = walk(plan, latent.shape[0])
         out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps)
+        out.add_(poison_rows(bad.t()[:, None], segments=list(plan.segments), causal=plan.causal,
+                             documents=plan.documents, key_ranges=plan.key_ranges,
+                             dtype=out.dtype))
         ctx.save_for_backward(q, latent, kv_up_weight, out, lse)
         ctx.plan, ctx.steps = plan, steps
         return out
@@ -275,4 +283,12 @@ class BlockwiseLAGA(torch.autograd.Function):
         q, latent, kv_up_weight, out, lse = ctx.saved_tensors
         dq, d_latent, d_weight = blockwise_backward(q, latent, kv_up_weight, out, lse, d_out,
                                                     ctx.plan, ctx.steps)
-        return dq, d_latent, d_weight, None
+        return dq, d_latent, d_weight, None, None
+
+
+def clean_latent(latent: torch.Tensor) -> torch.Tensor:
+    """Zero the latent's non-finite positions in place (the caller made ``latent`` for this
+    call) -> where they were, [S, b], for :class:`BlockwiseLAGA`."""
+    bad = nonfinite.bad_positions(latent)
+    nonfinite.zero_bad_positions(latent, bad, in_place=True)
+    return bad

@@ -20,6 +20,10 @@ query's document) in one kernel call, told the segment's *pieces* (one per
 document it crosses: query rows and their key range, causal within the piece
 bottom-right aligned). Eager and SDPA turn the pieces into a mask of the
 segment; the NPU kernel packs them as varlen sequences (layout TND).
+
+A non-finite key or value reaches only the rows that see it, whatever the
+kernel (``nonfinite.py``): such positions are zeroed before the kernel runs
+and the rows that see them set to NaN after.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import torch
 from ..vocab.documents import doc_pieces, document_of
 from ..vocab.keys import key_window
 from ..vocab.segments import Documents, Segment
-from . import eager, npu, sdpa
+from . import eager, nonfinite, npu, sdpa
 from .masks import Piece
 
 _KERNELS = {"eager": eager.attend_segment, "sdpa": sdpa.attend_segment, "npu": npu.attend_segment}
@@ -39,28 +43,55 @@ _KERNELS = {"eager": eager.attend_segment, "sdpa": sdpa.attend_segment, "npu": n
 
 def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel: str,
            epilogue: Optional[Callable] = None, documents: Documents = None,
-           key_ranges: Optional[Sequence[Tuple[int, int]]] = None, pad_v: bool = False):
+           key_ranges: Optional[Sequence[Tuple[int, int]]] = None, pad_v: bool = False,
+           own_kv: bool = False):
     """``epilogue`` maps each segment's output before the segments are concatenated
     (so an op that keeps its input for backward keeps the kernel's own output).
 
     ``documents``: cu_seqlens; a query sees only keys of its own document.
     ``key_ranges``: the position ranges ``k`` holds, in order (None: ``[0, S)``).
     ``pad_v``: kernel "npu" zero-pads V to the q/k head dim (the others ignore it).
+    ``own_kv``: ``k`` and ``v`` were made by the caller for this call (nothing else
+    reads them), so non-finite positions are zeroed in place instead of in a copy.
     """
     fn = _KERNELS[kernel]
     if kernel == "npu":
         fn = partial(fn, pad_v=pad_v)
-    keys = KeyIndex(key_ranges, k.shape[2])
+    bad = nonfinite.bad_positions(k) | nonfinite.bad_positions(v)  # [b, n_k, S]
+    k = nonfinite.zero_bad_positions(k, bad, own_kv)
+    v = nonfinite.zero_bad_positions(v, bad, own_kv)
     outs = []
-    for seg in segments:
-        local_start, length, _ = seg
-        lo, hi = key_window(seg, keys.total, causal, documents)
-        lo_i, hi_i = keys.index(lo), keys.index(lo) + (hi - lo)
-        extra = {} if documents is None else {"pieces": _relative_pieces(seg, lo, causal, documents)}
+    for (local_start, length, _), lo_i, hi_i, pieces in _windows(segments, key_ranges, k.shape[2],
+                                                                 causal, documents):
+        extra = {} if pieces is None else {"pieces": pieces}
         out = fn(q[:, :, local_start:local_start + length], k[:, :, lo_i:hi_i], v[:, :, lo_i:hi_i],
                  scale=scale, causal=causal, **extra)
-        outs.append(out if epilogue is None else epilogue(out))
+        out = out if epilogue is None else epilogue(out)
+        outs.append(out + nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces,
+                                               out.dtype))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _windows(segments, key_ranges, num_keys: int, causal: bool, documents):
+    """Per query segment: (segment, key window start and end as indices of the key
+    tensor, its document pieces relative to the window or None)."""
+    keys = KeyIndex(key_ranges, num_keys)
+    for seg in segments:
+        lo, hi = key_window(seg, keys.total, causal, documents)
+        lo_i = keys.index(lo)
+        pieces = None if documents is None else _relative_pieces(seg, lo, causal, documents)
+        yield seg, lo_i, lo_i + (hi - lo), pieces
+
+
+def poison_rows(bad: torch.Tensor, *, segments: List[Segment], causal: bool, documents=None,
+                key_ranges=None, dtype) -> torch.Tensor:
+    """[b, n_k, s_q, 1] of 0 or NaN: NaN for the query rows that see a key of ``bad``
+    ([b, n_k, S], True = non-finite), the rows of every segment in order (what
+    :func:`attend` adds to its output; the blockwise path adds it to its own)."""
+    parts = [nonfinite.row_poison(bad[:, :, lo_i:hi_i], seg[1], causal, pieces, dtype)
+             for seg, lo_i, hi_i, pieces in _windows(segments, key_ranges, bad.shape[-1], causal,
+                                                     documents)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 def _relative_pieces(seg: Segment, lo: int, causal: bool, documents) -> List[Piece]:

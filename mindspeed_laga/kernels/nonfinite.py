@@ -1,0 +1,72 @@
+"""A non-finite key or value reaches only the query rows that attend it.
+
+Masked keys must contribute nothing, but every kernel multiplies them by a
+zero probability (``probs @ v``, or a flash kernel's block inside which some
+keys are masked), and 0 x NaN is NaN: one NaN token's value would reach rows
+that cannot see it (earlier rows under the causal mask, other documents).
+Additive masks have the same hole on the key side (NaN + -inf is NaN).
+
+So before any kernel runs, keys and values are made finite where they are not
+(the whole key position zeroed: :func:`zero_bad_positions`), and afterwards
+exactly the rows whose visible keys included such a position are set to NaN
+(:func:`row_poison`), as exact attention gives: a visible NaN key or value
+makes the row NaN, an invisible one changes nothing. Finding the positions
+is one float32 (float64) sum over the last dim per tensor (no full-size
+temporary, no host sync; a finite sum can only overflow for values beyond
+1e36, which would overflow the scores anyway); zeroing writes only those
+positions; with every value finite the poison is zero and the output is what
+the kernel returned.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .masks import Piece
+
+
+def bad_positions(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] -> [...] bool: True where the last dim holds a NaN or an inf."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return ~torch.isfinite(x.detach().sum(-1, dtype=acc))  # outside autograd: nothing saved
+
+
+def zero_bad_positions(x: torch.Tensor, bad: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``x`` with the positions ``bad`` (x's leading dims) zeroed: in place when the caller
+    owns ``x`` (nothing else reads it), else a copy. Autograd does not see the zeroing:
+    the kernel keeps the finite tensor, and the rows that saw the position are poisoned."""
+    if not in_place:
+        return x.masked_fill(bad.unsqueeze(-1), 0)
+    with torch.no_grad():
+        x.masked_fill_(bad.unsqueeze(-1), 0)
+    return x
+
+
+def row_poison(bad_window: torch.Tensor, rows: int, causal: bool,
+               pieces: Optional[Sequence[Piece]], dtype) -> torch.Tensor:
+    """[b, n_k, rows, 1] of 0 or NaN: NaN for a query row that sees a bad key.
+
+    ``bad_window`` [b, n_k, W]: the bad positions of the segment's key window;
+    ``pieces`` as the kernels take them (None: one piece, all rows and keys,
+    causal bottom-right aligned)."""
+    start, end = _visible_ranges(rows, bad_window.shape[-1], causal,
+                                 None if pieces is None else tuple(pieces))
+    counts = torch.nn.functional.pad(bad_window.to(torch.int32).cumsum(-1), (1, 0))
+    seen = counts[..., end.to(counts.device)] - counts[..., start.to(counts.device)]
+    nan = torch.tensor(float("nan"), dtype=dtype, device=bad_window.device)
+    return torch.where(seen > 0, nan, torch.zeros((), dtype=dtype, device=nan.device))[..., None]
+
+
+@lru_cache(maxsize=256)
+def _visible_ranges(rows: int, keys: int, causal: bool,
+                    pieces: Optional[Tuple[Piece, ...]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per query row, the window keys it sees, [start, end): pieces' rows see their key
+    range, causal pieces bottom-right aligned (rows outside every piece see nothing)."""
+    start = torch.zeros(rows, dtype=torch.long)
+    end = torch.zeros(rows, dtype=torch.long)
+    for q0, n, k0, k1 in pieces or ((0, rows, 0, keys),):
+        start[q0:q0 + n] = k0
+        end[q0:q0 + n] = k1 - torch.arange(n - 1, -1, -1) if causal else k1
+    return start, end.clamp(min=start)
