@@ -27,7 +27,7 @@ from ..kernels import attend
 from ..vocab.attn_setup import AttnSetup
 from .common import (flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
                      up_project, up_weight_rows)
-from .laga_blockwise import BlockPlan, BlockwiseLAGA, clean_latent
+from .laga_blockwise import BlockPlan, BlockwiseLAGA
 from .latent_source import SyncLatent
 
 
@@ -72,5 +72,4 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
                      segments=tuple(setup.query_segments()), block_size=kv_block_size,
                      kernel=setup.kernel, pad_v=setup.pad_v, documents=setup.documents,
                      key_ranges=tuple(ranges) if ranges else None)
-    bad = clean_latent(latent)  # the gathered latent (or its trimmed copy) is this call's own
-    return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan, bad))
+    return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))

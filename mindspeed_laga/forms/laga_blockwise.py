@@ -174,7 +174,13 @@ def _shift(rows: slice, by: int) -> slice:
     return slice(rows.start - by, rows.stop - by)
 
 
-def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps):
+def latent_block(latent: torch.Tensor, bad: torch.Tensor, tile) -> torch.Tensor:
+    """The tile's latent rows with non-finite positions (``bad`` [S, b]) zeroed, a copy of
+    one key block (kernels/nonfinite.py: the rows that see them are poisoned instead)."""
+    return latent[tile.k0:tile.k1].masked_fill(bad[tile.k0:tile.k1, :, None], 0)
+
+
+def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad):
     """Attention over rebuilt key blocks, merged by log-sum-exp -> (out, lse float32).
 
     Row block by row block (``steps``: :func:`walk`): the float32 running output and log-sum-exp exist for
@@ -190,7 +196,7 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps):
         acc_out = torch.zeros(b, h, n, plan.v_head_dim, dtype=acc, device=q.device)
         acc_lse = lse[:, :, r0:r0 + n]
         for tile in row_tiles:
-            key, value = rebuild(latent[tile.k0:tile.k1], kv_up_weight, plan)
+            key, value = rebuild(latent_block(latent, bad, tile), kv_up_weight, plan)
             for (r, _, _), (block_out, block_lse) in zip(
                     tile.runs, forward_runs(kernel, q, key, value, tile.runs, plan.scale)):
                 merge_into(acc_out, acc_lse, _shift(r, r0), block_out, block_lse)
@@ -200,7 +206,7 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps):
 
 
 
-def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan, steps):
+def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan, steps, bad):
     """Grads of q, the gathered latent and kv_up_weight, one (row block, key block) tile
     at a time (``steps``: forward's :func:`walk`): float32 dq for one row block, K/V and their grads for one tile."""
     kernel = block_kernel(plan.kernel, plan.pad_v)
@@ -212,14 +218,15 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
     for (r0, n, _), row_tiles in steps:
         dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)
         for tile in row_tiles:
-            key, value = rebuild(latent[tile.k0:tile.k1], kv_up_weight, plan)
+            block = latent_block(latent, bad, tile)
+            key, value = rebuild(block, kv_up_weight, plan)
             grads = backward_runs(kernel, q, key, value, tile.runs, plan.scale, d_out, out, lse)
             for (r, _, _), (dq_b, _, _) in zip(tile.runs, grads):
                 dq_rows[:, :, _shift(r, r0)] += dq_b
             d_key, d_value = _tile_grads(key, value, tile.runs, grads)
-            _through_rebuild(latent[tile.k0:tile.k1], weight, d_key, d_value,
-                             d_latent[tile.k0:tile.k1], d_weight, plan)
-            del key, value, grads, d_key, d_value
+            _through_rebuild(block, weight, d_key, d_value, d_latent[tile.k0:tile.k1], d_weight,
+                             plan)
+            del block, key, value, grads, d_key, d_value
         dq[:, :, r0:r0 + n] = dq_rows
     return dq, d_latent.to(latent.dtype), d_weight.to(kv_up_weight.dtype)
 
@@ -262,33 +269,26 @@ def _through_rebuild(latent_block, weight, d_key, d_value, d_latent_block, d_wei
 class BlockwiseLAGA(torch.autograd.Function):
     """Autograd boundary: saves q, the gathered latent, the output and the lse only.
 
-    ``bad`` [S, b]: the latent's non-finite positions, already zeroed by the
-    caller (:func:`clean_latent`); the rows that see one come out NaN
-    (kernels/nonfinite.py), in the output backward keeps too, so their
-    gradients are NaN as exact attention's would be."""
+    A non-finite latent position is zeroed in every rebuilt block (forward and
+    backward) and the rows that see it come out NaN (kernels/nonfinite.py), in
+    the output backward keeps too, so their gradients are NaN as exact
+    attention's would be."""
 
     @staticmethod
-    def forward(ctx, q, latent, kv_up_weight, plan: BlockPlan, bad):
+    def forward(ctx, q, latent, kv_up_weight, plan: BlockPlan):
+        bad = nonfinite.bad_positions(latent)  # [S, b]; kept as is (S*b bools), not saved
         steps = walk(plan, latent.shape[0])
-        out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps)
+        out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps, bad)
         out.add_(poison_rows(bad.t()[:, None], segments=list(plan.segments), causal=plan.causal,
                              documents=plan.documents, key_ranges=plan.key_ranges,
                              dtype=out.dtype))
         ctx.save_for_backward(q, latent, kv_up_weight, out, lse)
-        ctx.plan, ctx.steps = plan, steps
+        ctx.plan, ctx.steps, ctx.bad = plan, steps, bad
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, latent, kv_up_weight, out, lse = ctx.saved_tensors
         dq, d_latent, d_weight = blockwise_backward(q, latent, kv_up_weight, out, lse, d_out,
-                                                    ctx.plan, ctx.steps)
-        return dq, d_latent, d_weight, None, None
-
-
-def clean_latent(latent: torch.Tensor) -> torch.Tensor:
-    """Zero the latent's non-finite positions in place (the caller made ``latent`` for this
-    call) -> where they were, [S, b], for :class:`BlockwiseLAGA`."""
-    bad = nonfinite.bad_positions(latent)
-    nonfinite.zero_bad_positions(latent, bad, in_place=True)
-    return bad
+                                                    ctx.plan, ctx.steps, ctx.bad)
+        return dq, d_latent, d_weight, None

@@ -39,8 +39,9 @@ def zero_bad_positions(x: torch.Tensor, bad: torch.Tensor, in_place: bool) -> to
     the kernel keeps the finite tensor, and the rows that saw the position are poisoned."""
     if not in_place:
         return x.masked_fill(bad.unsqueeze(-1), 0)
-    with torch.no_grad():
-        x.masked_fill_(bad.unsqueeze(-1), 0)
+    # on the storage, past autograd (x may be a view of a custom Function's output,
+    # which autograd forbids to change in place); nothing has saved x yet
+    x.detach().masked_fill_(bad.unsqueeze(-1), 0)
     return x
 
 
