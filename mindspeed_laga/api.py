@@ -41,18 +41,44 @@ every rank. The handshake does not compare weights per call;
 ``handshake.check_same_weight(kv_up_weight, cp_group)`` does (one exchange of
 a checksum), and the adapters run it on a module's first call.
 
+Under ``torch.autocast`` (CPU, CUDA, NPU) a form runs wholly in the autocast
+dtype: the inputs autocast would cast (float32/16, bfloat16) are cast to it,
+attention runs with autocast off, and the output comes back in that dtype
+(float64 inputs stay float64, as autocast leaves them). ``start_latent_gather``
+casts the same way, so its handle matches the call it feeds.
+
 Autograd is exact for all four inputs. The ``kv_up_weight`` gradient on each
 rank is that rank's partial sum; Megatron reduces it over dp x cp.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
+
+import torch
 
 from . import checks
 from .forms.absorbed import absorbed_forward
 from .forms.explicit import explicit_forward
 from .forms.laga import laga_forward
+from .kernels.precision import autocast_dtype, to_autocast
 from .options import AttnOptions
+
+
+def _autocast(tensors, latent_gather=None):
+    """(the tensors the form runs on, the context it runs in): under torch.autocast, cast to
+    its dtype and autocast off inside (the forms pick their own precision); else as given.
+    A latent_gather started on these tensors hands out the copies it gathered."""
+    query = tensors[0]
+    device = query.device.type if isinstance(query, torch.Tensor) else None
+    dtype = autocast_dtype(device) if device else None
+    if dtype is None:
+        return list(tensors), contextlib.nullcontext()
+    cast = to_autocast(tensors, dtype)
+    if latent_gather is not None and hasattr(latent_gather, "started_on") \
+            and latent_gather.started_on(tensors[1], tensors[2]):
+        cast[1], cast[2] = latent_gather.kv_latent, latent_gather.k_pos_emb
+    return cast, torch.autocast(device, enabled=False)
 
 
 def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group=None,
@@ -85,10 +111,12 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
         ulysses_group=ulysses_group, trim_causal_prefix=trim_causal_prefix,
         recompute_kv=recompute_kv, kv_block_size=kv_block_size, latent_gather=latent_gather)
-    setup = checks.check(query, kv_latent, k_pos_emb, kv_up_weight, options)
-    return laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup,
-                        trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
-                        kv_block_size=kv_block_size, latent_gather=latent_gather)
+    tensors, region = _autocast((query, kv_latent, k_pos_emb, kv_up_weight), latent_gather)
+    with region:
+        setup = checks.check(*tensors, options)
+        return laga_forward(*tensors, setup, trim_causal_prefix=trim_causal_prefix,
+                            recompute_kv=recompute_kv, kv_block_size=kv_block_size,
+                            latent_gather=latent_gather)
 
 
 def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
@@ -103,8 +131,10 @@ def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_sca
         layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
         ulysses_group=ulysses_group)
-    setup = checks.check(query, kv_latent, k_pos_emb, kv_up_weight, options)
-    return explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
+    tensors, region = _autocast((query, kv_latent, k_pos_emb, kv_up_weight))
+    with region:
+        setup = checks.check(*tensors, options)
+        return explicit_forward(*tensors, setup)
 
 
 def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
@@ -119,8 +149,10 @@ def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_sca
         layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
         ulysses_group=ulysses_group)
-    setup = checks.check(query, kv_latent, k_pos_emb, kv_up_weight, options)
-    return absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup)
+    tensors, region = _autocast((query, kv_latent, k_pos_emb, kv_up_weight))
+    with region:
+        setup = checks.check(*tensors, options)
+        return absorbed_forward(*tensors, setup)
 
 
 FORMS = {"explicit": explicit_attention, "absorbed": absorbed_attention, "laga": laga_attention}

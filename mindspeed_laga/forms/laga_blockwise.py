@@ -289,6 +289,9 @@ class BlockwiseLAGA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, latent, kv_up_weight, out, lse = ctx.saved_tensors
-        dq, d_latent, d_weight = blockwise_backward(q, latent, kv_up_weight, out, lse, d_out,
-                                                    ctx.plan, ctx.steps, ctx.bad)
+        # forward ran with autocast off (api.py); a backward called inside an autocast
+        # region must not recast the float32 accumulations
+        with torch.autocast(q.device.type, enabled=False):
+            dq, d_latent, d_weight = blockwise_backward(q, latent, kv_up_weight, out, lse, d_out,
+                                                        ctx.plan, ctx.steps, ctx.bad)
         return dq, d_latent, d_weight, None

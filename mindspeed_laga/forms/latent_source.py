@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm, handshake
+from ..kernels.precision import autocast_dtype, to_autocast
 from ..vocab.attn_setup import AttnSetup
 from .common import concat_latent, gathered_latent, split_latent, to_position_order
 
@@ -91,10 +92,14 @@ class _GatheredLatent(torch.autograd.Function):
 
 
 class LatentGather:
-    """An all-gather of ``[kv_latent, k_pos_emb]`` in flight: the overlapped latent source."""
+    """An all-gather of ``[kv_latent, k_pos_emb]`` in flight: the overlapped latent source.
 
-    def __init__(self, kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, cp_group):
+    ``passed``: the tensors the caller handed to start_latent_gather, when they differ
+    from the ones gathered (their autocast-dtype copies)."""
+
+    def __init__(self, kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, cp_group, passed=None):
         self.kv_latent, self.k_pos_emb, self.cp_group = kv_latent, k_pos_emb, cp_group
+        self._passed = passed or (kv_latent, k_pos_emb)
         self._state = _State(cp_group)
         latent = concat_latent(kv_latent, k_pos_emb)
         self._latent = _WaitForGradient.apply(latent, self._state)
@@ -116,8 +121,9 @@ class LatentGather:
         return split_latent(self.latent(setup), setup)
 
     def started_on(self, kv_latent, k_pos_emb) -> bool:
-        """Whether this gather was started on these very tensors."""
-        return self.kv_latent is kv_latent and self.k_pos_emb is k_pos_emb
+        """Whether this gather was started on these very tensors (as passed, or as gathered)."""
+        return any(a is kv_latent and b is k_pos_emb
+                   for a, b in (self._passed, (self.kv_latent, self.k_pos_emb)))
 
 
 def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_group,
@@ -133,6 +139,11 @@ def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_
     if comm.check_group(cp_group) == 1:
         raise ValueError("start_latent_gather needs cp_group of size > 1; without context "
                          "parallelism call laga_attention without latent_gather")
+    passed = (kv_latent, k_pos_emb)
+    device = kv_latent.device.type if isinstance(kv_latent, torch.Tensor) else None
+    dtype = autocast_dtype(device) if device else None
+    if dtype is not None:  # gather what laga_attention will run on (api.py, autocast)
+        kv_latent, k_pos_emb = to_autocast(passed, dtype)
     error = _local_error(kv_latent, k_pos_emb, check_ranks)
     values = {"stage": handshake.STAGES.index("start_latent_gather"),
               "check_ranks": int(check_ranks is not False), "latent_gather": 1}
@@ -144,7 +155,7 @@ def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_
                                                             "k_pos_emb": k_pos_emb}))
     device = kv_latent.device if isinstance(kv_latent, torch.Tensor) else "cpu"
     handshake.agree(values, error, cp_group, device, force=check_ranks is True)
-    return LatentGather(kv_latent, k_pos_emb, cp_group)
+    return LatentGather(kv_latent, k_pos_emb, cp_group, passed)
 
 
 def _local_error(kv_latent, k_pos_emb, check_ranks):
