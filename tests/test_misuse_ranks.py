@@ -245,3 +245,22 @@ def test_weight_checksum_sees_swapped_rows_and_single_bits():
     flipped.view(torch.int32)[7, 3] ^= 1  # the lowest mantissa bit
     assert handshake.weight_checksum(flipped) != base
     assert handshake.weight_checksum(w.to(torch.bfloat16)) != base
+
+
+def _skip_policy_worker(rank, world):
+    """The first call exchanges (every rank passes False: the group skips from then on);
+    then None (the default) skips, an explicit True exchanges once (and the group keeps
+    skipping), False skips."""
+    handshake.reset()
+    kinds = []
+    for check in (False, False, None, True, None, False):
+        with count_bytes() as counter:
+            _attend(rank, world, check_ranks=check)
+        kinds.append(sum(r.kind == "handshake" for r in counter.records))
+    return kinds
+
+
+@pytest.mark.timeout(120)
+def test_explicit_check_ranks_true_exchanges_although_the_group_skips():
+    for kinds in run_on_ranks(_skip_policy_worker, 2, timeout_s=60):
+        assert kinds == [1, 0, 0, 1, 0, 0]
