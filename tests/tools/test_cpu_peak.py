@@ -16,6 +16,8 @@ from mindspeed_laga.tools.cpu_peak import CpuPeak
 from mindspeed_laga.tools.measure import run_on_rank
 from mindspeed_laga.tools.runspec import RunSpec
 
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
+
 FLOAT32 = 4  # bytes per element
 
 

@@ -1,8 +1,8 @@
 """Real megatron-core (0.16.1 to 0.19.2) MLA on CPU: shims, a tiny MLA GPTModel, a CP baseline,
 a trainer.
 
-Imported by scripts/train_tiny_cpu.py and by tests/test_megatron_e2e.py (which
-puts scripts/ on sys.path). Nothing in site-packages is edited: every gap of
+Imported by tests/megatron/test_megatron_e2e.py and by the CPU demo
+scripts/train_tiny_cpu.py (which runs from a checkout and puts tests/support on sys.path). Nothing in site-packages is edited: every gap of
 docs/DESIGN.md, section 'megatron-core on CPU', is bridged by monkeypatching in :func:`install_cpu_shims`,
 which only the processes that build megatron models call.
 

@@ -9,7 +9,7 @@ import pytest
 from mindspeed_laga.tools import equivalence as eq
 from mindspeed_laga.tools.spawn import run_on_ranks
 
-from test_equivalence import TOLERANCE, reference
+from support.references import TOLERANCE, reference
 
 SHAPE = eq.MLAShape(seq_len=64)
 ALL_ON = (("recompute_kv", True), ("kv_block_size", 8), ("trim_causal_prefix", True), ("overlap", True))

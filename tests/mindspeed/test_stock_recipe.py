@@ -14,7 +14,7 @@ validation (LAGAFeature last in its features list) must then pass; so
 scripts are all accepted.
 
 Run in one subprocess (the real hosts put stubs and their sources on sys.path):
-``python tests/test_stock_recipe.py`` prints one line per recipe and algorithm.
+``python tests/mindspeed/test_stock_recipe.py`` prints one line per recipe and algorithm.
 """
 import json
 import os
@@ -26,6 +26,8 @@ import traceback
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 RECIPES = ("pretrain_deepseek3_671b_4k_ptd.sh", "pretrain_deepseek3_671b_4k_A3_ptd.sh")
 RECIPE_DIR = Path("examples") / "mcore" / "deepseek3"
@@ -87,8 +89,8 @@ def with_laga(argv, extra, dropped=()):
 
 def validate_all(llm_src: str) -> dict:
     """{"recipe algo": "ok" or the error}; runs the real argument pipeline."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from mindspeed_llm_real import megatron_args, prepare
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
+    from support.mindspeed_llm_real import megatron_args, prepare
 
     prepare()
     dummies = Path(tempfile.mkdtemp(prefix="stock-recipe-"))

@@ -1,11 +1,11 @@
 """LAGA against MindSpeed-LLM's *real* ``CustomMLASelfAttention`` and argument pipeline, on CPU.
 
-Run by tests/test_mindspeed_llm_patch.py with the sources of the ``host_sources``
-fixture (tests/thirdparty.py), or directly:
+Run by tests/mindspeed/test_mindspeed_llm_patch.py with the sources of the ``host_sources``
+fixture (tests/support/thirdparty.py), or directly:
 
     MINDSPEED_LLM_SRC=/src/MindSpeed-LLM MINDSPEED_SRC=/src/MindSpeed \\
     MEGATRON_SRC=/src/Megatron-LM  # checked out at tag core_v0.12.1
-    python tests/mindspeed_llm_real.py
+    python tests/support/mindspeed_llm_real.py
 
 (six, regex, pyyaml, tqdm and einops must be importable, e.g. via PYTHONPATH.)
 The sources go first on sys.path, so Megatron core_v0.12.1 shadows an installed
@@ -281,7 +281,7 @@ def _build(argv, tp_size, cp_size, sequence_parallel):
 
 
 def _run(module, forward, hidden, rope, grad_out):
-    from mindspeed_llm_standin import forward_backward
+    from support.mindspeed_llm_standin import forward_backward
     return dict(forward_backward(module, forward, hidden, rope, grad_out),
                 # TP-sharded weights: the dim to concatenate over TP ranks; others are summed
                 partition={n: (p.partition_dim if getattr(p, "tensor_model_parallel", False)
@@ -541,6 +541,7 @@ def check_numerics() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
     prepare()
     check_pipeline()
     check_numerics()

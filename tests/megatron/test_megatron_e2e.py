@@ -37,10 +37,11 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import megatron_cpu as mc  # noqa: E402
+from support import megatron_cpu as mc  # noqa: E402
 
 from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.mcore  # the leg that runs it (tests/conftest.py)
 
 STEPS = 3
 LOSS_TOL = 1e-5
@@ -430,7 +431,7 @@ def test_demo_script_trains_with_laga():
     import os
     import re
     import subprocess
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, LAGA="1", NPROC="2", CP_ALGO="ulysses", PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(root / "scripts" / "train_tiny_cpu.sh"), "--steps", "2",
                            "--seq-length", "32"], env=env, capture_output=True, text=True,

@@ -17,7 +17,7 @@ regex pyyaml tqdm einops``). When sources or modules are missing the tests that
 need them skip, naming what to provide; with ``CI=true`` they fail instead, so
 CI can never pass without running them.
 
-``python tests/thirdparty.py`` prints ``export NAME=path`` lines for a shell.
+``python tests/support/thirdparty.py`` prints ``export NAME=path`` lines for a shell.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # environment variable -> (archive, its one top-level folder); the commits the tests pin
 ARCHIVES = {
     "MINDSPEED_LLM_SRC": ("mindspeed-llm-c77308a1.tar.gz", "MindSpeed-LLM"),

@@ -21,10 +21,7 @@ from mindspeed_laga.overlap import start_latent_gather
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.vocab.segments import query_segments, rank_segments
 
-try:
-    from . import fake_torch_npu
-except ImportError:  # tests/ is not a package
-    import fake_torch_npu
+from support import fake_torch_npu
 
 pytestmark = pytest.mark.timeout(900)
 

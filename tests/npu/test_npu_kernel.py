@@ -1,6 +1,6 @@
 """kernel="npu" on CPU, through the torch_npu stand-in, against kernel="eager".
 
-The stand-in (tests/fake_torch_npu.py, checked in test_fake_torch_npu.py)
+The stand-in (tests/support/fake_torch_npu.py, checked in test_fake_torch_npu.py)
 implements the documented npu_fusion_attention semantics, so these tests
 prove that mindspeed_laga's NPU recipe (key prefix per segment + sparse_mode 3
 + the compressed 2048x2048 mask, BNSD, grouped heads, unpadded v dim) gives
@@ -18,10 +18,9 @@ from mindspeed_laga import absorbed_attention, explicit_attention, laga_attentio
 from mindspeed_laga.kernels import attend
 from mindspeed_laga.vocab.segments import rank_segments
 
-try:
-    from . import fake_torch_npu
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    import fake_torch_npu
+from support import fake_torch_npu
+
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from mindspeed_laga.kernels.sdpa import block_calls
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.checks import resolve_kernel
 
-from test_equivalence import TOLERANCE
+from support.references import TOLERANCE
 
 
 # ------------------------------------------------------------- one block

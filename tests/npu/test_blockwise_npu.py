@@ -10,12 +10,11 @@ import pytest
 from mindspeed_laga.tools import equivalence as eq
 from mindspeed_laga.tools.spawn import run_on_ranks
 
-from test_equivalence import TOLERANCE, reference
+from support.references import TOLERANCE, reference
 
-try:
-    from . import fake_torch_npu
-except ImportError:  # tests/ is not a package
-    import fake_torch_npu
+from support import fake_torch_npu
+
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 SHAPE = eq.MLAShape(seq_len=32)
 ALGOS, LAYOUTS = ("allgather", "ulysses"), ("zigzag", "contiguous")

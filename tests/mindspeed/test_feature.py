@@ -1,7 +1,7 @@
 """LAGAFeature on a real argparse parser: flags, is_need_apply, every validation
 error, the --context-parallel-algo mapping and patch registration.
 
-The parser (tests/laga_parser.py) holds LAGA's own flags plus the upstream
+The parser (tests/support/laga_parser.py) holds LAGA's own flags plus the upstream
 flags the checks read, with their upstream names, defaults and destinations.
 """
 import argparse
@@ -12,12 +12,14 @@ import os
 from pathlib import Path
 
 import pytest
-from laga_parser import parse
+from support.laga_parser import parse
 
 from mindspeed_laga.features import LAGAFeature
 from mindspeed_laga.features.laga_args import laga_settings
 from mindspeed_laga.features.laga_feature import MLA_FORWARD
 from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
+
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 VALID = ["--multi-latent-attention", "--disable-bias-linear", "--attention-dropout", "0.0",
          "--num-attention-heads", "8", "--seq-length", "64", "--context-parallel-size", "2",

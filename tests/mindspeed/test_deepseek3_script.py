@@ -7,11 +7,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from laga_parser import parser_with_laga
+from support.laga_parser import parser_with_laga
 
 from mindspeed_laga.features import LAGAFeature
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_deepseek3_laga.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_deepseek3_laga.sh"
 
 
 def dry_run(**env):

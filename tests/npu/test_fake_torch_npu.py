@@ -11,10 +11,9 @@ import sys
 import pytest
 import torch
 
-try:
-    from . import fake_torch_npu
-except ImportError:  # tests/ is not a package: pytest put it on sys.path
-    import fake_torch_npu
+from support import fake_torch_npu
+
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 FakeNpuError = fake_torch_npu.FakeNpuError
 npu_fusion_attention = fake_torch_npu.npu_fusion_attention

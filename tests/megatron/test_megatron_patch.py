@@ -17,6 +17,8 @@ import mindspeed_laga  # noqa: E402
 from mindspeed_laga.patches import host_versions  # noqa: E402
 from mindspeed_laga.patches.megatron_core import mla as megatron_mla, patch as megatron_patch  # noqa: E402
 
+pytestmark = pytest.mark.mcore  # the leg that runs it (tests/conftest.py)
+
 
 @pytest.fixture
 def mla():

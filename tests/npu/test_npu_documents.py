@@ -19,13 +19,12 @@ import torch
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 
-from test_documents import (FORMS, S, SCALE, assemble, document_sets, doc_zigzag_ok, full_inputs,
-                            reference)
+from support.documents import (FORMS, S, SCALE, assemble, doc_zigzag_ok, document_sets, full_inputs,
+                               reference)
 
-try:
-    from . import fake_torch_npu
-except ImportError:  # tests/ is not a package
-    import fake_torch_npu
+from support import fake_torch_npu
+
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 LAGA_OPTIONS = [{}, {"trim_causal_prefix": True}, {"recompute_kv": True},
                 {"recompute_kv": True, "kv_block_size": 5, "trim_causal_prefix": True},

@@ -553,7 +553,7 @@ def _grad_math(q, k, v, d_out, out, row_max, row_sum, scale: float, keep):
 # ---------------------------------------------------------------- install
 
 def _build() -> types.ModuleType:
-    module = types.ModuleType("torch_npu", "CPU stand-in for torch_npu (tests/fake_torch_npu.py)")
+    module = types.ModuleType("torch_npu", "CPU stand-in for torch_npu (tests/support/fake_torch_npu.py)")
     module.__file__ = __file__
     module.__version__ = "0.0.0+fake"
     module.IS_FAKE = True

@@ -7,6 +7,8 @@ import pytest
 
 from mindspeed_laga._versions import SKIP_CHECK_ENV, check_torch, parse_version
 
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
+
 INSIDE = ["2.7.1", "2.7.1+cu126", "2.8.0", "2.10.0+cpu", "2.13.0", "2.13.0+cpu", "2.13.9",
           "2.13.0a0+git1234abc"]
 OUTSIDE = ["2.7.0", "2.6.0+cpu", "2.1.2", "1.13.1", "2.14.0", "2.14.0a0+gitdeadbee", "3.0.0"]

@@ -14,8 +14,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 STANDIN = {
     "mindspeed/__init__.py": "",
@@ -161,7 +164,7 @@ REAL_TRAIN = """
     import json, os, sys
     report = {"name": __name__, "mindspeed_imported_before_script": "mindspeed" in sys.modules}
     sys.path.insert(0, os.environ["LAGA_TESTS_DIR"])
-    import mindspeed_llm_real as real
+    from support import mindspeed_llm_real as real
     real.prepare(register_laga=False)  # sources, stubs, CPU shims; no registration of LAGA
     args = real.megatron_args([a for a in real.MODEL if a != "--mla-latent-all-gather"]
                              + sys.argv[1:], world_size=2)
@@ -179,7 +182,7 @@ def real_train(tmp_path, host_sources):
     (tmp_path / "train.py").write_text(textwrap.dedent(REAL_TRAIN))
     # installed as a user has them: the launcher looks for MindSpeed before the script runs
     path = [host_sources[k] for k in ("MEGATRON_SRC", "MINDSPEED_SRC", "MINDSPEED_LLM_SRC")]
-    env = dict(host_sources, LAGA_TESTS_DIR=os.path.dirname(os.path.abspath(__file__)),
+    env = dict(host_sources, LAGA_TESTS_DIR=str(Path(__file__).resolve().parents[1]),
                PYTHONPATH=os.pathsep.join(path + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     return tmp_path, env
 

@@ -11,6 +11,8 @@ from mindspeed_laga.tools.cases import Case, MLAShape
 from mindspeed_laga.tools.measure import predicted_peak, run_on_rank
 from mindspeed_laga.tools.runspec import RunSpec
 
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
+
 # DeepSeek-V3's proportions (d_n = d_v = 2 d_r, d_c = 4 d_n) at a size that runs in seconds
 SHAPE = MLAShape(seq_len=1024, batch=1, heads=8, qk_head_dim=32, rope_dim=16, v_head_dim=32,
                  kv_lora_rank=128)

@@ -1,6 +1,6 @@
 """The LAGA wrapper of MindSpeed-LLM's ``CustomMLASelfAttention.forward``.
 
-Against the stand-in class of tests/mindspeed_llm_standin.py (same submodules
+Against the stand-in class of tests/support/mindspeed_llm_standin.py (same submodules
 and forward math as the real class), on spawned gloo ranks with megatron-core's
 ``parallel_state``:
 
@@ -19,8 +19,8 @@ fused ``linear_kv_up_proj`` or ``--mla-mm-split``, ``--qk-layernorm``, the
 q/kv-lora scales, yarn's softmax mscale, all three mapped CP algorithms, and
 the ``--moe-fb-overlap`` all-to-all hooks.
 
-The real class: tests/mindspeed_llm_real.py, on the real sources of the
-``host_sources`` fixture (tests/thirdparty.py).
+The real class: tests/support/mindspeed_llm_real.py, on the real sources of the
+``host_sources`` fixture (tests/support/thirdparty.py).
 """
 import os
 import subprocess
@@ -33,6 +33,8 @@ import torch
 
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
+
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 SEQ, BATCH, SEED = 16, 2, 1234
 TOLERANCE = 1e-5  # float32, relative to the largest reference magnitude
@@ -96,7 +98,7 @@ def _install_fb_overlap_standin():
 
 
 def _run(module, forward, hidden, rope, grad_out):
-    from mindspeed_llm_standin import forward_backward
+    from support.mindspeed_llm_standin import forward_backward
     return forward_backward(module, forward, hidden, rope, grad_out)
 
 
@@ -233,7 +235,7 @@ def test_cp2_laga_matches_cp1_original(cp1, cp2, name):
 
 @pytest.mark.parametrize("name", CASES)
 def test_cp2_all_gathers_only_the_latent(cp2, name):
-    from mindspeed_llm_standin import mla_config
+    from support.mindspeed_llm_standin import mla_config
     config = mla_config(**CASES[name]["config"])
     latent_bytes = (SEQ // 2) * BATCH * (config.kv_lora_rank + config.qk_pos_emb_head_dim) * 4
     assert [r[name]["all_gather_forward_bytes"] for r in cp2] == [latent_bytes] * 2
@@ -255,7 +257,7 @@ def test_cp2_fb_overlap_all_to_all_is_launched_once_each_way(cp2):
 # --- the real class -------------------------------------------------------------------------
 
 def test_real_custom_mla_self_attention(host_sources):
-    script = Path(__file__).with_name("mindspeed_llm_real.py")
+    script = Path(__file__).resolve().parents[1] / "support" / "mindspeed_llm_real.py"
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           env=dict(os.environ, **host_sources), timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
@@ -295,7 +297,7 @@ def test_another_features_unwrapped_wrapper_is_left_to_the_module_check():
 
 def test_the_standin_forward_passes_the_guard():
     from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
-    from mindspeed_llm_standin import StandinMLASelfAttention
+    from support.mindspeed_llm_standin import StandinMLASelfAttention
     wrapped = laga_mla_forward_wrapper(StandinMLASelfAttention.forward)
     assert wrapped.__wrapped__ is StandinMLASelfAttention.forward
 
