@@ -17,7 +17,7 @@ from typing import Dict, Optional
 import torch
 
 from . import comm, handshake
-from .vocab.names import ATTN_CP_ALGOS, CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS
+from .vocab.names import ATTN_CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS
 from .vocab.attn_setup import AttnSetup, heads_split
 from .vocab.dims import MLADims
 from .vocab.documents import check_documents

@@ -60,9 +60,6 @@ class MegatronPatchSettings:
     ulysses_degree: int = 1   # hybrid: CP ranks per Ulysses group (1: not hybrid)
 
 
-# the name before the MindSpeed-LLM flags got their own settings class
-LAGASettings = MegatronPatchSettings
-
 _WARNED = set()
 
 

@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from mindspeed_laga.tools import equivalence as eq
+from mindspeed_laga.tools.measure import worker
 from mindspeed_laga.tools.spawn import run_on_ranks
 
 SHAPE = eq.MLAShape(seq_len=32, heads=8, qk_head_dim=16, rope_dim=8, v_head_dim=12, kv_lora_rank=24)
@@ -35,7 +36,7 @@ CASES = [eq.Case(form=f, cp_algo=a, layout=l, dtype=d, shape=SHAPE)
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"cp{p}")
 def measured(request):
-    per_rank = run_on_ranks(eq.worker, request.param, CASES)
+    per_rank = run_on_ranks(worker, request.param, CASES)
     return request.param, per_rank
 
 

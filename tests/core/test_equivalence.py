@@ -9,6 +9,7 @@ import pytest
 
 from mindspeed_laga.tools import equivalence as eq
 from mindspeed_laga.tools.runspec import standard_runs
+from mindspeed_laga.tools.measure import worker
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.vocab.names import CP_ALGOS, SEQUENCE_LAYOUTS as LAYOUTS
 from support.references import TOLERANCE, reference
@@ -30,7 +31,7 @@ CASES += [eq.Case(spec=f, cp_algo=a, layout=l, kernel=k, causal=False)
 def matrix(request):
     """One spawn per CP size runs the whole matrix; results by case."""
     cp_size = request.param
-    per_rank = run_on_ranks(eq.worker, cp_size, CASES)
+    per_rank = run_on_ranks(worker, cp_size, CASES)
     return {case: eq.assemble([r[i] for r in per_rank], case) for i, case in enumerate(CASES)}
 
 

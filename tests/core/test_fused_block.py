@@ -17,6 +17,7 @@ from mindspeed_laga.tools import equivalence as eq
 from mindspeed_laga.kernels import block as fb
 from mindspeed_laga.kernels.merge import merge_lse
 from mindspeed_laga.kernels.sdpa import block_calls
+from mindspeed_laga.tools.measure import worker
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.checks import resolve_kernel
 
@@ -154,7 +155,7 @@ CASES += [eq.Case(form="laga", kernel="auto", shape=SHAPE, cp_algo=a, options=OP
 
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda p: f"cp{p}")
 def matrix(request):
-    per_rank = run_on_ranks(eq.worker, request.param, CASES, timeout_s=240)
+    per_rank = run_on_ranks(worker, request.param, CASES, timeout_s=240)
     return {case: eq.assemble([r[i] for r in per_rank], case) for i, case in enumerate(CASES)}
 
 

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from mindspeed_laga.tools import equivalence as eq
+from mindspeed_laga.tools.measure import worker
 from mindspeed_laga.tools.spawn import run_on_ranks
 
 from support.references import TOLERANCE, reference
@@ -32,7 +33,7 @@ CASES += [eq.Case(form="laga", kernel="eager", causal=False, shape=SHAPE, option
 
 @pytest.fixture(scope="module", params=[1, 2, 4, 8], ids=lambda p: f"cp{p}")
 def matrix(request):
-    per_rank = run_on_ranks(eq.worker, request.param, CASES)
+    per_rank = run_on_ranks(worker, request.param, CASES)
     return {case: eq.assemble([r[i] for r in per_rank], case) for i, case in enumerate(CASES)}
 
 

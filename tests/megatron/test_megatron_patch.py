@@ -100,7 +100,6 @@ def test_positional_arguments_and_the_legacy_settings_name(mla):
     settings = mindspeed_laga.patch_megatron_mla("ulysses", "eager", "explicit", "contiguous")
     assert (settings.cp_algo, settings.kernel, settings.form, settings.layout) == (
         "ulysses", "eager", "explicit", "contiguous")
-    assert isinstance(settings, megatron_mla.LAGASettings)  # the old name still works
 
 
 def test_ulysses_without_layout_takes_megatrons_zigzag_split(mla):

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from mindspeed_laga import absorbed_attention, explicit_attention, laga_attention, layout
+from mindspeed_laga import absorbed_attention, explicit_attention, laga_attention
 from mindspeed_laga.kernels import attend
 from mindspeed_laga.vocab.segments import rank_segments
 

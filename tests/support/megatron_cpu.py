@@ -23,11 +23,8 @@ which only the processes that build megatron models call.
 """
 from __future__ import annotations
 
-import os
-import socket
 import zlib
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -556,15 +553,3 @@ def eval_loss(model, batch, layout: str = "zigzag") -> float:
 
 # ----------------------------------------------------------------- process helpers
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_gloo(rank: int, world: int, port: int, timeout: Optional[timedelta] = None):
-    """gloo on 127.0.0.1; a timeout turns a hung collective into an error."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group("gloo", rank=rank, world_size=world, **kwargs)

@@ -16,8 +16,8 @@ import itertools
 import pytest
 
 from mindspeed_laga.tools import costmodel as cm
+from mindspeed_laga.tools.costmodel import geometry
 from mindspeed_laga.tools import equivalence as eq
-from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.measure import worker
 from mindspeed_laga.tools.runspec import RunSpec
 from mindspeed_laga.tools.spawn import run_on_ranks
@@ -140,7 +140,7 @@ def test_model_segments_follow_layout_module():
         cfg = cm.Config(ModelDims(8, 16, 8, 16, 32), 64, 1, P, 1, "allgather", lay, doc_lens=docs)
         bounds = cfg.documents if docs else None
         for rank in range(P):
-            got = [(q.length, q.start) for q in cm.query_segments(cfg, rank)]
+            got = [(q.length, q.start) for q in geometry.query_segments(cfg, rank)]
             want = [(n, g) for _, n, g in rank_segments(lay, P, rank, 64 // P, bounds)]
             assert got == want
 
@@ -168,7 +168,7 @@ def test_blockwise_pairs_closed_form_equals_the_loop():
             (1, 2, 3, 5, 8), (0, 1, 4, 7, 9), (None, 1, 2, 3, 4, 6, 16), (0, 1, 5), (True, False)):
         last = start + length + extra  # the keys rebuilt reach at least the segment's end
         want = _blockwise_pairs_by_loop(length, start, block, last, causal)
-        assert cm.blockwise_pairs(length, start, block, last, causal) == want, \
+        assert geometry.blockwise_pairs(length, start, block, last, causal) == want, \
             (length, start, block, last, causal)
         checked += 1
     assert checked == 5 * 5 * 7 * 3 * 2
@@ -177,8 +177,8 @@ def test_blockwise_pairs_closed_form_equals_the_loop():
 def test_visible_pairs_closed_form_equals_the_loop():
     for length, start, total in itertools.product((1, 3, 8), (0, 2, 5), (16, 20)):
         want = sum(p + 1 for p in range(start, start + length))  # query p sees keys 0..p
-        assert cm.segment_visible_pairs(length, start, True, total) == want
-        assert cm.segment_visible_pairs(length, start, False, total) == length * total
+        assert geometry.segment_visible_pairs(length, start, True, total) == want
+        assert geometry.segment_visible_pairs(length, start, False, total) == length * total
 
 
 def test_model_is_constant_time_in_sequence_length():
@@ -281,7 +281,7 @@ def test_v3_prefix_trimming_helps_the_average_not_rank_0():
     assert tr["flops"]["rebuild_fwd"]["worst"] == la["flops"]["rebuild_fwd"]["worst"]
     # zigzag rank r rebuilds keys [0, (2P-r)*S/(2P)); rank 0 sees everything.
     for r in range(8):
-        assert cm.visible_keys(cfg, r) == (16 - r) * 16384 // 16
+        assert geometry.visible_keys(cfg, r) == (16 - r) * 16384 // 16
 
 
 def test_v3_blockwise_recompute_below_explicit_and_absorbed():
@@ -475,14 +475,14 @@ def test_document_pair_counts_equal_counts_over_the_mask():
             specs.append(RunSpec("l", "laga", trim_causal_prefix=trim))
         for spec, rank in itertools.product(specs, range(cp)):
             want = _pairs_from_mask(cfg, rank, spec)
-            got = cm.attention_pairs(cfg, rank, spec)
+            got = geometry.attention_pairs(cfg, rank, spec)
             assert (got.executed, got.visible) == want, (lens, cp, algo, lay, causal, spec, rank)
             if spec.recompute_kv:
-                assert cm.blockwise_rebuilds(cfg, rank, spec) == _rebuilds_from_mask(cfg, rank, spec), \
+                assert geometry.blockwise_rebuilds(cfg, rank, spec) == _rebuilds_from_mask(cfg, rank, spec), \
                     (lens, cp, algo, lay, causal, spec, rank)
             if trim:  # what trimming rebuilds: the keys some query sees
                 keep = _mask(lens, causal)[_query_positions(cfg, rank)]
-                assert cm.rebuilt_keys(cfg, rank, spec) == int(keep.any(0).sum())
+                assert geometry.rebuilt_keys(cfg, rank, spec) == int(keep.any(0).sum())
             checked += 1
     assert checked == 21 * 6 * 2  # rank-cases x (5 blockwise + 1 plain) x trim
 
@@ -496,8 +496,8 @@ def test_sixteen_equal_documents_cut_causal_attention_work_sixteen_fold():
     assert 1 / 16 <= ratio < 1.1 / 16
     # visible pairs: S(S+1)/2 without documents, 16 x s(s+1)/2 with them (s = S/16), over the group
     S, s = 2 ** 16, 2 ** 12
-    assert sum(cm.attention_pairs(docs, r, spec).visible for r in range(8)) == 16 * s * (s + 1) // 2
-    assert sum(cm.attention_pairs(one, r, spec).visible for r in range(8)) == S * (S + 1) // 2
+    assert sum(geometry.attention_pairs(docs, r, spec).visible for r in range(8)) == 16 * s * (s + 1) // 2
+    assert sum(geometry.attention_pairs(one, r, spec).visible for r in range(8)) == S * (S + 1) // 2
     # collective bytes do not depend on documents
     assert b.rank0.comm == a.rank0.comm
 
@@ -644,7 +644,7 @@ def test_blockwise_counts_without_documents_equal_counts_over_the_mask():
         cfg = cm.Config(ModelDims(4, 8, 4, 8, 16), 56, 1, cp, 1, algo, lay, "float32", "eager", causal)
         spec = RunSpec("b", "laga", trim_causal_prefix=trim, recompute_kv=True, kv_block_size=block)
         for rank in range(cp):
-            got = cm.attention_pairs(cfg, rank, spec)
+            got = geometry.attention_pairs(cfg, rank, spec)
             assert (got.executed, got.visible) == _pairs_from_mask(_OneDocument(cfg), rank, spec)
-            assert cm.blockwise_rebuilds(cfg, rank, spec) == \
+            assert geometry.blockwise_rebuilds(cfg, rank, spec) == \
                 _rebuilds_from_mask(_OneDocument(cfg), rank, spec), (cp, algo, lay, causal, block, trim)

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mindspeed_laga import api, layout
 from mindspeed_laga.tools import costmodel as cm
+from mindspeed_laga.tools.costmodel.cluster import group_members, group_nodes, link_bytes
 from mindspeed_laga import comm
 from mindspeed_laga.comm import count_bytes
 from mindspeed_laga.tools.measure import SavedBytes
@@ -125,28 +126,28 @@ def _v3(algo, cp=16, degree=1, seq=131072):
 
 def test_group_members_and_nodes():
     cfg = _v3("hybrid", degree=8)
-    assert cm.group_members(cfg, 10, "ulysses") == list(range(8, 16))
-    assert cm.group_members(cfg, 10, "ring") == [2, 10]
-    assert cm.group_members(cfg, 10, "cp") == list(range(16))
-    assert cm.group_nodes(cfg, [2, 10], devices_per_node=8) == [0, 1]
+    assert group_members(cfg, 10, "ulysses") == list(range(8, 16))
+    assert group_members(cfg, 10, "ring") == [2, 10]
+    assert group_members(cfg, 10, "cp") == list(range(16))
+    assert group_nodes(cfg, [2, 10], devices_per_node=8) == [0, 1]
     # TP ranks sit between CP ranks (TP innermost): CP=4 x TP=2 fills one 8-device node.
     tp2 = cm.Config(V3, 4096, 1, 4, 2, "ulysses", None, "bfloat16", cm.FUSED, True)
-    assert cm.group_nodes(tp2, [0, 1, 2, 3], devices_per_node=8) == [0, 0, 0, 0]
-    assert cm.group_nodes(tp2, [0, 1, 2, 3], devices_per_node=4) == [0, 0, 1, 1]
+    assert group_nodes(tp2, [0, 1, 2, 3], devices_per_node=8) == [0, 0, 0, 0]
+    assert group_nodes(tp2, [0, 1, 2, 3], devices_per_node=4) == [0, 0, 1, 1]
 
 
 def test_link_split_of_each_collective():
     cluster = cm.Cluster("test", intra_gbps=100.0, inter_gbps=10.0, tflops=100.0, devices_per_node=8)
     hybrid = cm.form_cost(_v3("hybrid", degree=8), RunSpec.from_options("laga", "laga", ()), 0)
     for c in hybrid.comm:
-        intra, inter = cm.link_bytes(_v3("hybrid", degree=8), c, 0, cluster)
+        intra, inter = link_bytes(_v3("hybrid", degree=8), c, 0, cluster)
         if c.group == "ulysses":      # inside the node
             assert (intra, inter) == (c.wire, 0)
         else:                         # the latent over both nodes: a ring with cross-node hops
             assert (intra, inter) == (0, c.wire)
     ulysses = _v3("ulysses")
     for c in cm.form_cost(ulysses, RunSpec.from_options("laga", "laga", ()), 0).comm:
-        intra, inter = cm.link_bytes(ulysses, c, 0, cluster)
+        intra, inter = link_bytes(ulysses, c, 0, cluster)
         if c.kind == "all_to_all":    # 1/16 of the payload to each of 7 node peers and 8 remote ranks
             assert (intra, inter) == (7 * c.payload // 16, 8 * c.payload // 16)
     # A Ulysses group across nodes is reported.
