@@ -20,7 +20,7 @@ from . import comm, handshake
 from .vocab.names import ATTN_CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS
 from .vocab.attn_setup import AttnSetup, heads_split
 from .vocab.dims import MLADims
-from .vocab.documents import check_documents
+from .vocab.documents import resolve_documents
 from .vocab.segments import seq_multiple
 
 
@@ -197,14 +197,8 @@ def _ulysses_degree_value(cp_algo, ulysses_group) -> int:
 
 def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
     """cu_seqlens -> a tuple of global document boundaries (or None), checked."""
-    if layout == "doc_zigzag" and degree > 1:
-        raise ValueError("layout='doc_zigzag' has no hybrid form: with cp_algo='hybrid' use "
-                         "layout='zigzag' or 'contiguous' (cu_seqlens still applies)")
     if cu_seqlens is None:
-        if layout == "doc_zigzag":
-            raise ValueError("layout='doc_zigzag' needs cu_seqlens= (the global document "
-                             "boundaries); without documents use layout='zigzag'")
-        return None
+        return resolve_documents(None, 0, layout, cp_size, degree)
     if query.shape[1] != 1:
         raise ValueError(f"cu_seqlens describes one packed sequence, so the micro-batch must be 1 "
                          f"(got {query.shape[1]}); pack the batch into one sequence of documents "
@@ -214,7 +208,7 @@ def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
             raise ValueError("cu_seqlens must be a 1-D integer tensor or a list of ints, got a "
                              f"{cu_seqlens.dtype} tensor of shape {tuple(cu_seqlens.shape)}")
         cu_seqlens = cu_seqlens.tolist()
-    return check_documents(cu_seqlens, query.shape[0] * cp_size, layout, cp_size)
+    return resolve_documents(cu_seqlens, query.shape[0] * cp_size, layout, cp_size, degree)
 
 
 def documents_code(documents) -> int:
