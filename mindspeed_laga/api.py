@@ -28,7 +28,7 @@ them); without them the tensors must read unambiguously (d_n == d_v).
 ``check_ranks`` (default True): exchange every value that must agree across
 the group first, so a rank that differs raises on every rank instead of
 hanging; once every rank passes False in such an exchange the group skips
-it (agreement.py, docs/DESIGN.md "The cross-rank handshake").
+it (handshake.py, docs/DESIGN.md, section "Handshake").
 ``pad_v`` (default False): with kernel "npu", zero-pad V to the q/k head dim
 for ``npu_fusion_attention`` and slice the output back (exact; what
 MindSpeed-LLM does unless ``--mla-fa-without-pad``; unpadded V needs CANN

@@ -14,8 +14,8 @@ attention forms and ``start_latent_gather``), so a rank that overlaps the
 latent gather and one that does not meet in the same collective and the
 difference is reported, not hung on.
 
-``check_ranks`` and the group's policy (see docs/DESIGN.md, "The cross-rank
-handshake"): the first call on a CP group always exchanges, whatever
+``check_ranks`` and the group's policy (see docs/DESIGN.md, section
+"Handshake"): the first call on a CP group always exchanges, whatever
 ``check_ranks`` says, and the exchanged row carries ``check_ranks`` itself.
 Once every rank has passed ``check_ranks=False`` in an exchange, the group's
 later calls skip it (one small collective saved per call); until then every

@@ -20,7 +20,7 @@ def heads_split(cp_algo: str, cp_size: int, ulysses_degree: int = 1) -> bool:
 
 @dataclass(frozen=True)
 class AttnSetup:
-    """Everything a form needs besides the tensors (made by ``validate.check``)."""
+    """Everything a form needs besides the tensors (made by ``checks.check``)."""
 
     dims: MLADims
     local_len: int

@@ -18,8 +18,8 @@ only as THD, no attention mask, nothing from :func:`uncovered_reason`) does:
 5. the module's own ``linear_proj``.
 
 THD calls (``packed_seq_params``) pass the documents and megatron's
-per-document split to the core (``megatron_thd.py``); ``cp_algo="hybrid"``
-passes the Ulysses group the patch builds (``megatron_hybrid.py``).
+per-document split to the core (``thd.py``); ``cp_algo="hybrid"``
+passes the Ulysses group the patch builds (``hybrid.py``, ``comm.ulysses_group``).
 
 Every other call runs the original forward unchanged, each a case where the
 original computes the configured model (docs/MEGATRON.md lists them); attention

@@ -293,7 +293,7 @@ def test_patch_target_exists_in_mindspeed_llm_source(host_sources):
 
 
 def test_parser_default_attention_dropout_is_megatrons(host_sources):
-    """tests/laga_parser.py declares --attention-dropout with Megatron's own default."""
+    """tests/support/laga_parser.py declares --attention-dropout with Megatron's own default."""
     root = Path(host_sources["MEGATRON_SRC"])
     tree = ast.parse((root / "megatron" / "training" / "arguments.py").read_text())
     defaults = [kw.value.value for call in ast.walk(tree) if isinstance(call, ast.Call)

@@ -3,7 +3,7 @@ a trainer.
 
 Imported by tests/megatron/test_megatron_e2e.py and by the CPU demo
 scripts/train_tiny_cpu.py (which runs from a checkout and puts tests/support on sys.path). Nothing in site-packages is edited: every gap of
-docs/DESIGN.md, section 'megatron-core on CPU', is bridged by monkeypatching in :func:`install_cpu_shims`,
+docs/HOSTS.md, section 'megatron-core on CPU', is bridged by monkeypatching in :func:`install_cpu_shims`,
 which only the processes that build megatron models call.
 
 - :func:`install_cpu_shims`: CUDA device, RNG, CP rope slicing, HAVE_TE.
@@ -19,7 +19,7 @@ which only the processes that build megatron models call.
   ``get_gpt_layer_local_spec(multi_latent_attention=True)``.
 - :func:`train`: a few SGD steps through megatron's DDP and
   ``finalize_model_grads`` (grads reduced over dp x cp), ``torch.optim.SGD``
-  on ``main_grad`` (megatron's optimizer hard-codes CUDA: docs/DESIGN.md, section 'megatron-core on CPU', item 7).
+  on ``main_grad`` (megatron's optimizer hard-codes CUDA: docs/HOSTS.md, section 'megatron-core on CPU', item 7).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ CPU = torch.device("cpu")
 _SHIMS_INSTALLED = False
 
 
-# ------------------------------------- shims (docs/DESIGN.md, section 'megatron-core on CPU')
+# ------------------------------------- shims (docs/HOSTS.md, section 'megatron-core on CPU')
 
 def _cpu_rng_shims(random_mod):
     """Item 2: megatron's RNG tracker keeps CUDA generator states; keep CPU ones."""
@@ -92,7 +92,7 @@ _CPU_STREAM = _CPUStream()
 def install_cpu_shims():
     """Bridge the CUDA-only spots of megatron-core 0.16.1 to 0.19.2 (idempotent).
 
-    Item 3 of docs/DESIGN.md, section 'megatron-core on CPU' (the causal mask built on CUDA), is not needed: only the
+    Item 3 of docs/HOSTS.md, section 'megatron-core on CPU' (the causal mask built on CUDA), is not needed: only the
     local DotProductAttention reads it, and MLA cannot use that (item 5).
     """
     global _SHIMS_INSTALLED
@@ -310,7 +310,7 @@ def build_tiny_mla_gpt(tiny: TinyMLA, tp: int = 1, cp: int = 1, **overrides):
     config = mla_config(tiny, tp, cp, **overrides)
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=qk_layernorm(tiny),
                                     normalization="RMSNorm")
-    # docs/DESIGN.md, section 'megatron-core on CPU', item 5: the local DotProductAttention cannot serve MLA.
+    # docs/HOSTS.md, section 'megatron-core on CPU', item 5: the local DotProductAttention cannot serve MLA.
     spec.submodules.self_attention.submodules.core_attention = CPBaselineAttention
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=tiny.vocab_size,
                      max_sequence_length=tiny.seq_length, position_embedding_type="rope",

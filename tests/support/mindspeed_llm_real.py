@@ -9,7 +9,7 @@ fixture (tests/support/thirdparty.py), or directly:
 
 (six, regex, pyyaml, tqdm and einops must be importable, e.g. via PYTHONPATH.)
 The sources go first on sys.path, so Megatron core_v0.12.1 shadows an installed
-megatron-core. Following docs/DESIGN.md, section 'MindSpeed-LLM on CPU': ``TRAINING_BACKEND=none`` (no
+megatron-core. Following docs/HOSTS.md, section 'MindSpeed-LLM on CPU': ``TRAINING_BACKEND=none`` (no
 MindSpeed patches, no ``transfer_to_npu``), stub modules for what is missing
 (torch_npu, transformer_engine, scipy, torchair, acl, apex; any attribute is a
 class that also passes decorated functions through), ``torch.cuda.current_device``
@@ -243,7 +243,7 @@ def check_pipeline() -> None:
         patched = mla.CustomMLASelfAttention.forward
         assert patched.__wrapped__ is original and patched.__code__ is \
             laga_mla_forward_wrapper(original).__code__
-    finally:  # remove_patches skips modules named *mindspeed* (docs/DESIGN.md, section 'Host facts')
+    finally:  # remove_patches skips modules named *mindspeed* (docs/HOSTS.md, section "MindSpeed's feature machinery")
         MindSpeedPatchesManager.remove_patches()
         mla.CustomMLASelfAttention.forward = original
     print("pipeline: ok")

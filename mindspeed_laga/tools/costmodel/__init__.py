@@ -9,7 +9,7 @@ absorbed, LAGA and LAGA's options, forward and backward:
   collective; ``wire`` = the bytes this rank sends: ring all-gather /
   reduce-scatter ``(P-1) * payload``, all-to-all ``payload * (P-1)/P``) and
   the paper's ``payload * (P-1)/P`` (docs/DESIGN.md, section 'Communication'). Equal to ``comm.count_bytes``
-  exactly (tests/test_costmodel.py).
+  exactly (tests/tools/test_costmodel.py).
 - ``saved``: activation bytes autograd keeps for backward inside the
   attention call, one named term per tensor *storage* (a view keeps its whole
   storage alive, so storages are counted once; ``kv_up_weight`` is a
