@@ -102,9 +102,6 @@ class MindSpeedLAGASettings:
                     trim_causal_prefix=self.trim_causal_prefix, pad_v=self.pad_v)
 
 
-# the name before the megatron-core patch's settings got their own class name
-LagaSettings = MindSpeedLAGASettings
-
 
 def laga_settings(args: Namespace) -> MindSpeedLAGASettings:
     """Settings for the core; ``validate_args`` has already rejected unmapped algorithms."""

@@ -20,10 +20,10 @@ import torch
 
 from . import comm, handshake
 from .options import AttnOptions
-from .vocab.names import ATTN_CP_ALGOS, CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS
+from .vocab.names import ATTN_CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS
 from .vocab.attn_setup import AttnSetup, heads_split
 from .vocab.dims import MLADims
-from .vocab.documents import check_documents
+from .vocab.documents import resolve_documents
 from .vocab.segments import seq_multiple
 
 
@@ -211,14 +211,8 @@ def _ulysses_degree_value(cp_algo, ulysses_group) -> int:
 
 def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
     """cu_seqlens -> a tuple of global document boundaries (or None), checked."""
-    if layout == "doc_zigzag" and degree > 1:
-        raise ValueError("layout='doc_zigzag' has no hybrid form: with cp_algo='hybrid' use "
-                         "layout='zigzag' or 'contiguous' (cu_seqlens still applies)")
     if cu_seqlens is None:
-        if layout == "doc_zigzag":
-            raise ValueError("layout='doc_zigzag' needs cu_seqlens= (the global document "
-                             "boundaries); without documents use layout='zigzag'")
-        return None
+        return resolve_documents(None, 0, layout, cp_size, degree)
     if query.shape[1] != 1:
         raise ValueError(f"cu_seqlens describes one packed sequence, so the micro-batch must be 1 "
                          f"(got {query.shape[1]}); pack the batch into one sequence of documents "
@@ -232,7 +226,7 @@ def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
                              "boundaries as a CPU/device integer tensor or a list of ints")
         cu_seqlens = cu_seqlens.tolist()
     try:
-        return check_documents(cu_seqlens, query.shape[0] * cp_size, layout, cp_size)
+        return resolve_documents(cu_seqlens, query.shape[0] * cp_size, layout, cp_size, degree)
     except OverflowError:  # int(inf)
         raise ValueError("cu_seqlens must hold finite integer document boundaries (0 ... "
                          f"sequence length), got {list(cu_seqlens)!r}"[:300]) from None

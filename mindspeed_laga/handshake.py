@@ -14,9 +14,9 @@ attention forms and ``start_latent_gather``), so a rank that overlaps the
 latent gather and one that does not meet in the same collective and the
 difference is reported, not hung on.
 
-``check_ranks`` and the group's policy (see docs/DESIGN.md, "Handshake"):
-the first call on a CP group always exchanges, whatever ``check_ranks`` says,
-and the exchanged row carries ``check_ranks`` itself. Once every rank has
+``check_ranks`` and the group's policy (see docs/DESIGN.md, section
+"Handshake"): the first call on a CP group always exchanges, whatever
+``check_ranks`` says, and the exchanged row carries ``check_ranks`` itself. Once every rank has
 passed ``check_ranks=False`` in an exchange, the group's later calls skip it
 (one small collective saved per call) unless a call passes ``check_ranks=True``
 explicitly, which exchanges again (every rank must pass it in that call, as

@@ -22,7 +22,7 @@ from typing import List
 
 import torch
 
-from .vocab.documents import check_documents
+from .vocab.documents import resolve_documents
 from .vocab.segments import Documents, check_seq_len, rank_segments
 
 # The chunk rule and segments are shared vocabulary (vocab/segments.py); this module
@@ -87,14 +87,9 @@ def unshard(parts: List[torch.Tensor], layout: str, dim: int = 0, cu_seqlens=Non
 
 def _documents(cu_seqlens, seq_len: int, layout: str, cp_size: int,
                ulysses_degree: int = 1) -> Documents:
-    if layout == "doc_zigzag" and ulysses_degree > 1:
-        raise ValueError("layout='doc_zigzag' has no hybrid form; use 'zigzag' or 'contiguous' "
-                         "with ulysses_degree > 1 (documents still apply through cu_seqlens)")
-    if cu_seqlens is None:
-        if layout == "doc_zigzag":
-            raise ValueError("layout='doc_zigzag' needs cu_seqlens= (the document boundaries)")
-        check_seq_len(seq_len, layout, cp_size, ulysses_degree=ulysses_degree)
-        return None
+    """The checked boundaries (or None); the sequence must cut into the layout's chunks."""
     if layout != "doc_zigzag":
         check_seq_len(seq_len, layout, cp_size, ulysses_degree=ulysses_degree)
-    return check_documents(cu_seqlens, seq_len, layout, cp_size)
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.tolist()
+    return resolve_documents(cu_seqlens, seq_len, layout, cp_size, ulysses_degree)

@@ -8,9 +8,9 @@
 
 Every rank runs gloo on CPU; CP size = world size / TP size. Without --laga,
 megatron's unpatched MLA forward runs with a small CP-capable core attention
-(scripts/megatron_cpu.py). Rank 0 prints the global loss of each step and the
+(tests/support/megatron_cpu.py). Rank 0 prints the global loss of each step and the
 bytes the attention collectives moved. The model, shims and trainer are the
-ones the end-to-end tests use (scripts/megatron_cpu.py).
+ones the end-to-end tests use (tests/support/megatron_cpu.py).
 
 The configuration (world size, TP, CP algorithm, layout, sequence length) is
 checked before anything is built: a combination the model cannot run fails
@@ -25,7 +25,8 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # megatron_cpu, beside this script
+# The demo runs from a checkout: it shares the CPU harness of the end-to-end tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 # megatron's own notices on CPU (no Apex, cuda-graph scope, torch's renamed collectives).
 warnings.filterwarnings("ignore", message=r".*(Apex|full scope is deprecated|is deprecated\. "
                                           r"Please use|CUDA_DEVICE_MAX_CONNECTIONS).*")

@@ -1,4 +1,24 @@
-"""Fixtures and plugins shared by the tests."""
-from thirdparty import host_sources  # noqa: F401  (the real host sources, unpacked once per run)
+"""Fixtures, plugins and markers shared by the tests.
 
-pytest_plugins = ["bounded_tests"]
+The layout: ``core/`` (forms, options, documents, hybrid CP, checks), ``npu/`` (the NPU
+kernel against the ``torch_npu`` stand-in), ``tools/`` (cost model, CLI, runners),
+``mindspeed/`` (the MindSpeed feature, launcher and MindSpeed-LLM adapter), ``megatron/``
+(the megatron-core patch), ``support/`` (what the tests share; never the product).
+
+Markers choose CI's extra legs (``.ci/run``): ``ascend`` tests also run on the Ascend
+stack (Python 3.10, torch 2.7.1), ``mcore`` tests on the newest megatron-core (Python 3.12).
+The main leg runs every test.
+"""
+from support.thirdparty import host_sources  # noqa: F401  (the real host sources, unpacked once per run)
+
+pytest_plugins = ["support.bounded"]
+
+MARKERS = {
+    "ascend": "also runs in CI's Ascend leg (Python 3.10, torch 2.7.1)",
+    "mcore": "also runs in CI's mcore leg (Python 3.12, the newest megatron-core)",
+}
+
+
+def pytest_configure(config):
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import attend
+from ..kernels import attend, nonfinite
 from ..vocab.attn_setup import AttnSetup
 from .common import (all_heads, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads,
-                     split_up_weight, to_bnsd)
+                     split_latent, split_up_weight, to_bnsd)
 from .latent_source import SyncLatent
 
 
@@ -32,7 +32,7 @@ def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
     q_abs = torch.cat([torch.einsum("sbnd,ndc->sbnc", q_nope, w_uk), q_pe], dim=-1)
     if not full:
         q_abs = seq_to_heads(q_abs, setup, "query")
-    kv_all, k_pe_all = SyncLatent(kv_latent, k_pos_emb).parts(setup)
+    kv_all, k_pe_all, bad = _latent_parts(kv_latent, k_pos_emb, setup)
     key = torch.cat([kv_all, k_pe_all], dim=-1).unsqueeze(2)  # [S, b, 1, d_c+d_r]
     value = kv_all.unsqueeze(2)                                 # [S, b, 1, d_c]
     _, w_uv = split_up_weight(kv_up_weight, setup)  # this rank's heads
@@ -42,11 +42,23 @@ def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
     out = attend(to_bnsd(q_abs), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
                  documents=setup.documents, pad_v=setup.pad_v,
-                 # the value is a view of the gathered latent (the caller's kv_latent without
-                 # CP): non-finite positions are zeroed in a copy, not in place
-                 own_kv=False,
+                 bad=bad,  # with CP: found and zeroed in the gathered latent
                  epilogue=lambda o_latent: torch.einsum("bnsc,nvc->bnsv", o_latent, w_uv))
     out = from_bnsd(out)
     if not full:
         out = heads_to_seq(out, setup, "output")
     return flatten_heads(out)
+
+
+def _latent_parts(kv_latent, k_pos_emb, setup: AttnSetup):
+    """(kv part, rope key, non-finite positions [b, 1, S] or None). With CP the gathered
+    latent is this call's own: its non-finite positions are zeroed in it before it is
+    split (its parts are views the kernels keep); without CP the parts are the caller's
+    tensors, which attend copies where it must zero."""
+    source = SyncLatent(kv_latent, k_pos_emb)
+    if setup.cp_size == 1:
+        return (*source.parts(setup), None)
+    latent = source.latent(setup)
+    bad = nonfinite.bad_positions(latent)  # [S, b]
+    nonfinite.zero_bad_positions(latent, bad, in_place=True)
+    return (*split_latent(latent, setup), bad.t().unsqueeze(1))

@@ -44,7 +44,7 @@ _KERNELS = {"eager": eager.attend_segment, "sdpa": sdpa.attend_segment, "npu": n
 def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel: str,
            epilogue: Optional[Callable] = None, documents: Documents = None,
            key_ranges: Optional[Sequence[Tuple[int, int]]] = None, pad_v: bool = False,
-           own_kv: bool = False):
+           own_kv: bool = False, bad: Optional[torch.Tensor] = None):
     """``epilogue`` maps each segment's output before the segments are concatenated
     (so an op that keeps its input for backward keeps the kernel's own output).
 
@@ -53,13 +53,15 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
     ``pad_v``: kernel "npu" zero-pads V to the q/k head dim (the others ignore it).
     ``own_kv``: ``k`` and ``v`` were made by the caller for this call (nothing else
     reads them), so non-finite positions are zeroed in place instead of in a copy.
+    ``bad``: [b, n_k, S], True = non-finite, when the caller found and zeroed them itself.
     """
     fn = _KERNELS[kernel]
     if kernel == "npu":
         fn = partial(fn, pad_v=pad_v)
-    bad = nonfinite.bad_positions(k) | nonfinite.bad_positions(v)  # [b, n_k, S]
-    k = nonfinite.zero_bad_positions(k, bad, own_kv)
-    v = nonfinite.zero_bad_positions(v, bad, own_kv)
+    if bad is None:
+        bad = nonfinite.bad_positions(k) | nonfinite.bad_positions(v)  # [b, n_k, S]
+        k = nonfinite.zero_bad_positions(k, bad, own_kv)
+        v = nonfinite.zero_bad_positions(v, bad, own_kv)
     outs = []
     for (local_start, length, _), lo_i, hi_i, pieces in _windows(segments, key_ranges, k.shape[2],
                                                                  causal, documents):

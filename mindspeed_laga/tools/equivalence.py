@@ -14,18 +14,12 @@ from typing import Dict, List
 
 from .. import layout as layouts
 from .cases import DTYPES, INPUTS, Case, MLAShape, full_inputs, shard
-from .measure import worker as _run_worker
 from ..reference import mla_attention_reference
 
 # Cases and their inputs live in ``cases`` (shared with ``measure``); re-exported here.
-__all__ = ["DTYPES", "INPUTS", "Case", "MLAShape", "full_inputs", "shard", "worker", "assemble",
+__all__ = ["DTYPES", "INPUTS", "Case", "MLAShape", "full_inputs", "shard", "assemble",
            "reference", "relative_errors"]
 
-
-def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: int = 0) -> List[dict]:
-    """Entry point for :func:`mindspeed_laga.tools.spawn.run_on_ranks`: forward + backward of
-    each case on this rank (``measure.run_on_rank``); shards and partial grads back."""
-    return _run_worker(rank, cp_size, cases, repeat, warmup)
 
 
 def assemble(per_rank: List[dict], case: Case) -> dict:

@@ -244,7 +244,7 @@ def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: 
     """Entry point for :func:`mindspeed_laga.tools.spawn.run_on_ranks`: every run, in order
     (``cpu_peak``: see :func:`run_on_rank`).
 
-    The one per-rank runner: ``equivalence.worker``, ``verify``, ``bench`` and the
+    The one per-rank runner: :func:`worker`, ``verify``, ``bench`` and the
     tests all measure through it."""
     group = dist.group.WORLD if dist.is_initialized() else None
     out = []

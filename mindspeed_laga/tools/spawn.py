@@ -23,7 +23,6 @@ import os
 import queue as queue_mod
 import shutil
 import site
-import socket
 import sys
 import tempfile
 import time
@@ -50,12 +49,6 @@ ERROR_GRACE_S = 5.0
 class WorkerError(RuntimeError):
     """A spawned rank raised, died or hung; the message says which and carries tracebacks."""
 
-
-def free_port() -> int:
-    """A port that was free a moment ago (kept for callers; rendezvous no longer uses it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _dumps(obj) -> bytes:

@@ -11,5 +11,5 @@ terms, so each rule is written once, one concern a module:
 - ``blocks``: the blockwise walk's row blocks;
 - ``attn_setup``: :class:`AttnSetup`, everything a form needs besides the tensors.
 
-See docs/DESIGN.md, sections "Layouts" and "Causal masks".
+See docs/DESIGN.md, sections "Layouts" and "Causal masks and key prefixes".
 """

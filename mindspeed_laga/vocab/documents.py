@@ -32,6 +32,22 @@ def check_documents(cu_seqlens, seq_len: int, layout: str, cp_size: int) -> Tupl
     return bounds
 
 
+def resolve_documents(cu_seqlens, seq_len: int, layout: str, cp_size: int,
+                      ulysses_degree: int = 1) -> Documents:
+    """cu_seqlens (a sequence of ints, or None) -> the checked global boundaries or None,
+    with the layout's needs: doc_zigzag needs documents and has no hybrid form."""
+    if layout == "doc_zigzag" and ulysses_degree > 1:
+        raise ValueError("layout='doc_zigzag' has no hybrid form: with cp_algo='hybrid' "
+                         "(ulysses_degree > 1) use layout='zigzag' or 'contiguous' "
+                         "(cu_seqlens still applies)")
+    if cu_seqlens is None:
+        if layout == "doc_zigzag":
+            raise ValueError("layout='doc_zigzag' needs cu_seqlens= (the global document "
+                             "boundaries); without documents use layout='zigzag'")
+        return None
+    return check_documents(cu_seqlens, seq_len, layout, cp_size)
+
+
 def document_of(pos: int, documents: Tuple[int, ...]) -> int:
     """Index of the document holding global position ``pos``."""
     return bisect.bisect_right(documents, pos) - 1

@@ -5,10 +5,10 @@ heads split inside the U consecutive CP ranks r*U .. r*U+U-1 (the Ulysses
 group, one node), the latent all-gathered over the whole CP group
 (docs/DESIGN.md "Hybrid CP"). megatron-core has no such group, so the patch
 builds it: on the first covered forward, which every rank of the CP group
-runs at the same point, each rank creates the group it belongs to (with
-``use_local_synchronization=True``, so only its U members meet and other CP
-groups, e.g. of other data-parallel replicas, need not call in step) and
-caches it per CP group.
+runs at the same point, each rank creates the group it belongs to
+(``comm.ulysses_group``, with ``use_local_synchronization=True``, so only its
+U members meet and other CP groups, e.g. of other data-parallel replicas,
+need not call in step), cached per CP group and degree.
 
 The batch split this expects is the hybrid zigzag (2R chunks, R = P/U, ring
 rank r taking chunks r and 2R-1-r, that pair cut into U contiguous pieces),

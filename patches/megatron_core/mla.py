@@ -18,8 +18,8 @@ only as THD, no attention mask, nothing from :func:`uncovered_reason`) does:
 5. the module's own ``linear_proj``.
 
 THD calls (``packed_seq_params``) pass the documents and megatron's
-per-document split to the core (``megatron_thd.py``); ``cp_algo="hybrid"``
-passes the Ulysses group the patch builds (``megatron_hybrid.py``).
+per-document split to the core (``thd.py``); ``cp_algo="hybrid"``
+passes the Ulysses group the patch builds (``hybrid.py``, ``comm.ulysses_group``).
 
 Every other call runs the original forward unchanged, each a case where the
 original computes the configured model (docs/MEGATRON.md lists them); attention
@@ -59,9 +59,6 @@ class MegatronPatchSettings:
     overlap_latent_gather: bool = False  # start the latent gather before the query projection
     ulysses_degree: int = 1   # hybrid: CP ranks per Ulysses group (1: not hybrid)
 
-
-# the name before the MindSpeed-LLM flags got their own settings class
-LAGASettings = MegatronPatchSettings
 
 _WARNED = set()
 

@@ -74,7 +74,7 @@ def _laga_cp_group(self, call, megatron_args):
     allowed = _DOCUMENT_ARGS if getattr(megatron_args, "reset_attention_mask", False) else ()
     if any(call.get(name) is not None for name in _ORIGINAL_ONLY if name not in allowed):
         return None
-    # not self.config: MindSpeed's CP attention sets config.context_parallel_size = 1 while it is built (docs/DESIGN.md, section 'Host facts')
+    # not self.config: MindSpeed's CP attention sets config.context_parallel_size = 1 while it is built (docs/HOSTS.md, section "MindSpeed's CP algorithms")
     from megatron.core import parallel_state
     if parallel_state.get_context_parallel_world_size() == 1:
         return None

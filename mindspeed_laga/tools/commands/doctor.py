@@ -261,7 +261,7 @@ def _say(ranks, *lines):
 
 def _run(args, ranks: Ranks) -> int:
     import torch
-    from ..equivalence import worker as eq_worker
+    from ..measure import worker as eq_worker
     start = time.perf_counter()
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if args.torchrun else 0
     device = environment.local_device(local_rank)

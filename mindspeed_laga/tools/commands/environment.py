@@ -210,7 +210,7 @@ def _safe(fn):
 
 def laga_paths(device: torch.device) -> Dict[str, str]:
     """Which LAGA paths run on ``device``: the blockwise kernel ``recompute_kv`` picks
-    per dtype (``validate.resolve_kernel``), the NPU kernel, its V layouts (tried
+    per dtype (``checks.resolve_kernel``), the NPU kernel, its V layouts (tried
     on a 192/128 call, forward and backward) and packed documents through it."""
     from ... import checks
     out = {}

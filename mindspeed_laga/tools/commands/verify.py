@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .. import equivalence as eq
 from ..runspec import standard_runs
+from ..measure import worker
 from ..spawn import run_on_ranks
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, SEQUENCE_LAYOUTS
 from ...vocab.segments import check_seq_len
@@ -51,7 +52,7 @@ def run(args) -> int:
     print(f"verify: CP={args.cp} gloo ranks, S={s.seq_len}, b={s.batch}, n={s.heads}, "
           f"d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, d_c={s.kv_lora_rank}, "
           f"{args.dtype}, kernel={args.kernel}")
-    per_rank = run_on_ranks(eq.worker, args.cp, cases, args.repeat, 1)
+    per_rank = run_on_ranks(worker, args.cp, cases, args.repeat, 1)
     failed = False
     header = f"{'form':<9} {'cp_algo':<9} {'layout':<10} {'max rel err':>11} {'fwd bytes':>10} " \
              f"{'bwd bytes':>10} {'explicit/form':>13} {'fwd+bwd ms':>10}"

@@ -9,7 +9,7 @@ absorbed, LAGA and LAGA's options, forward and backward:
   collective; ``wire`` = the bytes this rank sends: ring all-gather /
   reduce-scatter ``(P-1) * payload``, all-to-all ``payload * (P-1)/P``) and
   the paper's ``payload * (P-1)/P`` (docs/DESIGN.md, section 'Communication'). Equal to ``comm.count_bytes``
-  exactly (tests/test_costmodel.py).
+  exactly (tests/tools/test_costmodel.py).
 - ``saved``: activation bytes autograd keeps for backward inside the
   attention call, one named term per tensor *storage* (a view keeps its whole
   storage alive, so storages are counted once; ``kv_up_weight`` is a
@@ -56,51 +56,21 @@ storages), ``peak`` (peak memory terms), ``flops``, ``summary`` (per rank and ov
 group, typed), ``time`` (the per-layer time estimate), ``cluster`` (nodes, the intra- and
 inter-node link, hybrid CP's time). Hybrid CP is ``Config(cp_algo="hybrid",
 ulysses_degree=U)``; it stays out of ``CP_ALGOS`` (what the tables enumerate). Variants are
-:class:`runspec.RunSpec`.
+:class:`tools.runspec.RunSpec`.
 """
 from __future__ import annotations
 
-from ..runspec import RunSpec, standard_runs
-from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, FORMS, LAYOUTS
-from ...vocab.dims import ModelDims
-from .comm import EXCHANGES, HYBRID_EXCHANGES, Collective, collectives, wire_bytes
-from .config import (BLOCKWISE, DTYPE_BYTES, EAGER, FUSED, HALF, INDEX_BYTES, MODEL_KERNELS, NPU, NPU_MASK_BYTES, PRESETS, RECOMPUTING_KINDS, SDPA, SDPA_FLASH, SDPA_MATH, Config, Sizes, check_doc_lens, doc_lens_for, model_kernel_kind, preset, validate, with_)
-from .flops import Flops, flops, query_projection_flops
-from .geometry import (Pairs, QuerySegment, attention_pairs, block_keys, blockwise_pairs, blockwise_rebuilds, key_ranges, largest_row_block, query_segments, rebuilt_keys, run_visible_pairs, segment_visible_pairs, visible_keys, window_block_pairs)
-from .memory import Term, saved_terms
-from .peak import peak_terms
-from .summary import (FormCost, RankSummary, comm_by_group, config_summary, form_cost, kernel_kind, rank_summary, summarize)
-from .time import MACHINES, Machine, TimeEstimate, estimate_seconds
-from .cluster import (CLUSTERS, Cluster, ClusterTime, collective_seconds, estimate_cluster_seconds, group_members, group_nodes, link_bytes, ulysses_fits_node)
-
-# The kernel names the model knows (a superset of what plan offers).
-KERNELS = MODEL_KERNELS
-
-
-def standard_variants(block_size=None):
-    """The three forms and LAGA's options as ``plan`` tabulates them."""
-    return standard_runs(block_size)
-
+# What the CLI, the bench and the tests call; the rest stays in its module
+# (``costmodel.geometry``, ``costmodel.cluster``, ...).
+from .cluster import CLUSTERS, Cluster, estimate_cluster_seconds, ulysses_fits_node
+from .config import EAGER, FUSED, NPU, PRESETS, SDPA, Config, doc_lens_for, preset, validate, with_
+from .summary import comm_by_group, config_summary, form_cost, rank_summary, summarize
+from .time import MACHINES, Machine, estimate_seconds
 
 __all__ = [
-    # variants and vocabulary
-    "RunSpec", "standard_runs", "standard_variants", "CP_ALGOS", "DEFAULT_LAYOUT", "FORMS", "LAYOUTS",
-    "ModelDims",
-    # what is asked
-    "Config", "Sizes", "PRESETS", "preset", "validate", "with_", "DTYPE_BYTES", "HALF", "INDEX_BYTES",
-    "NPU_MASK_BYTES", "KERNELS", "MODEL_KERNELS", "RECOMPUTING_KINDS", "EAGER", "FUSED", "NPU", "SDPA",
-    "SDPA_FLASH", "SDPA_MATH", "BLOCKWISE", "model_kernel_kind", "doc_lens_for", "check_doc_lens",
-    # geometry
-    "QuerySegment", "Pairs", "query_segments", "visible_keys", "rebuilt_keys", "block_keys",
-    "attention_pairs", "segment_visible_pairs", "blockwise_pairs", "key_ranges", "run_visible_pairs",
-    "window_block_pairs", "blockwise_rebuilds", "largest_row_block",
-    # costs
-    "Collective", "EXCHANGES", "collectives", "wire_bytes", "Term", "saved_terms", "peak_terms",
-    "Flops", "flops",
-    "query_projection_flops", "FormCost", "RankSummary", "form_cost", "kernel_kind", "summarize",
-    "rank_summary", "config_summary", "Machine", "MACHINES", "TimeEstimate", "estimate_seconds",
-    # hybrid CP on nodes with two links
-    "HYBRID_EXCHANGES", "comm_by_group", "Cluster", "CLUSTERS", "ClusterTime", "group_members",
-    "group_nodes",
-    "ulysses_fits_node", "link_bytes", "collective_seconds", "estimate_cluster_seconds",
+    "Config", "PRESETS", "preset", "validate", "with_", "doc_lens_for",  # what is asked
+    "EAGER", "FUSED", "NPU", "SDPA",                                     # the model's kernel kinds
+    "form_cost", "summarize", "rank_summary", "config_summary", "comm_by_group",  # costs
+    "Machine", "MACHINES", "estimate_seconds",                           # one node's time
+    "Cluster", "CLUSTERS", "estimate_cluster_seconds", "ulysses_fits_node",  # nodes, two links
 ]

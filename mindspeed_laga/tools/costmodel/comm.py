@@ -2,8 +2,9 @@
 
 ``payload``: this rank's sequence-sharded tensor handed to the collective;
 ``wire``: the bytes this rank sends (ring all-gather / reduce-scatter
-``(P-1) * payload``, all-to-all ``payload * (P-1)/P``); ``design``: DESIGN.md
-section 2's ``payload * (P-1)/P``. Equal to ``comm.count_bytes`` exactly.
+``(P-1) * payload``, all-to-all ``payload * (P-1)/P``); ``design``: the
+``payload * (P-1)/P`` of docs/DESIGN.md, section 'Communication'. Equal to
+``comm.count_bytes`` exactly.
 
 What each (form, cp_algo) exchanges forward is one table row; backward runs
 the same collectives, an all-gather's backward being a reduce-scatter. Hybrid

@@ -7,7 +7,7 @@ from functools import cached_property
 from typing import Iterable, Optional, Sequence, Tuple
 
 from ..runspec import RunSpec
-from ...vocab.names import ATTN_CP_ALGOS, CP_ALGOS, DEFAULT_LAYOUT, HYBRID, LAYOUTS
+from ...vocab.names import ATTN_CP_ALGOS, DEFAULT_LAYOUT, HYBRID, LAYOUTS
 from ...vocab.segments import Documents, check_seq_len
 from ...vocab.dims import MLADims, ModelDims
 from ...vocab.documents import check_documents

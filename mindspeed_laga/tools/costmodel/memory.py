@@ -4,7 +4,7 @@ One named term per tensor *storage* (a view keeps its whole storage alive,
 so storages are counted once; ``kv_up_weight`` is a parameter and is
 excluded). Written from what this implementation saves, kernel kind by kernel
 kind (``config.MODEL_KERNELS``), and checked against ``saved_tensors_hooks``
-measurements (tests/test_costmodel.py).
+measurements (tests/tools/test_costmodel.py).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from typing import List
 from ..runspec import RunSpec
 from .config import EAGER, HALF, RECOMPUTING_KINDS, SDPA, Config
 
-# forms/block_kernels.SCORE_CHUNK_ELEMENTS (that module imports torch; the model does not)
+# kernels/block.SCORE_CHUNK_ELEMENTS (that module imports torch; the model does not)
 SCORE_CHUNK_ELEMENTS = 1 << 25
 # Saved terms that are the call's own inputs (allocated before the peak is reset).
 INPUT_STORAGES = ("query", "kv_latent")

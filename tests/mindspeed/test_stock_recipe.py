@@ -1,0 +1,164 @@
+"""MindSpeed-LLM's own DeepSeek-V3 pretrain recipes plus ``--mla-latent-all-gather`` validate.
+
+The flags come from the real stock scripts of the ``host_sources`` fixture
+(``examples/mcore/deepseek3/pretrain_deepseek3_671b_4k_ptd.sh`` and
+``..._A3_ptd.sh``): bash runs each script with ``python`` replaced by a function
+that prints its arguments, so the script expands its own variables. Only these
+change: the placeholder paths become dummies, ``CP=8`` with the algorithm
+under test, the DualPipe group (``--schedules-method dualpipev --moe-fb-overlap``)
+is dropped (MindSpeed rejects dualpipev with CP, and fb-overlap with
+``--noop-layers`` then needs a virtual pipeline) and the LAGA flag is added. Megatron
+core_v0.12.1's ``parse_args`` with MindSpeed-LLM's argument pipeline and
+validation (LAGAFeature last in its features list) must then pass; so
+``--reset-attention-mask``, MTP, ``--noop-layers``, ``--mla-mm-split``, ``--mla-fa-without-pad`` and the recompute settings of the
+scripts are all accepted.
+
+Run in one subprocess (the real hosts put stubs and their sources on sys.path):
+``python tests/mindspeed/test_stock_recipe.py`` prints one line per recipe and algorithm.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
+
+RECIPES = ("pretrain_deepseek3_671b_4k_ptd.sh", "pretrain_deepseek3_671b_4k_A3_ptd.sh")
+RECIPE_DIR = Path("examples") / "mcore" / "deepseek3"
+CP_SIZE = 8
+HYBRID = ["--ulysses-degree-in-cp", "2"]
+PACKED = "--reset-attention-mask"
+# case -> (--context-parallel-algo, flags added, flags dropped, "ok" or LAGA's error text)
+CASES = {
+    "ulysses_cp_algo": ("ulysses_cp_algo", [], [], "ok"),
+    "kvallgather_cp_algo": ("kvallgather_cp_algo", [], [], "ok"),
+    "megatron_cp_algo": ("megatron_cp_algo", [], [], "ok"),
+    # hybrid splits packed documents per ring, which LAGA does not cover: a named error
+    "hybrid_cp_algo": ("hybrid_cp_algo", HYBRID, [],
+                       "hybrid_cp_algo and --reset-attention-mask is not supported"),
+    "hybrid_cp_algo unpacked": ("hybrid_cp_algo", HYBRID, [PACKED], "ok"),
+}
+# the scripts' DUALPIPE_ARGS: MindSpeed rejects dualpipev with CP ("The dualpipev and
+# context_parallel are incompatible"), and --moe-fb-overlap with --noop-layers without it
+# then needs a virtual pipeline (MindSpeed's fb_overlap feature), so both go
+DUALPIPE = (["--schedules-method", "dualpipev"], ["--moe-fb-overlap"])
+LAGA = "--mla-latent-all-gather"
+
+
+def recipe_argv(script: Path, cp_algo: str, dummies: Path = Path("/dummy")):
+    """The arguments the stock script hands to pretrain_gpt.py, and its world size.
+
+    Placeholders such as CKPT_SAVE_DIR="your model save ckpt path" become
+    ``dummies/CKPT_SAVE_DIR``."""
+    text = script.read_text()
+    text = re.sub(r'^(\w+)="your [^"]*"', rf'\1="{dummies}/\1"', text, flags=re.M)
+    text = re.sub(r"^CP=\S+", f"CP={CP_SIZE}", text, flags=re.M)
+    text = re.sub(r"^CP_TYPE=\S+", f"CP_TYPE='{cp_algo}'", text, flags=re.M)
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "logs").mkdir()  # the script tees its log there
+        out = Path(tmp, "argv")
+        # the launcher line becomes: print every argument, NUL-separated
+        printer = "python() { printf '%s\\0' \"$@\" > \"$ARGV_OUT\"; }; "
+        subprocess.run(["bash", "-c", printer + "source /dev/stdin"], input=text, cwd=tmp,
+                       env=dict(os.environ, ARGV_OUT=str(out)), text=True,
+                       capture_output=True, timeout=60, check=True)
+        argv = out.read_text().split("\0")[:-1]
+    world = _assignment(text, "NPUS_PER_NODE") * _assignment(text, "NNODES")
+    launch = argv.index("pretrain_gpt.py")
+    return argv[launch + 1:], world
+
+
+def _assignment(text: str, name: str) -> int:
+    return int(re.search(rf"^{name}=(\d+)", text, flags=re.M).group(1))
+
+
+def with_laga(argv, extra, dropped=()):
+    argv = [a for a in argv if a not in dropped]
+    for flags in DUALPIPE:
+        i = argv.index(flags[0])
+        assert argv[i:i + len(flags)] == flags, argv[i:i + len(flags)]
+        del argv[i:i + len(flags)]
+    return argv + extra + [LAGA]
+
+
+def validate_all(llm_src: str) -> dict:
+    """{"recipe algo": "ok" or the error}; runs the real argument pipeline."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
+    from support.mindspeed_llm_real import megatron_args, prepare
+
+    prepare()
+    dummies = Path(tempfile.mkdtemp(prefix="stock-recipe-"))
+    # --enable-hf2mg-convert: MindSpeed-LLM looks for the HF weights in the load dir
+    (dummies / "CKPT_LOAD_DIR").mkdir()
+    (dummies / "CKPT_LOAD_DIR" / "model.safetensors").touch()
+    (dummies / "TOKENIZER_PATH").mkdir()  # MindSpeed checks that it exists
+    import torch
+    import torch_npu  # the stand-in of mindspeed_llm_real.prepare
+
+    # --use-ascend-coc asks the NPU's name (the A2 recipe sets it): an Atlas A2
+    torch_npu.npu.get_device_name = lambda *a, **k: "Ascend910B3"
+    # --moe-grouped-gemm asks the device's compute capability (torch_npu answers on
+    # Ascend); on CPU answer as a capable device does
+    torch.cuda.get_device_capability = lambda *a, **k: (8, 0)
+    results = {}
+    for recipe in RECIPES:
+        for case, (cp_algo, extra, dropped, _) in CASES.items():
+            argv, world = recipe_argv(Path(llm_src) / RECIPE_DIR / recipe, cp_algo, dummies)
+            try:
+                args = megatron_args(with_laga(argv, extra, dropped), world)
+                checks = dict(laga=args.mla_latent_all_gather, cp=args.context_parallel_size,
+                              algo=args.context_parallel_algo,
+                              documents=args.reset_attention_mask)
+                expected = dict(laga=True, cp=CP_SIZE, algo=cp_algo, documents=not dropped)
+                assert checks == expected, checks
+                results[f"{recipe} {case}"] = "ok"
+            except Exception as exc:  # reported per case, the test names it and where
+                where = traceback.extract_tb(exc.__traceback__)[-1]
+                results[f"{recipe} {case}"] = (f"{type(exc).__name__}: {exc} "
+                                               f"({where.filename}:{where.lineno})")
+    return results
+
+
+# --- pytest ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stock_results(host_sources):
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
+                          env=dict(os.environ, **host_sources), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("case", CASES)
+def test_stock_recipe_with_laga_validates(stock_results, recipe, case):
+    result, expected = stock_results[f"{recipe} {case}"], CASES[case][3]
+    if expected == "ok":
+        assert result == "ok"
+    else:  # rejected by LAGA's own check, naming the flags and the fix
+        assert result.startswith("ValueError: ") and expected in result, result
+        assert "laga_checks.py" in result and LAGA in result, result
+
+
+def test_the_recipe_is_read_from_the_stock_script(host_sources):
+    """What the parse yields is the script's own flag set: packed documents, MTP, the
+    DualPipe schedule, at its world size."""
+    script = Path(host_sources["MINDSPEED_LLM_SRC"]) / RECIPE_DIR / RECIPES[0]
+    argv, world = recipe_argv(script, "ulysses_cp_algo")
+    assert world == 512
+    for flag in ("--reset-attention-mask", "--mtp-num-layers", "--moe-fb-overlap",
+                 "--multi-latent-attention", "--noop-layers"):
+        assert flag in argv, flag
+    assert argv[argv.index("--context-parallel-size") + 1] == str(CP_SIZE)
+    assert argv[argv.index("--save") + 1] == "/dummy/CKPT_SAVE_DIR"
+    assert LAGA not in argv and "dualpipev" in argv and "dualpipev" not in with_laga(argv, [])
+
+
+if __name__ == "__main__":
+    print(json.dumps(validate_all(os.environ["MINDSPEED_LLM_SRC"])))

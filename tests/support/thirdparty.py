@@ -1,0 +1,136 @@
+"""The host frameworks' real sources for the tests: MindSpeed-LLM, MindSpeed, Megatron-LM.
+
+The tests that run LAGA inside the real host code ask for the run-wide fixture
+``host_sources``: a dict ``{"MINDSPEED_LLM_SRC": path, "MINDSPEED_SRC": path,
+"MEGATRON_SRC": path}`` of source roots to put first on ``sys.path``. They come,
+in this order of preference, from
+
+1. those three environment variables, when all are set (your own checkouts), or
+2. the unmodified upstream source archives named in ``ARCHIVES``, found in
+   ``$LAGA_THIRDPARTY`` or else in ``shared/thirdparty`` beside the repository,
+   unpacked once into ``${XDG_CACHE_HOME:-~/.cache}/mindspeed-laga/thirdparty/``
+   (one folder per archive checksum, so a new archive unpacks afresh and
+   concurrent test runs never see a half-unpacked tree).
+
+The host code also imports ``six regex yaml tqdm einops`` (``pip install six
+regex pyyaml tqdm einops``). When sources or modules are missing the tests that
+need them skip, naming what to provide; with ``CI=true`` they fail instead, so
+CI can never pass without running them.
+
+``python tests/support/thirdparty.py`` prints ``export NAME=path`` lines for a shell.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shlex
+import shutil
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# environment variable -> (archive, its one top-level folder); the commits the tests pin
+ARCHIVES = {
+    "MINDSPEED_LLM_SRC": ("mindspeed-llm-c77308a1.tar.gz", "MindSpeed-LLM"),
+    "MINDSPEED_SRC": ("mindspeed-028de58c.tar.gz", "MindSpeed"),
+    "MEGATRON_SRC": ("megatron-lm-core_v0.12.1.tar.gz", "Megatron-LM"),
+}
+HOST_MODULES = {"six": "six", "regex": "regex", "yaml": "pyyaml", "tqdm": "tqdm",
+                "einops": "einops"}  # import name -> pip name
+
+
+class HostsMissing(Exception):
+    """The real host sources or the modules they import are not available."""
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def archive_dir() -> Path:
+    return Path(os.environ.get("LAGA_THIRDPARTY") or REPO.parent / "shared" / "thirdparty")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mindspeed-laga" / "thirdparty"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def unpack(archive: Path, top: str) -> Path:
+    """The archive's top folder, unpacked under the cache (once per checksum)."""
+    target = cache_dir() / f"{archive.name[:-len('.tar.gz')]}-{_sha256(archive)[:16]}"
+    if not (target / top).is_dir():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=target.parent))
+        try:
+            with tarfile.open(archive) as tar:
+                # the "data" filter refuses links and paths that leave the folder
+                kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+                tar.extractall(staging, **kwargs)
+            if not (staging / top).is_dir():
+                raise HostsMissing(f"{archive} does not unpack into {top}/")
+            try:
+                staging.rename(target)  # atomic: another process may have won the race
+            except OSError:
+                if not (target / top).is_dir():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target / top
+
+
+def find_host_sources() -> dict:
+    """{env var: source root}; raises HostsMissing naming what to provide."""
+    if all(os.environ.get(key) for key in ARCHIVES):
+        sources = {key: Path(os.environ[key]) for key in ARCHIVES}
+    else:
+        folder = archive_dir()
+        missing = [name for name, _ in ARCHIVES.values() if not (folder / name).is_file()]
+        if missing:
+            raise HostsMissing(
+                f"the real MindSpeed-LLM, MindSpeed and Megatron-LM sources are needed: put "
+                f"{', '.join(name for name, _ in ARCHIVES.values())} in {folder} (or point "
+                f"LAGA_THIRDPARTY at their folder), or set {', '.join(ARCHIVES)} to checkouts "
+                f"of those commits; missing: {', '.join(missing)}")
+        sources = {key: unpack(folder / name, top) for key, (name, top) in ARCHIVES.items()}
+    absent = [f"{key}={path}" for key, path in sources.items() if not path.is_dir()]
+    if absent:
+        raise HostsMissing(f"not a folder: {', '.join(absent)}")
+    modules = [pip for name, pip in HOST_MODULES.items() if importlib.util.find_spec(name) is None]
+    if modules:
+        raise HostsMissing(f"the host frameworks import modules that are missing: "
+                           f"pip install {' '.join(modules)}")
+    return {key: str(path) for key, path in sources.items()}
+
+
+@pytest.fixture(scope="session")
+def host_sources():
+    """Source roots of the real hosts; skips when absent, fails under CI=true."""
+    try:
+        return find_host_sources()
+    except HostsMissing as missing:
+        if in_ci():
+            pytest.fail(f"CI=true and {missing}", pytrace=False)
+        pytest.skip(str(missing))
+
+
+if __name__ == "__main__":
+    try:
+        found = find_host_sources()
+    except HostsMissing as missing:
+        sys.exit(f"thirdparty: {missing}")
+    for key, path in found.items():
+        print(f"export {key}={shlex.quote(path)}")
