@@ -9,6 +9,7 @@ plugin hook, so ``python -m mindspeed_laga.launch`` adds the feature to
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from argparse import ArgumentParser, Namespace
 
@@ -44,6 +45,27 @@ class LAGAFeature(_Base):
         if not check_laga_args(args):
             logger.warning("%s has no effect with --context-parallel-size 1: MLA attends to the "
                            "whole sequence locally", FLAG)
+            return
+        self._check_host_release(args)
+
+    @staticmethod
+    def _check_host_release(args: Namespace) -> None:
+        """Before training: the installed MindSpeed-LLM/MindSpeed pair is a tested release
+        (UnsupportedHostError naming the tested ones otherwise), logged by name, and the
+        options this release's forward cannot take are refused (ValueError)."""
+        import importlib.util
+        if importlib.util.find_spec("mindspeed_llm") is None:
+            return  # no MindSpeed-LLM: the patch has no target, nothing of LAGA runs
+        from mindspeed_laga.patches.host_versions import check_mindspeed_llm_release
+        release = check_mindspeed_llm_release()
+        found = f"{FLAG}: {release.label()} found"
+        logger.info(found)
+        if os.environ.get("RANK", "0") == "0":  # the start-up log, once per job
+            print(found, flush=True)
+        if release.documents_refused and getattr(args, "reset_attention_mask", False):
+            raise ValueError(f"{FLAG} with --reset-attention-mask is not supported on "
+                             f"MindSpeed-LLM {release.name}: {release.documents_refused}. Drop "
+                             f"--reset-attention-mask, use another release, or drop {FLAG}")
 
     def _level_too_low(self, args: Namespace) -> bool:
         """Warn, and True, when MindSpeed's --optimization-level filters this feature out:

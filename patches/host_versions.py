@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import inspect
 
+from .mindspeed_llm_releases import (RELEASES, UnknownHostRelease, installed_release,
+                                     release_of_forward, tested)
+
 # megatron-core releases the megatron-core patch (patches/megatron_mla.py) is tested with
 SUPPORTED_MEGATRON_CORE = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
-# MindSpeed-LLM commits the MindSpeed-LLM patch (patches/mindspeed_llm_mla.py) is tested with
-SUPPORTED_MINDSPEED_LLM = ("c77308a1",)
+# MindSpeed-LLM releases the MindSpeed-LLM patch (patches/mindspeed_llm_mla.py) is tested
+# with, each with its MindSpeed branch (patches/mindspeed_llm_releases.py tells them apart)
+SUPPORTED_MINDSPEED_LLM = tuple(r.name for r in RELEASES)
 
 # what patches/megatron_mla.py calls in megatron-core, found by import
 _MEGATRON_NEEDS = (
@@ -25,9 +29,10 @@ _MEGATRON_NEEDS = (
 # the attributes of CustomMLASelfAttention the copied MindSpeed-LLM forward reads
 MINDSPEED_LLM_MODULE_NEEDS = ("linear_qkv", "q_rank", "kv_lora_rank", "qk_pos_emb_head_dim",
                               "qk_head_dim", "v_head_dim", "q_head_dim", "kv_layernorm",
-                              "q_layernorm", "mla_mm_split", "mla_scale_q_lora",
-                              "mla_scale_kv_lora", "num_attention_heads_per_partition",
+                              "q_layernorm", "mla_mm_split", "num_attention_heads_per_partition",
                               "linear_proj")
+# ...and on the releases that scale the latents (Release.lora_scales)
+MINDSPEED_LLM_LORA_SCALES = ("mla_scale_q_lora", "mla_scale_kv_lora")
 
 
 class UnsupportedHostError(RuntimeError):
@@ -65,34 +70,56 @@ def _importable(module: str, name: str) -> bool:
 
 
 def _mindspeed_llm_message(what: str) -> str:
-    return (f"--mla-latent-all-gather supports MindSpeed-LLM at commit "
-            f"{', '.join(SUPPORTED_MINDSPEED_LLM)}: {what}. Releases 2.2.0 and 2.3.0 (no "
-            "mla_scale_kv_lora, yarn rope de-interleaved inside the forward) are not supported; "
-            "install the supported commit or drop --mla-latent-all-gather")
+    return (f"--mla-latent-all-gather supports these MindSpeed-LLM releases: {tested()}. {what}. "
+            "Install a tested pair or drop --mla-latent-all-gather")
 
 
-def check_mindspeed_llm_forward(forward) -> None:
-    """At patch time: the wrapped ``CustomMLASelfAttention.forward`` reads
-    ``mla_scale_kv_lora`` as the supported commit does.
+def check_mindspeed_llm_release():
+    """Before training (feature validation): the importable MindSpeed-LLM and MindSpeed
+    are a tested pair; returns its ``Release``. Raises :class:`UnsupportedHostError`
+    naming the tested releases otherwise."""
+    try:
+        return installed_release()
+    except UnknownHostRelease as exc:
+        raise UnsupportedHostError(_mindspeed_llm_message(str(exc))) from exc
+
+
+def check_mindspeed_llm_forward(forward):
+    """At patch time: the release whose ``CustomMLASelfAttention.forward`` is wrapped,
+    read from the module that defines it.
 
     Only MindSpeed-LLM's own forward is read: another feature's wrapper without
-    ``functools.wraps`` (or a forward without source) is left to the per-module
-    check on the first LAGA call."""
+    ``functools.wraps`` (or a forward without source) returns None, and the
+    module's class names the release on its first LAGA call."""
     target = inspect.unwrap(forward)
     if not getattr(target, "__qualname__", "").endswith("MLASelfAttention.forward"):
-        return
+        return None
     try:
-        source = inspect.getsource(target)
-    except (OSError, TypeError):
-        return
-    if "mla_scale_kv_lora" not in source:
+        if inspect.getsourcefile(target) is None:
+            return None
+    except TypeError:
+        return None
+    try:
+        return release_of_forward(target)
+    except UnknownHostRelease as exc:
+        raise UnsupportedHostError(_mindspeed_llm_message(str(exc))) from exc
+
+
+def release_of_module(module):
+    """On a module's first LAGA call when the patch could not tell: its class's release."""
+    from .mindspeed_llm_releases import identify_mindspeed_llm
+    try:
+        return identify_mindspeed_llm(inspect.getsourcefile(type(module)))
+    except (TypeError, UnknownHostRelease) as exc:
         raise UnsupportedHostError(_mindspeed_llm_message(
-            "this CustomMLASelfAttention.forward does not apply mla_scale_kv_lora"))
+            f"{type(module).__name__} is not a tested MindSpeed-LLM class ({exc})")) from exc
 
 
-def check_mindspeed_llm_module(module) -> None:
-    """On a module's first LAGA call: the attributes the copied forward reads exist."""
-    missing = [name for name in MINDSPEED_LLM_MODULE_NEEDS if not hasattr(module, name)]
+def check_mindspeed_llm_module(module, release) -> None:
+    """On a module's first LAGA call: the attributes the forward reads on ``release`` exist."""
+    needs = MINDSPEED_LLM_MODULE_NEEDS + (MINDSPEED_LLM_LORA_SCALES if release.lora_scales else ())
+    missing = [name for name in needs if not hasattr(module, name)]
     if missing:
         raise UnsupportedHostError(_mindspeed_llm_message(
-            f"{type(module).__name__} has no {missing}"))
+            f"{type(module).__name__} has no {missing}, which MindSpeed-LLM {release.name} "
+            "defines"))
