@@ -62,10 +62,14 @@ class LAGAFeature(_Base):
         logger.info(found)
         if os.environ.get("RANK", "0") == "0":  # the start-up log, once per job
             print(found, flush=True)
-        if release.documents_refused and getattr(args, "reset_attention_mask", False):
-            raise ValueError(f"{FLAG} with --reset-attention-mask is not supported on "
-                             f"MindSpeed-LLM {release.name}: {release.documents_refused}. Drop "
-                             f"--reset-attention-mask, use another release, or drop {FLAG}")
+        algo = getattr(args, "context_parallel_algo", None) or "megatron_cp_algo"
+        if getattr(args, "reset_attention_mask", False) and not release.takes_documents(algo):
+            other = (f"use --context-parallel-algo {' or '.join(release.document_algos)}, "
+                     if release.document_algos else "")
+            raise ValueError(f"{FLAG} with --reset-attention-mask and {algo} is not supported "
+                             f"on MindSpeed-LLM {release.name}: {release.documents_refused}. "
+                             f"{other.capitalize()}drop --reset-attention-mask, install a newer "
+                             f"release, or drop {FLAG}")
 
     def _level_too_low(self, args: Namespace) -> bool:
         """Warn, and True, when MindSpeed's --optimization-level filters this feature out:

@@ -57,7 +57,9 @@ class Release:
     # rope_scaling_type values for which the forward de-interleaves the rope dims of
     # q_pos_emb and k_pos_emb (pairs -> halves) before applying rope
     rope_deinterleave: Tuple[str, ...] = ()
-    # why LAGA refuses --reset-attention-mask on this release (None: supported)
+    # --reset-attention-mask: the CP algorithms LAGA takes packed documents with on this
+    # release (None: every one LAGA maps) and why not the others
+    document_algos: Optional[Tuple[str, ...]] = None
     documents_refused: Optional[str] = None
 
     def label(self) -> str:
@@ -66,6 +68,9 @@ class Release:
 
     def deinterleaves(self, rope_scaling_type) -> bool:
         return rope_scaling_type in self.rope_deinterleave
+
+    def takes_documents(self, cp_algo: str) -> bool:
+        return self.document_algos is None or cp_algo in self.document_algos
 
 
 # llm_facts: (reads up-proj recompute gate, shares DSA indices, kv-lora scale,
@@ -83,11 +88,15 @@ RELEASES = (
     Release("2.3.0", "62d4640b", "2.3.0_core_r0.12.1", "674226a1", "8.5.0", "7.3.0",
             llm_facts=(False, False, False, True, ("plm", "yarn")),
             mindspeed_facts=(True, False, False, False),
-            lora_scales=False, rope_deinterleave=("yarn", "plm")),
+            lora_scales=False, rope_deinterleave=("yarn", "plm"),
+            document_algos=("megatron_cp_algo",),
+            documents_refused=(
+                "its MindSpeed splits packed documents per document (zigzag, after padding) "
+                "for every CP algorithm, which only megatron_cp_algo's attention follows")),
     Release("2.2.0", "337813b0", "2.2.0_core_r0.12.1", "a654440c", "8.3.RC1", "7.2.0",
             llm_facts=(False, False, False, False, ("yarn",)),
             mindspeed_facts=(False, False, False, False),
-            lora_scales=False, rope_deinterleave=("yarn",),
+            lora_scales=False, rope_deinterleave=("yarn",), document_algos=(),
             documents_refused=(
                 "its MLA forward hands rope packed_seq_params.cu_seqlens_q (a tensor) while "
                 "the THD rope its --reset-attention-mask feature installs reads "
