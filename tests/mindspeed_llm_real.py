@@ -429,6 +429,18 @@ def worker(rank, world_size, tp_size, sequence_parallel, cases):
     return results
 
 
+def worker_jobs(rank, world_size, jobs):
+    """Several (tp_size, sequence_parallel, cases) jobs of ``worker`` in one spawn."""
+    return [worker(rank, world_size, tp, sp, cases) for tp, sp, cases in jobs]
+
+
+def _jobs(world_size, jobs):
+    """[per-rank results of each job]: the jobs run in one spawn of ``world_size`` ranks."""
+    from mindspeed_laga.spawn import run_on_ranks
+    per_rank = run_on_ranks(worker_jobs, world_size, jobs)
+    return [[ranks[j] for ranks in per_rank] for j in range(len(jobs))]
+
+
 def document_ends(seq_len, generator):
     """Random document ends (multiples of 4, the last one seq_len), one document
     crossing the middle of the sequence."""
@@ -642,35 +654,33 @@ def check_numerics(release) -> None:
     reference is TP = CP = 1 on one rank. Without it, MindSpeed-LLM's forward leaves the
     rope key's grad partial per TP rank (it never all-reduces it), so the reference is the
     real forward at the same TP and CP = 1."""
-    from mindspeed_laga.spawn import run_on_ranks
-
     def check(label, got, ref):
         error = _max_relative_error(got, ref)
         print(f"{label}: max relative error {error:.2e}")
         assert error <= TOLERANCE, label
 
     CASES, TP_CASES, DOC_CASES, HYBRID_CASES = release_cases(release)  # noqa: N806
-    # the added cases ride on the existing jobs: documents with CP = 2, hybrid (TP = 1,
-    # CP = 4) with the other world of 4
-    single = run_on_ranks(worker, 1, 1, False, {**CASES, **DOC_CASES, **HYBRID_CASES})
+    tp_names = {k: CASES[k] for k in TP_CASES[:1]}
+    # one job per world size (each rank's start-up imports the hosts once): CP = 2 with
+    # documents and TP = 2 at CP = 1 in the world of 2; TP = 2 x CP = 2 with and without
+    # SP and hybrid (TP = 1, CP = 4) in the world of 4
+    single = _jobs(1, [(1, False, {**CASES, **DOC_CASES, **HYBRID_CASES})])[0]
+    two = _jobs(2, [(1, False, {**CASES, **DOC_CASES}), (2, False, tp_names)])
+    four = _jobs(4, [(2, True, {**{k: CASES[k] for k in TP_CASES}, **HYBRID_CASES}),
+                     (2, False, tp_names)])
     for name in {**CASES, **HYBRID_CASES}:
         print(f"{name}: softmax_scale {single[0][name]['softmax_scale']:.6f}")
         check(f"{name}: LAGA vs real forward, TP=CP=1", _assemble(single, name, "laga"),
               single[0][name]["original"])
-    for tp_size, cp_size, sp, names in ((1, 2, False, {**CASES, **DOC_CASES}),
-                                        (2, 2, True, {k: CASES[k] for k in TP_CASES})):
-        runs = dict(names, **(HYBRID_CASES if tp_size * cp_size == 4 else {}))
-        per_rank = run_on_ranks(worker, tp_size * cp_size, tp_size, sp, runs)
-        for name in runs:
+    for per_rank in (two[0], four[0]):
+        for name in per_rank[0]:
             first = per_rank[0][name]
             where = (f"TP={first['tp_size']} CP={len(per_rank) // first['tp_size']} "
                      f"SP={first['sequence_parallel']} U={first['ulysses_degree']}")
             check(f"{name}: LAGA at {where} vs real forward, TP=CP=1",
                   _assemble(per_rank, name, "laga"), single[0][name]["original"])
-    names = {k: CASES[k] for k in TP_CASES[:1]}
-    tp2 = run_on_ranks(worker, 2, 2, False, names)
-    tp2_cp2 = run_on_ranks(worker, 4, 2, False, names)
-    for name in names:
+    tp2, tp2_cp2 = two[1], four[1]
+    for name in tp_names:
         ref = _assemble(tp2, name, "original", 2, False)
         check(f"{name}: LAGA at TP=2 CP=1 vs real forward at TP=2",
               _assemble(tp2, name, "laga", 2, False), ref)
