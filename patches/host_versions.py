@@ -106,7 +106,8 @@ def check_mindspeed_llm_forward(forward):
 
 
 def release_of_module(module):
-    """On a module's first LAGA call when the patch could not tell: its class's release."""
+    """When the patch could not tell (another feature wrapped the forward first): the
+    release of the module defining the class."""
     from .mindspeed_llm_releases import identify_mindspeed_llm
     try:
         return identify_mindspeed_llm(inspect.getsourcefile(type(module)))

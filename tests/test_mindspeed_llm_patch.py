@@ -19,8 +19,8 @@ fused ``linear_kv_up_proj`` or ``--mla-mm-split``, ``--qk-layernorm``, the
 q/kv-lora scales, yarn's softmax mscale, all three mapped CP algorithms, and
 the ``--moe-fb-overlap`` all-to-all hooks.
 
-The real class: tests/mindspeed_llm_real.py, on the real sources of the
-``host_sources`` fixture (tests/thirdparty.py).
+The real class: tests/mindspeed_llm_real.py, on the real sources of every
+tested release pair (``release_host_sources``, tests/thirdparty.py).
 """
 import os
 import subprocess
