@@ -1,4 +1,5 @@
 """Fixtures and plugins shared by the tests."""
-from thirdparty import host_sources, release_host_sources  # noqa: F401  (the real host sources, unpacked once per run)
+# the real host sources (master; every release pair), unpacked once per run
+from thirdparty import host_sources, release_host_sources  # noqa: F401
 
 pytest_plugins = ["bounded_tests"]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from laga_parser import parse
 from thirdparty import RELEASE_NAMES, release_sources
 
@@ -17,7 +18,8 @@ from mindspeed_laga.commands.environment import mindspeed_llm_release
 from mindspeed_laga.features import LAGAFeature
 from mindspeed_laga.patches.host_versions import UnsupportedHostError
 from mindspeed_laga.patches.mindspeed_llm_releases import (BY_NAME, MLA_MODULE, RELEASES,
-                                                           UnknownHostRelease, identify,
+                                                           UnknownHostRelease,
+                                                           deinterleave_rope_dims, identify,
                                                            installed_release)
 
 VALID = ["--multi-latent-attention", "--disable-bias-linear", "--attention-dropout", "0.0",
@@ -129,3 +131,20 @@ def test_without_mindspeed_llm_the_doctor_reports_none():
     assert "mindspeed_llm" not in sys.modules
     if importlib.util.find_spec("mindspeed_llm") is None:
         assert mindspeed_llm_release() is None
+
+
+def test_the_2x_rope_de_interleave_moves_pairs_to_halves():
+    x = torch.arange(2 * 3 * 8).reshape(2, 3, 8)
+    out = deinterleave_rope_dims(x)
+    assert out[0, 0].tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert torch.equal(out, x[..., [0, 2, 4, 6, 1, 3, 5, 7]])
+
+
+def test_the_differences_per_release():
+    assert [r.lora_scales for r in RELEASES] == [True, True, True, False, False]
+    assert BY_NAME["2.3.0"].deinterleaves("plm") and not BY_NAME["2.2.0"].deinterleaves("plm")
+    assert not any(BY_NAME[n].deinterleaves("yarn") for n in ("master", "26.1.0", "26.0.0"))
+    assert BY_NAME["26.0.0"].takes_documents("ulysses_cp_algo")
+    assert not BY_NAME["2.3.0"].takes_documents("ulysses_cp_algo")
+    assert BY_NAME["2.3.0"].takes_documents("megatron_cp_algo")
+    assert not BY_NAME["2.2.0"].takes_documents("megatron_cp_algo")

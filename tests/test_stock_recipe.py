@@ -55,7 +55,8 @@ HOST = "host: "  # an expected error the host itself raises, before LAGA's check
 # 26.0.0 and 26.1.0 reject it with packed documents; those releases are also checked
 # without it
 NO_MTP = [("--mtp-num-layers", 1), ("--mtp-loss-scaling-factor", 1), "--mtp-mem-efficient-logits"]
-MTP_WITH_PACKING = "Multi-Token Prediction(MTP) is not supported with Context Parallelism(CP) in pack"
+MTP_WITH_PACKING = ("Multi-Token Prediction(MTP) is not supported with Context "
+                    "Parallelism(CP) in pack")
 MTP_REFUSED = {
     "26.1.0": MTP_WITH_PACKING,
     "26.0.0": MTP_WITH_PACKING,
