@@ -14,7 +14,7 @@ import torch
 from laga_parser import parse
 from thirdparty import RELEASE_NAMES, release_sources
 
-from mindspeed_laga.commands.environment import mindspeed_llm_release
+from mindspeed_laga.commands.environment import mindspeed_llm_release, report
 from mindspeed_laga.features import LAGAFeature
 from mindspeed_laga.patches.host_versions import UnsupportedHostError
 from mindspeed_laga.patches.mindspeed_llm_releases import (BY_NAME, MLA_MODULE, RELEASES,
@@ -111,7 +111,7 @@ def test_feature_validation_and_doctor_name_the_release(release, on_path, caplog
         feature.validate_args(parse(VALID, feature))
     label = BY_NAME[release].label()
     assert f"{label} found" in caplog.text and f"{label} found" in capsys.readouterr().out
-    assert mindspeed_llm_release() == label
+    assert mindspeed_llm_release() == label == report()["MindSpeed-LLM release"]
 
 
 def test_packed_documents_are_refused_where_the_release_cannot_take_them(on_path):
