@@ -9,7 +9,8 @@ Markers choose CI's extra legs (``.ci/run``): ``ascend`` tests also run on the A
 stack (Python 3.10, torch 2.7.1), ``mcore`` tests on the newest megatron-core (Python 3.12).
 The main leg runs every test.
 """
-from support.thirdparty import host_sources  # noqa: F401  (the real host sources, unpacked once per run)
+# the real host sources (master; every release pair), unpacked once per run
+from support.thirdparty import host_sources, release_host_sources  # noqa: F401
 
 pytest_plugins = ["support.bounded"]
 
