@@ -106,7 +106,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                                                       rope_cu_seqlens=packed_seq_params,
                                                       rope_input=rope_input,
                                                       lora_scales=release.lora_scales)
-    cu_seqlens = document_boundaries() if settings.documents else None
+    cu_seqlens = document_boundaries(_mtp_depth(self)) if settings.documents else None
     hooked = getattr(self, "a2a_hooked_on_attention", False)
     if hooked:  # --moe-fb-overlap: start the MoE all-to-all where the original does
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
@@ -125,13 +125,18 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     return self.linear_proj(core_out)
 
 
-def document_boundaries():
+def document_boundaries(mtp_depth: int = 0):
     """--reset-attention-mask: the global document boundaries [0, end_1, ..., S].
 
     MindSpeed keeps the cumulative ends (no leading 0) in ``get_actual_seq_len``;
     for megatron_cp_algo its loader padded every document to a multiple of
     2*CP and divided the ends by the ring degree (CP), for ulysses and
-    kvallgather the ring degree is 1.
+    kvallgather the ring degree is 1. With --mtp-num-layers MindSpeed-LLM keeps
+    one row of ends per depth (row 0: the main model, row d: the d-th MTP layer,
+    whose rolled tokens end each document d earlier); ``mtp_depth`` picks the row,
+    as the host's own core attention does with its ``mtp_idx``. A sample that ends
+    on an EOD repeats the last end (an empty document): it holds no token, so it
+    is dropped.
     """
     from mindspeed.core.context_parallel.get_batch_utils import get_actual_seq_len, get_ring_degree
 
@@ -140,8 +145,24 @@ def document_boundaries():
         raise ValueError("--reset-attention-mask is set but MindSpeed holds no document "
                          "boundaries (get_actual_seq_len() is None): feed batches through "
                          "MindSpeed's get_batch, or drop --reset-attention-mask")
-    ends = torch.as_tensor(ends).reshape(-1).double() * get_ring_degree()
-    return [0] + [int(end) for end in torch.round(ends).tolist()]
+    ends = torch.as_tensor(ends)
+    if ends.dim() == 2:  # one row per MTP depth
+        ends = ends[mtp_depth]
+    ends = ends.reshape(-1).double() * get_ring_degree()
+    boundaries = [0]
+    for end in torch.round(ends).tolist():
+        if int(end) != boundaries[-1]:
+            boundaries.append(int(end))
+    return boundaries
+
+
+def _mtp_depth(self) -> int:
+    """Which MTP depth this attention serves: MindSpeed-LLM sets ``mtp_idx`` on the
+    attention module or on its core attention (0 in the main model); absent without MTP."""
+    for module in (self, getattr(self, "core_attention", None)):
+        if module is not None and getattr(module, "mtp_idx", None) is not None:
+            return int(module.mtp_idx)
+    return 0
 
 
 def _ulysses_group(settings):
