@@ -8,9 +8,10 @@ kernel against the ``torch_npu`` stand-in), ``tools/`` (cost model, CLI, runners
 
 Markers choose CI's extra legs (``.ci/run``): ``ascend`` tests also run on the Ascend
 stack (Python 3.10, torch 2.7.1), ``mcore`` tests on the newest megatron-core (Python 3.12).
-The main leg runs every test but those marked ``loop`` (``loop/``: LAGA trained through
-MindSpeed-LLM's own ``pretrain_gpt.py`` under torchrun), which are ``ascend`` tests and
-run in the Ascend leg only, the stack they exercise.
+The main leg runs every test but those marked ``hosts``: the matrix of real hosts, i.e.
+the MindSpeed-LLM release pairs other than master and the real training loop
+(``loop/``: LAGA trained through MindSpeed-LLM's own ``pretrain_gpt.py`` under torchrun).
+They are ``ascend`` tests and run in the Ascend leg, the stack they exercise.
 """
 # the real host sources (master; every release pair), unpacked once per run
 from support.thirdparty import host_sources, release_host_sources  # noqa: F401
@@ -20,7 +21,8 @@ pytest_plugins = ["support.bounded"]
 MARKERS = {
     "ascend": "also runs in CI's Ascend leg (Python 3.10, torch 2.7.1)",
     "mcore": "also runs in CI's mcore leg (Python 3.12, the newest megatron-core)",
-    "loop": "trains through MindSpeed-LLM's own pretrain_gpt.py under torchrun (Ascend leg only)",
+    "loop": "trains through MindSpeed-LLM's own pretrain_gpt.py under torchrun",
+    "hosts": "the real-host matrix (releases other than master, the real loop): Ascend leg only",
 }
 
 

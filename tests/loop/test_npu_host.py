@@ -10,7 +10,7 @@ import pytest
 
 import npu_host_checks
 
-pytestmark = [pytest.mark.ascend, pytest.mark.loop]
+pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ import pytest
 
 import real_loop
 
-pytestmark = [pytest.mark.ascend, pytest.mark.loop]
+pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
 
 LOSS_RTOL = 2e-6       # measured noise 2.6e-7; the 1%-scale mutant moves losses 3.3e-5
 GRAD_NORM_RTOL = 1e-5  # measured noise 2.2e-6; the mutant moves the grad norm 9.4e-4
