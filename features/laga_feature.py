@@ -9,6 +9,7 @@ plugin hook, so ``python -m mindspeed_laga.launch`` adds the feature to
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from argparse import ArgumentParser, Namespace
 
@@ -44,6 +45,31 @@ class LAGAFeature(_Base):
         if not check_laga_args(args):
             logger.warning("%s has no effect with --context-parallel-size 1: MLA attends to the "
                            "whole sequence locally", FLAG)
+            return
+        self._check_host_release(args)
+
+    @staticmethod
+    def _check_host_release(args: Namespace) -> None:
+        """Before training: the installed MindSpeed-LLM/MindSpeed pair is a tested release
+        (UnsupportedHostError naming the tested ones otherwise), logged by name, and the
+        options this release's forward cannot take are refused (ValueError)."""
+        import importlib.util
+        if importlib.util.find_spec("mindspeed_llm") is None:
+            return  # no MindSpeed-LLM: the patch has no target, nothing of LAGA runs
+        from mindspeed_laga.patches.mindspeed_llm.host import check_mindspeed_llm_release
+        release = check_mindspeed_llm_release()
+        found = f"{FLAG}: {release.label()} found"
+        logger.info(found)
+        if os.environ.get("RANK", "0") == "0":  # the start-up log, once per job
+            print(found, flush=True)
+        algo = getattr(args, "context_parallel_algo", None) or "megatron_cp_algo"
+        if getattr(args, "reset_attention_mask", False) and not release.takes_documents(algo):
+            other = (f"use --context-parallel-algo {' or '.join(release.document_algos)}, "
+                     if release.document_algos else "")
+            raise ValueError(f"{FLAG} with --reset-attention-mask and {algo} is not supported "
+                             f"on MindSpeed-LLM {release.name}: {release.documents_refused}. "
+                             f"{other.capitalize()}drop --reset-attention-mask, install a newer "
+                             f"release, or drop {FLAG}")
 
     def _level_too_low(self, args: Namespace) -> bool:
         """Warn, and True, when MindSpeed's --optimization-level filters this feature out:

@@ -1,4 +1,5 @@
-"""What both host patches share: the first-call checks and the overlapped gather.
+"""What both host patches share: the first-call checks (shapes, the same weights), the
+overlapped gather and the error an untested host raises.
 
 Every CP rank runs the same modules in the same order, so the ranks agree on
 shapes on a module's first call only and skip the exchange together later
@@ -32,3 +33,7 @@ def start_gather(overlap: bool, kv_latent, k_pos_emb, cp_group, check_ranks: boo
         return None
     from mindspeed_laga import start_latent_gather
     return start_latent_gather(kv_latent, k_pos_emb, cp_group=cp_group, check_ranks=check_ranks)
+
+
+class UnsupportedHostError(RuntimeError):
+    """The installed host differs from every version the patch was written for."""

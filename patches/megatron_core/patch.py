@@ -29,7 +29,7 @@ from mindspeed_laga.api import explicit_attention, laga_attention
 from mindspeed_laga.options import AttnOptions
 from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, KERNELS, LAYOUTS
 
-from ..host_versions import SUPPORTED_MEGATRON_CORE, check_megatron_core
+from .host import SUPPORTED_MEGATRON_CORE, check_megatron_core
 from .hybrid import check_ulysses_degree
 from .mla import MegatronPatchSettings, make_forward
 

@@ -17,9 +17,12 @@ applied exactly as the original applies it (with ``packed_seq_params`` as its
 ``cu_seqlens``, the table MindSpeed-LLM builds from the reset position ids).
 With ``hybrid_cp_algo`` the heads split inside MindSpeed's hybrid Ulysses group.
 
-The forward copied here is MindSpeed-LLM's at the commit named in
-``host_versions.SUPPORTED_MINDSPEED_LLM``; another version fails with that
-named when the patch is applied or on a module's first LAGA call.
+The forward copied here is MindSpeed-LLM's, one for every release in
+``host.SUPPORTED_MINDSPEED_LLM``; what differs between releases (the
+latent scales, rope dims de-interleaved for yarn/plm on 2.2.0/2.3.0) is a field
+of the release found in the wrapped forward's own module
+(patches/mindspeed_llm/releases.py). An untested host fails with the tested
+releases named when the patch is applied or on a module's first LAGA call.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from mindspeed_laga.api import laga_attention
 from mindspeed_laga.features.laga_args import laga_settings
 
 from ..common import check_weight_once, first_call, start_gather
-from ..host_versions import check_mindspeed_llm_forward, check_mindspeed_llm_module
+from .host import check_mindspeed_llm_forward, check_mindspeed_llm_module, release_of_module
+from .releases import deinterleave_rope_dims
 
 # forward arguments that only non-training or packed paths pass; any of them -> original
 _ORIGINAL_ONLY = ("key_value_states", "inference_context", "inference_params", "rotary_pos_cos",
@@ -43,9 +47,12 @@ _ORIGINAL_ONLY = ("key_value_states", "inference_context", "inference_params", "
 _DOCUMENT_ARGS = ("packed_seq_params",)
 
 
-def laga_mla_forward_wrapper(forward):
-    """Wrap ``CustomMLASelfAttention.forward``: LAGA where it applies, else ``forward``."""
-    check_mindspeed_llm_forward(forward)
+def laga_mla_forward_wrapper(forward, release=None):
+    """Wrap ``CustomMLASelfAttention.forward``: LAGA where it applies, else ``forward``.
+
+    ``release`` (a ``releases.Release``): the MindSpeed-LLM release whose
+    forward this is; by default read from the module defining ``forward``."""
+    release = release or check_mindspeed_llm_forward(forward)
     signature = inspect.signature(forward)
 
     @functools.wraps(forward)
@@ -57,7 +64,8 @@ def laga_mla_forward_wrapper(forward):
             return forward(self, *args, **kwargs)
         return laga_self_attention(self, call["hidden_states"], call.get("rotary_pos_emb"),
                                    cp_group, megatron_args,
-                                   packed_seq_params=call.get("packed_seq_params"))
+                                   packed_seq_params=call.get("packed_seq_params"),
+                                   release=release)
 
     return forward_with_laga
 
@@ -82,17 +90,24 @@ def _laga_cp_group(self, call, megatron_args):
 
 
 def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
-                        packed_seq_params=None):
-    """MLA self-attention with LAGA as the core; returns ``linear_proj``'s (output, bias)."""
-    check_mindspeed_llm_module(self)
+                        packed_seq_params=None, release=None):
+    """MLA self-attention with LAGA as the core; returns ``linear_proj``'s (output, bias).
+
+    ``release``: the MindSpeed-LLM release of ``self``'s class (by default read from
+    the module defining the class)."""
+    release = release or release_of_module(self)
+    check_mindspeed_llm_module(self, release)
     settings = laga_settings(megatron_args)
     overlap = settings.overlap and torch.distributed.get_world_size(cp_group) > 1
     check_ranks = first_call(self)
     check_weight_once(check_ranks, _kv_up_weight(self), cp_group)
+    rope_input = _rope_input(release, megatron_args)
     query, kv_latent, k_pos_emb, gather = _mla_inputs(self, hidden_states, rotary_pos_emb,
                                                       cp_group if overlap else None, check_ranks,
-                                                      rope_cu_seqlens=packed_seq_params)
-    cu_seqlens = document_boundaries() if settings.documents else None
+                                                      rope_cu_seqlens=packed_seq_params,
+                                                      rope_input=rope_input,
+                                                      lora_scales=release.lora_scales)
+    cu_seqlens = document_boundaries(_mtp_depth(self)) if settings.documents else None
     hooked = getattr(self, "a2a_hooked_on_attention", False)
     if hooked:  # --moe-fb-overlap: start the MoE all-to-all where the original does
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
@@ -111,13 +126,18 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     return self.linear_proj(core_out)
 
 
-def document_boundaries():
+def document_boundaries(mtp_depth: int = 0):
     """--reset-attention-mask: the global document boundaries [0, end_1, ..., S].
 
     MindSpeed keeps the cumulative ends (no leading 0) in ``get_actual_seq_len``;
     for megatron_cp_algo its loader padded every document to a multiple of
     2*CP and divided the ends by the ring degree (CP), for ulysses and
-    kvallgather the ring degree is 1.
+    kvallgather the ring degree is 1. With --mtp-num-layers MindSpeed-LLM keeps
+    one row of ends per depth (row 0: the main model, row d: the d-th MTP layer,
+    whose rolled tokens end each document d earlier); ``mtp_depth`` picks the row,
+    as the host's own core attention does with its ``mtp_idx``. A sample that ends
+    on an EOD repeats the last end (an empty document): it holds no token, so it
+    is dropped.
     """
     from mindspeed.core.context_parallel.get_batch_utils import get_actual_seq_len, get_ring_degree
 
@@ -126,8 +146,24 @@ def document_boundaries():
         raise ValueError("--reset-attention-mask is set but MindSpeed holds no document "
                          "boundaries (get_actual_seq_len() is None): feed batches through "
                          "MindSpeed's get_batch, or drop --reset-attention-mask")
-    ends = torch.as_tensor(ends).reshape(-1).double() * get_ring_degree()
-    return [0] + [int(end) for end in torch.round(ends).tolist()]
+    ends = torch.as_tensor(ends)
+    if ends.dim() == 2:  # one row per MTP depth
+        ends = ends[mtp_depth]
+    ends = ends.reshape(-1).double() * get_ring_degree()
+    boundaries = [0]
+    for end in torch.round(ends).tolist():
+        if int(end) != boundaries[-1]:
+            boundaries.append(int(end))
+    return boundaries
+
+
+def _mtp_depth(self) -> int:
+    """Which MTP depth this attention serves: MindSpeed-LLM sets ``mtp_idx`` on the
+    attention module or on its core attention (0 in the main model); absent without MTP."""
+    for module in (self, getattr(self, "core_attention", None)):
+        if module is not None and getattr(module, "mtp_idx", None) is not None:
+            return int(module.mtp_idx)
+    return 0
 
 
 def _ulysses_group(settings):
@@ -148,13 +184,22 @@ def _rope(self):
                    apply_rotary_pos_emb)
 
 
+def _rope_input(release, megatron_args):
+    """What the release's forward does to q_pos_emb / k_pos_emb right before rope."""
+    if release.deinterleaves(getattr(megatron_args, "rope_scaling_type", None)):
+        return deinterleave_rope_dims
+    return None
+
+
 def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_ranks=True,
-                rope_cu_seqlens=None):
+                rope_cu_seqlens=None, rope_input=None, lora_scales=True):
     """query [s,b,n,d_n+d_r], kv_latent [s,b,d_c], k_pos_emb [s,b,d_r] as the original builds
     them, and the latent all-gather already started when ``overlap_group`` is given.
 
     ``rope_cu_seqlens``: what the original passes to rope as ``cu_seqlens``
-    (``packed_seq_params`` under --reset-attention-mask, else None).
+    (``packed_seq_params`` under --reset-attention-mask, else None). ``rope_input``:
+    applied to q_pos_emb and k_pos_emb before rope, as the release's forward does (None:
+    nothing). ``lora_scales``: whether the release scales the q/kv latents.
 
     s is this CP rank's tokens, gathered over TP under sequence parallelism. The
     latent is finished first so its gather overlaps the query projection.
@@ -173,7 +218,7 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_r
         dim=-1)
 
     kv_latent = self.kv_layernorm(kv_compressed)
-    if self.mla_scale_kv_lora is not None:
+    if lora_scales and self.mla_scale_kv_lora is not None:
         kv_latent = kv_latent * self.mla_scale_kv_lora
     # what linear_kv_up_proj (column-parallel) does to its input: gather the
     # sequence under SP, else all-reduce the latent's grad over TP in backward
@@ -189,27 +234,29 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_r
     if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
         rotary_pos_emb = (rotary_pos_emb,) * 2
     if rotary_pos_emb is not None:
+        k_pos_emb = rope_input(k_pos_emb) if rope_input else k_pos_emb
         k_pos_emb = apply_rotary_pos_emb(k_pos_emb, rotary_pos_emb[1], config=self.config,
                                          cu_seqlens=rope_cu_seqlens)
     k_pos_emb = k_pos_emb.reshape(s, b, self.qk_pos_emb_head_dim)
     gather = start_gather(overlap_group is not None, kv_latent, k_pos_emb, overlap_group,
                           check_ranks)
 
-    q_no_pe, q_pos_emb = _query_parts(self, q_compressed, s, b, n)
+    q_no_pe, q_pos_emb = _query_parts(self, q_compressed, s, b, n, lora_scales)
     if rotary_pos_emb is not None:
+        q_pos_emb = rope_input(q_pos_emb) if rope_input else q_pos_emb
         q_pos_emb = apply_rotary_pos_emb(q_pos_emb, rotary_pos_emb[0], config=self.config,
                                          cu_seqlens=rope_cu_seqlens)
     query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
     return query, kv_latent, k_pos_emb, gather
 
 
-def _query_parts(self, q_compressed, s, b, n):
+def _query_parts(self, q_compressed, s, b, n, lora_scales=True):
     """(q_no_pe, q_pos_emb), each [s, b, n, *], for q_lora_rank set or not, fused or mm-split."""
     if self.q_layernorm is None:  # no q_lora_rank: linear_qkv already produced the query
         q = q_compressed.view(s, b, n, -1)
         return torch.split(q, [self.qk_head_dim, self.qk_pos_emb_head_dim], dim=-1)
     q_compressed = self.q_layernorm(q_compressed)
-    if self.mla_scale_q_lora is not None:
+    if lora_scales and self.mla_scale_q_lora is not None:
         q_compressed = q_compressed * self.mla_scale_q_lora
     if self.mla_mm_split:
         q_no_pe, _ = self.linear_qk_nope(q_compressed)

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 import mindspeed_laga  # noqa: E402
-from mindspeed_laga.patches import host_versions  # noqa: E402
+from mindspeed_laga.patches.megatron_core import host as megatron_host  # noqa: E402
 from mindspeed_laga.patches.megatron_core import mla as megatron_mla, patch as megatron_patch  # noqa: E402
 
 pytestmark = pytest.mark.mcore  # the leg that runs it (tests/conftest.py)
@@ -181,8 +181,8 @@ def test_patch_survives_a_reload_without_double_wrapping(mla):
 
 def test_unsupported_megatron_core_is_named(mla, monkeypatch):
     cls, original = mla
-    monkeypatch.setattr(host_versions, "megatron_core_version", lambda: "0.9.0")
-    with pytest.raises(host_versions.UnsupportedHostError) as info:
+    monkeypatch.setattr(megatron_host, "megatron_core_version", lambda: "0.9.0")
+    with pytest.raises(megatron_host.UnsupportedHostError) as info:
         mindspeed_laga.patch_megatron_mla()
     assert "megatron-core 0.9.0 is installed" in str(info.value)
     assert "0.16.1" in str(info.value)
@@ -192,12 +192,12 @@ def test_unsupported_megatron_core_is_named(mla, monkeypatch):
 def test_megatron_core_lacking_a_function_is_named(monkeypatch):
     from megatron.core.models.common.embeddings import rope_utils
     monkeypatch.delattr(rope_utils, "_apply_rotary_pos_emb_bshd")
-    with pytest.raises(host_versions.UnsupportedHostError, match="_apply_rotary_pos_emb_bshd"):
-        host_versions.check_megatron_core(host_versions.SUPPORTED_MEGATRON_CORE[0])
+    with pytest.raises(megatron_host.UnsupportedHostError, match="_apply_rotary_pos_emb_bshd"):
+        megatron_host.check_megatron_core(megatron_host.SUPPORTED_MEGATRON_CORE[0])
 
 
 def test_installed_megatron_core_is_supported():
-    assert host_versions.check_megatron_core() in host_versions.SUPPORTED_MEGATRON_CORE
+    assert megatron_host.check_megatron_core() in megatron_host.SUPPORTED_MEGATRON_CORE
 
 
 class _Group:

@@ -282,9 +282,9 @@ def test_register_patches_wraps_the_mindspeed_llm_mla_forward():
     assert laga_mla_forward_wrapper.__name__.endswith("wrapper")
 
 
-def test_patch_target_exists_in_mindspeed_llm_source(host_sources):
-    """The dotted name resolves to a method in MindSpeed-LLM's own source."""
-    root = Path(host_sources["MINDSPEED_LLM_SRC"])
+def test_patch_target_exists_in_mindspeed_llm_source(release_host_sources):
+    """The dotted name resolves to a method in each release's own MindSpeed-LLM source."""
+    root = Path(release_host_sources[1]["MINDSPEED_LLM_SRC"])
     module, cls, method = MLA_FORWARD.rsplit(".", 2)
     tree = ast.parse((root / (module.replace(".", "/") + ".py")).read_text())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}

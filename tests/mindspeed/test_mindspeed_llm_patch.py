@@ -19,8 +19,8 @@ fused ``linear_kv_up_proj`` or ``--mla-mm-split``, ``--qk-layernorm``, the
 q/kv-lora scales, yarn's softmax mscale, all three mapped CP algorithms, and
 the ``--moe-fb-overlap`` all-to-all hooks.
 
-The real class: tests/support/mindspeed_llm_real.py, on the real sources of the
-``host_sources`` fixture (tests/support/thirdparty.py).
+The real class: tests/support/mindspeed_llm_real.py, on the real sources of every
+tested release pair (``release_host_sources``, tests/support/thirdparty.py).
 """
 import os
 import subprocess
@@ -32,11 +32,13 @@ import pytest
 import torch
 
 from mindspeed_laga import layout as layouts
+from mindspeed_laga.patches.mindspeed_llm.releases import BY_NAME
 from mindspeed_laga.tools.spawn import run_on_ranks
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 SEQ, BATCH, SEED = 16, 2, 1234
+STANDIN_RELEASE = BY_NAME["master"]  # the stand-in's forward is master's
 TOLERANCE = 1e-5  # float32, relative to the largest reference magnitude
 
 CASES = {
@@ -106,14 +108,14 @@ def worker(rank, world, cases):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    import mindspeed_llm_standin as standin
+    from support import mindspeed_llm_standin as standin
     from mindspeed_laga import count_bytes
     from mindspeed_laga.features.laga_args import laga_settings
     from mindspeed_laga.patches.mindspeed_llm.forward import (laga_mla_forward_wrapper, laga_self_attention)
 
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     _install_fb_overlap_standin()
-    wrapped = laga_mla_forward_wrapper(standin.StandinMLASelfAttention.forward)
+    wrapped = laga_mla_forward_wrapper(standin.StandinMLASelfAttention.forward, STANDIN_RELEASE)
     results = {}
     try:
         for name, case in cases.items():
@@ -136,7 +138,8 @@ def worker(rank, world, cases):
                 res["wrapped"] = _run(module, patched, hidden, rope, grad_out)
                 res["wrapped_called_original"] = calls() - before
                 res["laga"] = _run(module, lambda h, r: laga_self_attention(
-                    module, h, r, dist.group.WORLD, args), hidden, rope, grad_out)
+                    module, h, r, dist.group.WORLD, args, release=STANDIN_RELEASE),
+                    hidden, rope, grad_out)
                 continue
             layout = laga_settings(args).layout
             shard = lambda t: layouts.shard(t, layout, world, rank, dim=0)  # noqa: E731
@@ -254,58 +257,75 @@ def test_cp2_fb_overlap_all_to_all_is_launched_once_each_way(cp2):
         assert r["qlora-fused-kvallgather-eager"]["a2a_calls"] == {"forward": 0, "backward": 0}
 
 
-# --- the real class -------------------------------------------------------------------------
+# --- the real class, on every tested release ----------------------------------------------
 
-def test_real_custom_mla_self_attention(host_sources):
+def test_real_custom_mla_self_attention(release_host_sources):
+    """tests/support/mindspeed_llm_real.py on one release pair's sources: the release LAGA
+    identifies is the pair's, and every case matches the real forward."""
+    release, sources = release_host_sources
     script = Path(__file__).resolve().parents[1] / "support" / "mindspeed_llm_real.py"
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=dict(os.environ, **host_sources), timeout=900)
+                          env=dict(os.environ, **sources, LAGA_EXPECT_RELEASE=release),
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert f"release: {release}\n" in proc.stdout, proc.stdout[-4000:]
     assert "real CustomMLASelfAttention: ok" in proc.stdout, proc.stdout[-4000:]
 
 
-# --- host version guard ---------------------------------------------------------------------
+# --- host release guard ---------------------------------------------------------------------
 
 class CustomMLASelfAttention:
     def forward(self, hidden_states, attention_mask, rotary_pos_emb=None):
-        """Like MindSpeed-LLM 2.2.0/2.3.0's forward: it never reads the kv-lora scale."""
+        """A MindSpeed-LLM forward of no tested release: it never reads the kv-lora scale
+        and de-interleaves no rope."""
         compressed_kv_norm = self.kv_layernorm(hidden_states)
         return self.linear_proj(compressed_kv_norm)
 
 
-_released_forward = CustomMLASelfAttention.forward
+_untested_forward = CustomMLASelfAttention.forward
 
 
-def test_wrapping_a_forward_without_the_kv_lora_scale_names_the_supported_commit():
-    from mindspeed_laga.patches.host_versions import SUPPORTED_MINDSPEED_LLM, UnsupportedHostError
+def test_wrapping_an_untested_forward_names_the_tested_releases():
+    from mindspeed_laga.patches.mindspeed_llm.host import SUPPORTED_MINDSPEED_LLM
+    from mindspeed_laga.patches.common import UnsupportedHostError
     from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
     with pytest.raises(UnsupportedHostError) as info:
-        laga_mla_forward_wrapper(_released_forward)
+        laga_mla_forward_wrapper(_untested_forward)
     message = str(info.value)
-    assert SUPPORTED_MINDSPEED_LLM[0] in message and "mla_scale_kv_lora" in message
-    assert "2.2.0" in message and "--mla-latent-all-gather" in message
+    assert SUPPORTED_MINDSPEED_LLM == ("master", "26.1.0", "26.0.0", "2.3.0", "2.2.0")
+    for name in SUPPORTED_MINDSPEED_LLM:
+        assert f"MindSpeed-LLM {name} (" in message, name
+    assert "-mla_scale_kv_lora" in message and "--mla-latent-all-gather" in message
 
 
 def test_another_features_unwrapped_wrapper_is_left_to_the_module_check():
     from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
 
     def other_feature_wrapper(self, *args, **kwargs):  # no functools.wraps: source unknown
-        return _released_forward(self, *args, **kwargs)
+        return _untested_forward(self, *args, **kwargs)
 
     laga_mla_forward_wrapper(other_feature_wrapper)  # no false rejection at patch time
 
 
-def test_the_standin_forward_passes_the_guard():
-    from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
-    from support.mindspeed_llm_standin import StandinMLASelfAttention
-    wrapped = laga_mla_forward_wrapper(StandinMLASelfAttention.forward)
-    assert wrapped.__wrapped__ is StandinMLASelfAttention.forward
+def test_the_standin_class_is_no_release_and_is_refused_on_its_first_call():
+    from mindspeed_laga.patches.common import UnsupportedHostError
+    from mindspeed_laga.patches.mindspeed_llm.forward import laga_self_attention
+    from support.mindspeed_llm_standin import StandinMLASelfAttention, mla_config
+    module = StandinMLASelfAttention.__new__(StandinMLASelfAttention)
+    with pytest.raises(UnsupportedHostError, match="StandinMLASelfAttention is not a tested"):
+        laga_self_attention(module, None, None, cp_group=object(), megatron_args=None)
+    assert mla_config  # (the stand-in tests name its release: master)
 
 
 def test_a_module_missing_an_attribute_is_named_before_any_collective():
-    from mindspeed_laga.patches.host_versions import UnsupportedHostError
+    from mindspeed_laga.patches.common import UnsupportedHostError
     from mindspeed_laga.patches.mindspeed_llm.forward import laga_self_attention
     module = SimpleNamespace(linear_qkv=None)  # what an older class would lack is the rest
     with pytest.raises(UnsupportedHostError, match="mla_scale_kv_lora"):
         # a cp_group that would fail if touched: the guard runs first
-        laga_self_attention(module, None, None, cp_group=object(), megatron_args=None)
+        laga_self_attention(module, None, None, cp_group=object(), megatron_args=None,
+                            release=STANDIN_RELEASE)
+    with pytest.raises(UnsupportedHostError) as info:  # 2.x reads no latent scale
+        laga_self_attention(module, None, None, cp_group=object(), megatron_args=None,
+                            release=BY_NAME["2.3.0"])
+    assert "mla_scale" not in str(info.value) and "q_rank" in str(info.value)

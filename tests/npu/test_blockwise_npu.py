@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from mindspeed_laga.tools import equivalence as eq
+from mindspeed_laga.tools.measure import worker
 from mindspeed_laga.tools.spawn import run_on_ranks
 
 from support.references import TOLERANCE, reference
@@ -41,7 +42,7 @@ CASES += [eq.Case(form="laga", cp_algo=a, layout=l, kernel="npu", shape=SHAPE,
 def npu_worker(rank, cp_size, cases):
     module = fake_torch_npu.install()
     module.reset_calls()
-    results = eq.worker(rank, cp_size, cases)
+    results = worker(rank, cp_size, cases)
     calls = module.calls
     return (results, sorted({c["name"] for c in calls}),
             sorted({str(c["atten_mask_shape"]) for c in calls}),

@@ -101,6 +101,9 @@ DOC_CASES = {
 # hybrid_cp_algo: CP = 4 = ring 2 x Ulysses 2, at TP = 1
 HYBRID = ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"]
 HYBRID_CASES = {"hybrid-u2": ["--q-lora-rank", "24", "--qk-layernorm"] + HYBRID}
+# 2.2.0 and 2.3.0: no kvallgather_cp_algo, no --enable-mla-scale-*-lora or
+# --enable-mla-absorb in their parsers
+OLD_RELEASES = ("2.3.0", "2.2.0")
 STUBBED = ("torch_npu", "transformer_engine", "scipy", "torchair", "acl", "apex")
 STUB_ATTRS = {"transformer_engine": {"__version__": "2.2.0"}, "torch_npu": {"__version__": "2.7.1"}}
 
@@ -171,6 +174,7 @@ def prepare(register_laga: bool = True) -> None:
         if not os.path.realpath(origin).startswith(megatron_src):
             del sys.modules[name]
     os.environ["TRAINING_BACKEND"] = "none"
+    _mindspeed_llm_without_adaptor()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asserts it with CP
     if not any(isinstance(f, StubFinder) for f in sys.meta_path):
         missing = {r for r in STUBBED if importlib.util.find_spec(r) is None}
@@ -195,6 +199,55 @@ def prepare(register_laga: bool = True) -> None:
     megatron_arguments.get_device_arch_version = lambda: 9
 
 
+def _mindspeed_llm_without_adaptor() -> None:
+    """What ``TRAINING_BACKEND=none`` does on releases that honour it (26.0.0 and newer):
+    the ``mindspeed_llm`` package without its ``__init__``, which on 2.2.0 and 2.3.0
+    always imports ``megatron_adaptor_v2`` (MindSpeed's patches, ``transfer_to_npu``,
+    ``transformers``). Submodules then import from the source tree as usual."""
+    if "mindspeed_llm" in sys.modules:
+        return
+    root = os.path.join(os.environ["MINDSPEED_LLM_SRC"], "mindspeed_llm")
+    with open(os.path.join(root, "__init__.py")) as f:
+        if "TRAINING_BACKEND" in f.read():
+            return  # it skips the adaptor itself
+    package = types.ModuleType("mindspeed_llm")
+    package.__path__, package.__file__ = [root], os.path.join(root, "__init__.py")
+    package.__spec__ = importlib.machinery.ModuleSpec("mindspeed_llm", None, is_package=True)
+    package.__spec__.submodule_search_locations = [root]
+    sys.modules["mindspeed_llm"] = package
+
+
+def host_release():
+    """The release LAGA's own identification reads from the sources on sys.path."""
+    from mindspeed_laga.patches.mindspeed_llm.releases import identify
+    return identify(os.path.join(os.environ["MINDSPEED_LLM_SRC"], "mindspeed_llm"),
+                    os.path.join(os.environ["MINDSPEED_SRC"], "mindspeed"))
+
+
+def release_cases(release):
+    """The cases as this release's parser takes them: on 2.2.0/2.3.0 kvallgather becomes
+    megatron_cp_algo (the documents case of it is dropped, megatron's is there), the
+    latent scales go, and 2.3.0 adds plm rope (de-interleaved like yarn in its forward).
+    2.2.0 refuses packed documents (check_documents_refused)."""
+    if release.name not in OLD_RELEASES:
+        return CASES, TP_CASES, DOC_CASES, HYBRID_CASES
+
+    def old(argv):
+        argv = ["megatron_cp_algo" if a == "kvallgather_cp_algo" else a for a in argv]
+        return [a for a in argv if not a.startswith("--enable-mla-scale")]
+
+    cases = {name.replace("kvallgather", "megatron-fused"): old(argv)
+             for name, argv in CASES.items()}
+    if "plm" in release.rope_deinterleave:
+        cases["qlora-fused-ulysses-plm"] = [
+            "--q-lora-rank", "24", "--qk-layernorm", "--context-parallel-algo", "ulysses_cp_algo",
+            "--rope-scaling-type", "plm"]
+    tp_cases = tuple(n.replace("kvallgather", "megatron-fused") for n in TP_CASES)
+    docs = {name: argv for name, argv in DOC_CASES.items()
+            if release.takes_documents(argv[argv.index("--context-parallel-algo") + 1])}
+    return cases, tp_cases, docs, HYBRID_CASES
+
+
 def megatron_args(argv, world_size):
     """Megatron core_v0.12.1's parse_args + MindSpeed-LLM's features, then their validation."""
     from megatron.training.arguments import parse_args, validate_args
@@ -212,7 +265,7 @@ def megatron_args(argv, world_size):
 
 # --- 1. argument pipeline and patch manager -------------------------------------------------
 
-def check_pipeline() -> None:
+def check_pipeline(release) -> None:
     from mindspeed.features_manager.feature import MindSpeedFeature
     from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
     from mindspeed.patch_utils import MindSpeedPatchesManager
@@ -220,20 +273,20 @@ def check_pipeline() -> None:
     from mindspeed_laga.features import LAGAFeature
     from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
 
-    args = megatron_args(MODEL + CASES["qlora-fused-kvallgather"] +
-                         ["--context-parallel-size", "2"], world_size=2)
+    base = MODEL + release_cases(release)[0][next(iter(release_cases(release)[0]))]
+    args = megatron_args(base + ["--context-parallel-size", "2"], world_size=2)
     features = MindSpeedFeaturesManager.FEATURES_LIST
     assert isinstance(features[-1], LAGAFeature), [type(f).__name__ for f in features[-3:]]
     assert issubclass(LAGAFeature, MindSpeedFeature)
     assert args.mla_latent_all_gather and args.context_parallel_size == 2
     assert features[-1].is_need_apply(args)  # MindSpeed's rule, with the parsed --optimization-level
+    rejected = "--mla-zero-memory" if release.name in OLD_RELEASES else "--enable-mla-absorb"
     try:
-        megatron_args(MODEL + CASES["qlora-fused-kvallgather"] +
-                      ["--context-parallel-size", "2", "--enable-mla-absorb"], world_size=2)
+        megatron_args(base + ["--context-parallel-size", "2", rejected], world_size=2)
     except ValueError as exc:
-        assert "--enable-mla-absorb" in str(exc), exc
+        assert rejected in str(exc), exc
     else:
-        raise AssertionError("--enable-mla-absorb was not rejected")
+        raise AssertionError(f"{rejected} was not rejected")
 
     from mindspeed_llm.tasks.models.transformer import multi_latent_attention as mla
     original = mla.CustomMLASelfAttention.forward
@@ -243,6 +296,8 @@ def check_pipeline() -> None:
         patched = mla.CustomMLASelfAttention.forward
         assert patched.__wrapped__ is original and patched.__code__ is \
             laga_mla_forward_wrapper(original).__code__
+        from mindspeed_laga.patches.mindspeed_llm.host import check_mindspeed_llm_forward
+        assert check_mindspeed_llm_forward(patched) is release  # read from the host's module
     finally:  # remove_patches skips modules named *mindspeed* (docs/HOSTS.md, section "MindSpeed's feature machinery")
         MindSpeedPatchesManager.remove_patches()
         mla.CustomMLASelfAttention.forward = original
@@ -272,12 +327,41 @@ def _build(argv, tp_size, cp_size, sequence_parallel):
         initialize_context_parallel_group_for_hybrid_cp(tp_size, 1, cp_size, {})
     config = core_transformer_config_from_args(args)
     config.context_parallel_size = 1  # what code sees while MindSpeed's CP attention is built: the patch must not depend on the config
-    submodules = mla.get_mla_self_attn_submodules(
-        qk_layernorm=args.qk_layernorm, mla_mm_split=args.mla_mm_split, enable_dsa_indexer=False)
+    submodules = _submodules(mla, args)
     torch.manual_seed(SEED)  # with CPU initialization every TP rank slices the same master weights
     module = mla.CustomMLASelfAttention(config, submodules, layer_number=1,
                                         attn_mask_type=AttnMaskType.causal)
+    # 2.2.0's MlaDotProductAttention sizes the output of its local (CPU) path for all
+    # heads, not this TP rank's (on NPU its flash path runs instead): the CPU reference
+    # at TP > 1 needs the per-rank size
+    per_rank = module.num_attention_heads_per_partition * args.v_head_dim
+    if getattr(module.core_attention, "hidden_size_per_partition", per_rank) != per_rank:
+        module.core_attention.hidden_size_per_partition = per_rank
     return args, module
+
+
+def _submodules(mla, args):
+    """The MLA submodules of MindSpeed-LLM's DeepSeek spec (local implementation): its
+    own builder, or on 2.2.0 (which builds them in the spec module, at import, from the
+    global args) the same host classes put together here."""
+    if hasattr(mla, "get_mla_self_attn_submodules"):
+        return mla.get_mla_self_attn_submodules(
+            qk_layernorm=args.qk_layernorm, mla_mm_split=args.mla_mm_split,
+            enable_dsa_indexer=False)
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+    from mindspeed_llm.core.transformer.custom_layers.transformer_engine import PTNorm
+    from mindspeed_llm.tasks.models.transformer.mla_dot_product_attention import (
+        MlaDotProductAttention)
+    norm = PTNorm if args.qk_layernorm else IdentityOp
+    common = dict(linear_qkv=mla.LinearNoTP, core_attention=MlaDotProductAttention,
+                  linear_proj=RowParallelLinear, q_layernorm=norm, kv_layernorm=norm)
+    if args.mla_mm_split:
+        return mla.MLASelfAttentionWithMMSplitSubmodules(
+            linear_qk_nope=ColumnParallelLinear, linear_qk_rope=ColumnParallelLinear,
+            linear_kv_nope=ColumnParallelLinear, linear_v=ColumnParallelLinear, **common)
+    return mla.CustomMLASelfAttentionSubmodules(
+        linear_q_up_proj=ColumnParallelLinear, linear_kv_up_proj=ColumnParallelLinear, **common)
 
 
 def _run(module, forward, hidden, rope, grad_out):
@@ -342,6 +426,18 @@ def worker(rank, world_size, tp_size, sequence_parallel, cases):
         finally:
             parallel_state.destroy_model_parallel()
     return results
+
+
+def worker_jobs(rank, world_size, jobs):
+    """Several (tp_size, sequence_parallel, cases) jobs of ``worker`` in one spawn."""
+    return [worker(rank, world_size, tp, sp, cases) for tp, sp, cases in jobs]
+
+
+def _jobs(world_size, jobs):
+    """[per-rank results of each job]: the jobs run in one spawn of ``world_size`` ranks."""
+    from mindspeed_laga.tools.spawn import run_on_ranks
+    per_rank = run_on_ranks(worker_jobs, world_size, jobs)
+    return [[ranks[j] for ranks in per_rank] for j in range(len(jobs))]
 
 
 def document_ends(seq_len, generator):
@@ -424,6 +520,58 @@ def _documents_case(module, args, cp_size, cp_rank, layout):
     return res
 
 
+def check_documents_refused(release) -> None:
+    """A release that cannot apply rope to packed documents (2.2.0): LAGA refuses
+    --reset-attention-mask at validation, naming the release, and the reason holds, since
+    the host's own forward fails on such a batch (run below at CP = 1)."""
+    from mindspeed_laga.tools.spawn import run_on_ranks
+
+    refused = [name for name in DOC_CASES if name not in release_cases(release)[2]]
+    refused = refused[-1:] if "documents-megatron" in refused else refused[:1]  # one parses
+    argv = MODEL + DOC_CASES[refused[0]] + ["--context-parallel-size", "2"]
+    try:
+        megatron_args(argv, world_size=2)
+    except ValueError as exc:
+        assert "--reset-attention-mask" in str(exc) and release.name in str(exc), exc
+    else:
+        raise AssertionError(f"{refused[0]} was not refused on {release.name}")
+    print(f"{refused[0]} on {release.name}: refused")
+    if "megatron_cp_algo" in release.document_algos:
+        return
+    error = run_on_ranks(_host_documents_worker, 1)[0]
+    assert "position_ids" in error, error
+    print(f"documents on {release.name}: the host's own forward fails: {error}")
+
+
+def _host_documents_worker(rank, world_size):
+    """The host's forward at CP = 1 on one packed sequence, fed as the release's GPT forward
+    feeds it (its packed_seq_params; the THD rope its reset-attention-mask feature installs)."""
+    prepare()
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from mindspeed.core.transformer.flash_attention.reset_attention_mask.adaptor import (
+        apply_rotary_pos_emb_thd)
+
+    argv = [a for a in MODEL + DOC_CASES["documents-megatron"] if a != "--mla-latent-all-gather"]
+    args, module = _build(argv, 1, 1, False)
+    try:
+        rope_utils._apply_rotary_pos_emb_thd = apply_rotary_pos_emb_thd
+        rotary._apply_rotary_pos_emb_thd = apply_rotary_pos_emb_thd
+        ends = torch.tensor([4, 12, SEQ])
+        packed = PackedSeqParams(cu_seqlens_q=ends, cu_seqlens_kv=ends)
+        packed.position_ids = torch.arange(SEQ)[:, None]
+        hidden = torch.randn(SEQ, 1, 64)
+        try:
+            module(hidden, None, rotary_pos_emb=_rope_table(SEQ, 8), packed_seq_params=packed)
+        except AttributeError as exc:
+            return f"AttributeError: {exc}"
+        return "the host's forward ran"
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def _host_cp_split(batch):
     """MindSpeed's real ``get_batch_on_this_cp_rank`` on [b, s, ...] tensors; its
     per-document split moves an index to 'npu', which is the CPU here."""
@@ -500,39 +648,38 @@ def _max_relative_error(got, ref):
     return max(errors)
 
 
-def check_numerics() -> None:
+def check_numerics(release) -> None:
     """Every run against the real forward. With sequence parallelism (or TP = 1) the
     reference is TP = CP = 1 on one rank. Without it, MindSpeed-LLM's forward leaves the
     rope key's grad partial per TP rank (it never all-reduces it), so the reference is the
     real forward at the same TP and CP = 1."""
-    from mindspeed_laga.tools.spawn import run_on_ranks
-
     def check(label, got, ref):
         error = _max_relative_error(got, ref)
         print(f"{label}: max relative error {error:.2e}")
         assert error <= TOLERANCE, label
 
-    # the added cases ride on the existing jobs: documents with CP = 2, hybrid (TP = 1,
-    # CP = 4) with the other world of 4
-    single = run_on_ranks(worker, 1, 1, False, {**CASES, **DOC_CASES, **HYBRID_CASES})
+    CASES, TP_CASES, DOC_CASES, HYBRID_CASES = release_cases(release)  # noqa: N806
+    tp_names = {k: CASES[k] for k in TP_CASES[:1]}
+    # one job per world size (each rank's start-up imports the hosts once): CP = 2 with
+    # documents and TP = 2 at CP = 1 in the world of 2; TP = 2 x CP = 2 with and without
+    # SP and hybrid (TP = 1, CP = 4) in the world of 4
+    single = _jobs(1, [(1, False, {**CASES, **DOC_CASES, **HYBRID_CASES})])[0]
+    two = _jobs(2, [(1, False, {**CASES, **DOC_CASES}), (2, False, tp_names)])
+    four = _jobs(4, [(2, True, {**{k: CASES[k] for k in TP_CASES}, **HYBRID_CASES}),
+                     (2, False, tp_names)])
     for name in {**CASES, **HYBRID_CASES}:
         print(f"{name}: softmax_scale {single[0][name]['softmax_scale']:.6f}")
         check(f"{name}: LAGA vs real forward, TP=CP=1", _assemble(single, name, "laga"),
               single[0][name]["original"])
-    for tp_size, cp_size, sp, names in ((1, 2, False, {**CASES, **DOC_CASES}),
-                                        (2, 2, True, {k: CASES[k] for k in TP_CASES})):
-        runs = dict(names, **(HYBRID_CASES if tp_size * cp_size == 4 else {}))
-        per_rank = run_on_ranks(worker, tp_size * cp_size, tp_size, sp, runs)
-        for name in runs:
+    for per_rank in (two[0], four[0]):
+        for name in per_rank[0]:
             first = per_rank[0][name]
             where = (f"TP={first['tp_size']} CP={len(per_rank) // first['tp_size']} "
                      f"SP={first['sequence_parallel']} U={first['ulysses_degree']}")
             check(f"{name}: LAGA at {where} vs real forward, TP=CP=1",
                   _assemble(per_rank, name, "laga"), single[0][name]["original"])
-    names = {k: CASES[k] for k in TP_CASES[:1]}
-    tp2 = run_on_ranks(worker, 2, 2, False, names)
-    tp2_cp2 = run_on_ranks(worker, 4, 2, False, names)
-    for name in names:
+    tp2, tp2_cp2 = two[1], four[1]
+    for name in tp_names:
         ref = _assemble(tp2, name, "original", 2, False)
         check(f"{name}: LAGA at TP=2 CP=1 vs real forward at TP=2",
               _assemble(tp2, name, "laga", 2, False), ref)
@@ -543,6 +690,12 @@ def check_numerics() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
     prepare()
-    check_pipeline()
-    check_numerics()
+    found = host_release()
+    print(f"release: {found.name}")
+    expected = os.environ.get("LAGA_EXPECT_RELEASE")
+    assert expected in (None, found.name), f"identified {found.name}, expected {expected}"
+    check_pipeline(found)
+    if found.document_algos is not None:
+        check_documents_refused(found)
+    check_numerics(found)
     print("real CustomMLASelfAttention: ok")

@@ -17,7 +17,14 @@ regex pyyaml tqdm einops``). When sources or modules are missing the tests that
 need them skip, naming what to provide; with ``CI=true`` they fail instead, so
 CI can never pass without running them.
 
-``python tests/support/thirdparty.py`` prints ``export NAME=path`` lines for a shell.
+Every tested MindSpeed-LLM release pair has its own archives (``RELEASES``:
+release -> MindSpeed-LLM and MindSpeed archive; Megatron core_v0.12.1 is shared
+by all). ``find_host_sources(release)`` gives that pair's roots (each archive
+unpacked once), ``release_sources(release)`` the same for a test (skip, or
+fail under CI), and ``RELEASE_NAMES`` parametrizes a test over them. The three
+environment variables override the ``master`` pair only.
+
+``python tests/support/thirdparty.py [release]`` prints ``export NAME=path`` lines for a shell.
 """
 from __future__ import annotations
 
@@ -40,6 +47,16 @@ ARCHIVES = {
     "MINDSPEED_SRC": ("mindspeed-028de58c.tar.gz", "MindSpeed"),
     "MEGATRON_SRC": ("megatron-lm-core_v0.12.1.tar.gz", "Megatron-LM"),
 }
+MEGATRON = ARCHIVES["MEGATRON_SRC"]
+# release -> (MindSpeed-LLM archive, MindSpeed archive): the pairs the adapter is tested with
+RELEASES = {
+    "master": (ARCHIVES["MINDSPEED_LLM_SRC"][0], ARCHIVES["MINDSPEED_SRC"][0]),
+    "26.1.0": ("mindspeed-llm-26.1.0-ad615b3b.tar.gz", "mindspeed-26.1.0-57a33053.tar.gz"),
+    "26.0.0": ("mindspeed-llm-26.0.0-4a035628.tar.gz", "mindspeed-26.0.0-3c44c134.tar.gz"),
+    "2.3.0": ("mindspeed-llm-2.3.0-62d4640b.tar.gz", "mindspeed-2.3.0-674226a1.tar.gz"),
+    "2.2.0": ("mindspeed-llm-2.2.0-337813b0.tar.gz", "mindspeed-2.2.0-a654440c.tar.gz"),
+}
+RELEASE_NAMES = tuple(RELEASES)
 HOST_MODULES = {"six": "six", "regex": "regex", "yaml": "pyyaml", "tqdm": "tqdm",
                 "einops": "einops"}  # import name -> pip name
 
@@ -92,20 +109,31 @@ def unpack(archive: Path, top: str) -> Path:
     return target / top
 
 
-def find_host_sources() -> dict:
-    """{env var: source root}; raises HostsMissing naming what to provide."""
-    if all(os.environ.get(key) for key in ARCHIVES):
-        sources = {key: Path(os.environ[key]) for key in ARCHIVES}
+def release_archives(release: str) -> dict:
+    """{env var: (archive, top folder)} of a release pair (KeyError names the releases)."""
+    if release not in RELEASES:
+        raise KeyError(f"unknown release {release!r}; tested: {', '.join(RELEASES)}")
+    llm, mindspeed = RELEASES[release]
+    return {"MINDSPEED_LLM_SRC": (llm, "MindSpeed-LLM"), "MINDSPEED_SRC": (mindspeed, "MindSpeed"),
+            "MEGATRON_SRC": MEGATRON}
+
+
+def find_host_sources(release: str = "master") -> dict:
+    """{env var: source root} of a release pair; raises HostsMissing naming what to provide."""
+    archives = release_archives(release)
+    if release == "master" and all(os.environ.get(key) for key in archives):
+        sources = {key: Path(os.environ[key]) for key in archives}
     else:
         folder = archive_dir()
-        missing = [name for name, _ in ARCHIVES.values() if not (folder / name).is_file()]
+        missing = [name for name, _ in archives.values() if not (folder / name).is_file()]
         if missing:
             raise HostsMissing(
-                f"the real MindSpeed-LLM, MindSpeed and Megatron-LM sources are needed: put "
-                f"{', '.join(name for name, _ in ARCHIVES.values())} in {folder} (or point "
-                f"LAGA_THIRDPARTY at their folder), or set {', '.join(ARCHIVES)} to checkouts "
-                f"of those commits; missing: {', '.join(missing)}")
-        sources = {key: unpack(folder / name, top) for key, (name, top) in ARCHIVES.items()}
+                f"the real MindSpeed-LLM {release}, MindSpeed and Megatron-LM sources are "
+                f"needed: put {', '.join(name for name, _ in archives.values())} in {folder} (or "
+                f"point LAGA_THIRDPARTY at their folder)"
+                + (f", or set {', '.join(archives)} to checkouts of those commits"
+                   if release == "master" else "") + f"; missing: {', '.join(missing)}")
+        sources = {key: unpack(folder / name, top) for key, (name, top) in archives.items()}
     absent = [f"{key}={path}" for key, path in sources.items() if not path.is_dir()]
     if absent:
         raise HostsMissing(f"not a folder: {', '.join(absent)}")
@@ -116,20 +144,33 @@ def find_host_sources() -> dict:
     return {key: str(path) for key, path in sources.items()}
 
 
-@pytest.fixture(scope="session")
-def host_sources():
-    """Source roots of the real hosts; skips when absent, fails under CI=true."""
+def release_sources(release: str) -> dict:
+    """For a test: the release pair's roots; skips when absent, fails under CI=true."""
     try:
-        return find_host_sources()
+        return find_host_sources(release)
     except HostsMissing as missing:
         if in_ci():
             pytest.fail(f"CI=true and {missing}", pytrace=False)
         pytest.skip(str(missing))
 
 
+# master runs in every leg; the other release pairs are the Ascend leg's matrix (``hosts``)
+@pytest.fixture(scope="session", params=[
+    pytest.param(r, marks=() if r == "master" else pytest.mark.hosts) for r in RELEASE_NAMES])
+def release_host_sources(request):
+    """(release, its source roots), once per tested release pair."""
+    return request.param, release_sources(request.param)
+
+
+@pytest.fixture(scope="session")
+def host_sources():
+    """Source roots of the real hosts (the master pair); skips when absent, fails under CI=true."""
+    return release_sources("master")
+
+
 if __name__ == "__main__":
     try:
-        found = find_host_sources()
+        found = find_host_sources(*sys.argv[1:2])
     except HostsMissing as missing:
         sys.exit(f"thirdparty: {missing}")
     for key, path in found.items():

@@ -69,8 +69,21 @@ def report() -> Dict[str, object]:
     env.update(devices())
     for label, module, dists in HOST_PACKAGES:
         env[label] = package_version(module, dists)
+    env["MindSpeed-LLM release"] = mindspeed_llm_release()
     env["mindspeed-laga"] = _laga_version()
     return env
+
+
+def mindspeed_llm_release() -> Optional[str]:
+    """The tested MindSpeed-LLM release (with its MindSpeed) the importable sources are,
+    read from their files; None without MindSpeed-LLM; 'untested: ...' for another."""
+    from mindspeed_laga.patches.mindspeed_llm.releases import (UnknownHostRelease, installed_release, package_dir)
+    if package_dir("mindspeed_llm") is None:
+        return None
+    try:
+        return installed_release().label()
+    except UnknownHostRelease as exc:
+        return f"untested: {exc}"
 
 
 def devices() -> Dict[str, object]:

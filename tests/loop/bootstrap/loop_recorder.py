@@ -1,0 +1,127 @@
+"""What the real-loop bootstrap does in each rank (see sitecustomize.py beside it)."""
+import atexit
+import collections
+import functools
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+
+COUNTS = collections.Counter()
+RECORD = {"counts": COUNTS, "iterations": {}}
+MLA_CLASS = "CustomMLASelfAttention"
+# the host's core attention modules an MLA layer may hold (Megatron's, MindSpeed's,
+# MindSpeed-LLM's): none of them may run when LAGA is on
+CORE_ATTENTION_SUFFIX = "DotProductAttention"
+
+
+def start(folder):
+    tests = os.environ["LAGA_LOOP_TESTS"]
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from support import npu_host
+
+    torch_npu = npu_host.install()
+    _count_laga()
+    _count_modules()
+    _after_import("megatron.training.initialize", _warmup_under_fork_rng)
+    _after_import("mindspeed_llm.training.training", _record_training_log)
+    atexit.register(_write, folder, torch_npu)
+
+
+def _count_laga():
+    import mindspeed_laga.api as api
+
+    laga_attention = api.laga_attention
+
+    @functools.wraps(laga_attention)
+    def counted(*args, **kwargs):
+        COUNTS["laga_attention"] += 1
+        return laga_attention(*args, **kwargs)
+
+    api.laga_attention = counted
+
+
+def _count_modules():
+    import torch
+
+    def pre_hook(module, args):
+        name = type(module).__name__
+        if name == MLA_CLASS:
+            COUNTS["mla_forward" if module.training else "mla_forward_eval"] += 1
+        elif name.endswith(CORE_ATTENTION_SUFFIX):
+            COUNTS["core_attention"] += 1
+
+    torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+
+
+def _warmup_under_fork_rng(module):
+    import torch
+
+    warmup = module._warmup_jit_function
+
+    @functools.wraps(warmup)
+    def warmup_keeping_rng(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return warmup(*args, **kwargs)
+
+    module._warmup_jit_function = warmup_keeping_rng
+
+
+def _record_training_log(module):
+    training_log = module.training_log
+
+    @functools.wraps(training_log)
+    def recorded(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, iteration,
+                 loss_scale, report_memory_flag, skipped_iter, grad_norm, *args, **kwargs):
+        RECORD["iterations"][str(iteration)] = dict(
+            losses={key: float(value) for key, value in loss_dict.items()},
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            learning_rate=learning_rate, skipped=int(skipped_iter))
+        return training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate,
+                            iteration, loss_scale, report_memory_flag, skipped_iter, grad_norm,
+                            *args, **kwargs)
+
+    module.training_log = recorded
+
+
+def _write(folder, torch_npu):
+    shapes = set()
+    for call in torch_npu.calls:
+        COUNTS[call["name"]] += 1
+        shapes.add((call["name"], call["input_layout"], call["query_shape"], call["key_shape"]))
+    RECORD["attention_shapes"] = sorted(shapes)  # e.g. whether a host's CP attention gathered
+    path = os.path.join(folder, f"rank{os.environ['RANK']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(RECORD, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _after_import(name, callback):
+    """callback(module) right after ``name`` is first imported."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return
+    sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    def __init__(self, name, callback):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, callback = spec.loader.exec_module, self.callback
+
+        def exec_then_callback(module):
+            exec_module(module)
+            callback(module)
+
+        spec.loader.exec_module = exec_then_callback
+        return spec
