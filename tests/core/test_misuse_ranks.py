@@ -264,3 +264,10 @@ def _skip_policy_worker(rank, world):
 def test_explicit_check_ranks_true_exchanges_although_the_group_skips():
     for kinds in run_on_ranks(_skip_policy_worker, 2, timeout_s=60):
         assert kinds == [1, 0, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("group", ["WORLD", 0, [0, 1]])
+def test_start_latent_gather_checks_cp_group_too(group):
+    _, kv, kpe, _ = local_inputs(0, 1)
+    with pytest.raises(ValueError, match="cp_group must be a torch.distributed process group"):
+        start_latent_gather(kv, kpe, cp_group=group)
