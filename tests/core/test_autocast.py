@@ -13,6 +13,8 @@ from mindspeed_laga import (absorbed_attention, explicit_attention, laga_attenti
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
+
 S, N, D_N, D_R, D_V, D_C = 16, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
 VARIANTS = [(laga_attention, {}, "eager"), (laga_attention, {}, "sdpa"),

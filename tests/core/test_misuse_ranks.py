@@ -19,6 +19,8 @@ from mindspeed_laga import (handshake, count_bytes, explicit_attention, laga_att
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
+
 S, B, N, D_N, D_R, D_V, D_C = 16, 1, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
 

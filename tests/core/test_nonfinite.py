@@ -11,6 +11,8 @@ from mindspeed_laga import explicit_attention, absorbed_attention, laga_attentio
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 
+pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
+
 S, N, D_N, D_R, D_V, D_C = 16, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
 DOCS = [0, 6, 16]
