@@ -81,6 +81,14 @@ def _autocast(tensors, latent_gather=None):
     return cast, torch.autocast(device, enabled=False)
 
 
+def _run(forward, tensors, options: AttnOptions, **form_options):
+    """Check the call once (``checks.check``), then run the form on the checked setup; under
+    torch.autocast on the cast tensors with autocast off (:func:`_autocast`)."""
+    tensors, region = _autocast(tensors, options.latent_gather)
+    with region:
+        return forward(*tensors, checks.check(*tensors, options), **form_options)
+
+
 def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group=None,
                    cp_algo="allgather", layout="zigzag", causal=True, kernel="auto",
                    check_ranks: Optional[bool] = None, trim_causal_prefix: bool = False,
@@ -111,12 +119,9 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
         ulysses_group=ulysses_group, trim_causal_prefix=trim_causal_prefix,
         recompute_kv=recompute_kv, kv_block_size=kv_block_size, latent_gather=latent_gather)
-    tensors, region = _autocast((query, kv_latent, k_pos_emb, kv_up_weight), latent_gather)
-    with region:
-        setup = checks.check(*tensors, options)
-        return laga_forward(*tensors, setup, trim_causal_prefix=trim_causal_prefix,
-                            recompute_kv=recompute_kv, kv_block_size=kv_block_size,
-                            latent_gather=latent_gather)
+    return _run(laga_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options,
+                trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
+                kv_block_size=kv_block_size, latent_gather=latent_gather)
 
 
 def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
@@ -131,10 +136,7 @@ def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_sca
         layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
         ulysses_group=ulysses_group)
-    tensors, region = _autocast((query, kv_latent, k_pos_emb, kv_up_weight))
-    with region:
-        setup = checks.check(*tensors, options)
-        return explicit_forward(*tensors, setup)
+    return _run(explicit_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options)
 
 
 def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
@@ -149,10 +151,7 @@ def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_sca
         layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
         ulysses_group=ulysses_group)
-    tensors, region = _autocast((query, kv_latent, k_pos_emb, kv_up_weight))
-    with region:
-        setup = checks.check(*tensors, options)
-        return absorbed_forward(*tensors, setup)
+    return _run(absorbed_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options)
 
 
 FORMS = {"explicit": explicit_attention, "absorbed": absorbed_attention, "laga": laga_attention}

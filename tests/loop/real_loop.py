@@ -46,7 +46,6 @@ from typing import Dict, List, Optional, Sequence
 
 TESTS = Path(__file__).resolve().parent.parent
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
-STOCK_SCRIPT = Path("examples") / "mcore" / "deepseek3" / "pretrain_deepseek3_671b_4k_ptd.sh"
 LAGA = "--mla-latent-all-gather"
 
 SEQ_LENGTH = 64
@@ -104,19 +103,9 @@ HOST_CP_VARIANT = ["--seq-aux", "--moe-router-enable-expert-bias"]
 # --- the recipe -----------------------------------------------------------------------------
 
 def stock_flags(llm_src: Path) -> List[str]:
-    """The arguments the stock DeepSeek-V3 script hands to pretrain_gpt.py (its own bash
-    expands them; the launcher line becomes a printer)."""
-    script = (Path(llm_src) / STOCK_SCRIPT).read_text()
-    script = re.sub(r'^(\w+)="your [^"]*"', r'\1="/placeholder/\1"', script, flags=re.M)
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "logs").mkdir()  # the script tees its log there
-        out = Path(tmp, "argv")
-        printer = "python() { printf '%s\\0' \"$@\" > \"$ARGV_OUT\"; }; "
-        subprocess.run(["bash", "-c", printer + "source /dev/stdin"], input=script, cwd=tmp,
-                       env=dict(os.environ, ARGV_OUT=str(out)), text=True,
-                       capture_output=True, timeout=60, check=True)
-        argv = out.read_text().split("\0")[:-1]
-    return argv[argv.index("pretrain_gpt.py") + 1:]
+    """The arguments the stock DeepSeek-V3 script hands to pretrain_gpt.py, as shipped."""
+    from support.recipes import RECIPE_DIR, RECIPES, recipe_argv
+    return recipe_argv(Path(llm_src) / RECIPE_DIR / RECIPES[0], dummies=Path("/placeholder"))[0]
 
 
 def flag_groups(argv: List[str]):
@@ -140,7 +129,7 @@ def recipe(llm_src: Path, cp_size: int, cp_algo: str, laga: bool, data_path: str
     stock_names = {flag for flag, _ in stock}
     missing = [flag for flag in SCALED if flag not in stock_names]
     if missing:  # the stock script changed: the scaling no longer describes it
-        raise RuntimeError(f"the stock recipe {STOCK_SCRIPT} lacks {missing}")
+        raise RuntimeError(f"the stock DeepSeek-V3 recipe lacks {missing}")
     for flag, values in stock:
         if flag in DROPPED or flag in without:
             continue

@@ -73,13 +73,12 @@ PATH_FLAGS = ("--save", "--load", "--data-path", "--tokenizer-name-or-path")
 
 
 def test_without_cp_and_laga_it_is_the_stock_recipe(host_sources):
-    from test_stock_recipe import RECIPE_DIR, RECIPES, recipe_argv
+    from support.recipes import RECIPE_DIR, RECIPES, recipe_argv
 
     stock, _world = recipe_argv(Path(host_sources["MINDSPEED_LLM_SRC"]) / RECIPE_DIR / RECIPES[0],
                                 "ulysses_cp_algo")
     stock = _flags(stock)
     ours = _flags(script_args(dry_run(LAGA="0", CP="1")))
-    stock["--context-parallel-size"] = [["1"]]  # the stock test sets CP=8
     for flag in PATH_FLAGS:
         assert len(stock.pop(flag)) == len(ours.pop(flag)) == 1, flag
     assert ours == stock

@@ -18,7 +18,6 @@ Run in one subprocess (the real hosts put stubs and their sources on sys.path):
 """
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -27,10 +26,13 @@ from pathlib import Path
 
 import pytest
 
+TESTS = Path(__file__).resolve().parents[1]  # for support/, also when run as a script
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+from support.recipes import RECIPE_DIR, RECIPES, recipe_argv  # noqa: E402
+
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
-RECIPES = ("pretrain_deepseek3_671b_4k_ptd.sh", "pretrain_deepseek3_671b_4k_A3_ptd.sh")
-RECIPE_DIR = Path("examples") / "mcore" / "deepseek3"
 CP_SIZE = 8
 HYBRID = ["--ulysses-degree-in-cp", "2"]
 PACKED = "--reset-attention-mask"
@@ -96,31 +98,6 @@ def release_cases(release: str) -> dict:
     return cases
 
 
-def recipe_argv(script: Path, cp_algo: str, dummies: Path = Path("/dummy")):
-    """The arguments the stock script hands to pretrain_gpt.py, and its world size.
-
-    Placeholders such as CKPT_SAVE_DIR="your model save ckpt path" become
-    ``dummies/CKPT_SAVE_DIR``."""
-    text = script.read_text()
-    text = re.sub(r'^(\w+)="your [^"]*"', rf'\1="{dummies}/\1"', text, flags=re.M)
-    text = re.sub(r"^CP=\S+", f"CP={CP_SIZE}", text, flags=re.M)
-    text = re.sub(r"^CP_TYPE=\S+", f"CP_TYPE='{cp_algo}'", text, flags=re.M)
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "logs").mkdir()  # the script tees its log there
-        out = Path(tmp, "argv")
-        # the launcher line becomes: print every argument, NUL-separated
-        printer = "python() { printf '%s\\0' \"$@\" > \"$ARGV_OUT\"; }; "
-        subprocess.run(["bash", "-c", printer + "source /dev/stdin"], input=text, cwd=tmp,
-                       env=dict(os.environ, ARGV_OUT=str(out)), text=True,
-                       capture_output=True, timeout=60, check=True)
-        argv = out.read_text().split("\0")[:-1]
-    world = _assignment(text, "NPUS_PER_NODE") * _assignment(text, "NNODES")
-    launch = argv.index("pretrain_gpt.py")
-    return argv[launch + 1:], world
-
-
-def _assignment(text: str, name: str) -> int:
-    return int(re.search(rf"^{name}=(\d+)", text, flags=re.M).group(1))
 
 
 def with_laga(argv, extra, dropped=()):
@@ -141,7 +118,6 @@ def with_laga(argv, extra, dropped=()):
 def validate_all(llm_src: str) -> dict:
     """{"release": the release identified, "recipe algo": "ok" or the error}; runs the real
     argument pipeline."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
     from support.mindspeed_llm_real import host_release, megatron_args, prepare
 
     prepare()
@@ -166,7 +142,7 @@ def validate_all(llm_src: str) -> dict:
     results = {"release": release}
     for recipe in RECIPES:
         for case, (cp_algo, extra, dropped, _) in release_cases(release).items():
-            argv, world = recipe_argv(Path(llm_src) / RECIPE_DIR / recipe, cp_algo, dummies)
+            argv, world = recipe_argv(Path(llm_src) / RECIPE_DIR / recipe, cp_algo, CP_SIZE, dummies)
             try:
                 args = megatron_args(with_laga(argv, extra, dropped), world)
                 checks = dict(laga=args.mla_latent_all_gather, cp=args.context_parallel_size,
@@ -223,7 +199,7 @@ def test_the_recipe_is_read_from_the_stock_script(host_sources):
     """What the parse yields is the script's own flag set: packed documents, MTP, the
     DualPipe schedule, at its world size."""
     script = Path(host_sources["MINDSPEED_LLM_SRC"]) / RECIPE_DIR / RECIPES[0]
-    argv, world = recipe_argv(script, "ulysses_cp_algo")
+    argv, world = recipe_argv(script, "ulysses_cp_algo", CP_SIZE)
     assert world == 512
     for flag in ("--reset-attention-mask", "--mtp-num-layers", "--moe-fb-overlap",
                  "--multi-latent-attention", "--noop-layers"):
