@@ -180,10 +180,11 @@ def test_documents_loop_equals_cp1(loop, case):
 #
 # Each release pair trains its own stock recipe (scaled down the same way) with LAGA at CP = 2
 # and must equal that release's own CP = 1 run, as master does above. What a release's recipe
-# leaves out, and why (the host's own limits, not LAGA's):
-# - 2.3.0 and 2.2.0: MTP. Megatron core_v0.12.1 asserts "Multi-Token Prediction (MTP) is not
-#   supported with Context Parallelism" and only MindSpeed-LLM 26.0.0 and later lift it, so
-#   these releases cannot train MTP at CP > 1, LAGA on or off (test_release_loop_refused).
+# leaves out, and why:
+# - 2.3.0 and 2.2.0: MTP. Megatron core_v0.12.1's validate_args asserts "Multi-Token
+#   Prediction (MTP) is not supported with Context Parallelism" whatever the other flags, and
+#   only MindSpeed-LLM 26.0.0 and later lift it, so these releases cannot train MTP at CP > 1,
+#   LAGA on or off (test_release_loop_refused).
 # - 2.2.0: --reset-position-ids, the documents switch its stock recipe ships (it sets
 #   --shape-order TND); LAGA refuses packed documents on 2.2.0 (its MLA forward cannot rope
 #   them; patches/mindspeed_llm/releases.py) and says so at start-up (test_release_loop_refused).
@@ -227,7 +228,8 @@ def test_release_loop_equals_cp1(release_loop, release):
     assert_same_training(run, ref)
 
 
-# (release, what the case keeps of its stock recipe, the refusal every rank prints)
+# (release, what the case leaves out of its stock recipe, the refusal every rank prints);
+# each case keeps one refused part, so the message it expects is the one that stops it
 REFUSED = {
     "2.3.0-mtp": ("2.3.0", dict(), "Multi-Token Prediction (MTP) is not supported with Context "
                                    "Parallelism"),
