@@ -22,8 +22,9 @@ fp32, a few iterations at a learning rate that moves the losses. MLA with q-lora
 qk-layernorm and yarn rope, MoE with a shared expert and the sigmoid group-top-k
 router, and MTP stay as the script has them.
 
-``python tests/loop/real_loop.py --cp 2 --algo ulysses_cp_algo [--laga] [--documents]``
-runs one case and prints its losses (the host sources come from tests/support/thirdparty.py).
+``python tests/loop/real_loop.py [--release 26.1.0] --cp 2 --algo ulysses_cp_algo [--laga]
+[--documents]`` runs one case and prints its losses (the host sources of that release pair
+come from tests/support/thirdparty.py).
 """
 from __future__ import annotations
 
@@ -221,7 +222,11 @@ class LoopRun:
 
 
 class LoopFailed(RuntimeError):
-    pass
+    """The run did not finish; ``log`` is everything it printed (a start-up refusal's text)."""
+
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message)
+        self.log = log
 
 
 # what pretrain_gpt.py needs besides the host sources' own modules (tests/support/thirdparty.py):
@@ -284,10 +289,11 @@ def run_loop(sources: dict, workdir: Path, nproc: int, argv: List[str],
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             raise LoopFailed(f"the loop ran past {timeout_s} s; log: {log_path}\n"
-                             + _tail(log_path))
+                             + _tail(log_path), log_path.read_text(errors="replace"))
+    text = log_path.read_text(errors="replace")
     if returncode != 0:
-        raise LoopFailed(f"the loop failed (exit {returncode}); log: {log_path}\n" + _tail(log_path))
-    text = log_path.read_text()
+        raise LoopFailed(f"the loop failed (exit {returncode}); log: {log_path}\n"
+                         + _tail(log_path), text)
     ranks = [json.loads((record / f"rank{r}.json").read_text()) for r in range(nproc)]
     last = ranks[-1]  # Megatron logs on the last rank
     iterations = {int(i): v for i, v in last["iterations"].items()}
@@ -337,6 +343,7 @@ def default_documents(count: int = 40, seed: int = 7) -> List[int]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--release", default="master", help="the host release pair to run")
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--algo", default="ulysses_cp_algo")
     parser.add_argument("--ulysses-degree", type=int)
@@ -352,7 +359,7 @@ def main():
     from support.thirdparty import find_host_sources
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="laga-loop-"))
-    ready = prepare(find_host_sources(), workdir, default_documents())
+    ready = prepare(find_host_sources(args.release), workdir, default_documents())
     argv = recipe(Path(ready["sources"]["MINDSPEED_LLM_SRC"]), args.cp, args.algo, args.laga,
                   ready["data_path"], documents=args.documents, recompute=args.recompute,
                   ulysses_degree=args.ulysses_degree, extra=[a for a in args.extra if a != "--"],

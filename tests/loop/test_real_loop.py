@@ -17,7 +17,13 @@ softmax scale moves the losses by up to 3.3e-5 and the grad norm by up to 9.4e-4
 
 Each rank counts its calls (tests/loop/bootstrap): LAGA's attention must have run on
 every MLA forward and the host's core attention never, so a silent fallback to the
-original forward fails. The host's CP-local router terms (``--seq-aux``,
+original forward fails.
+
+Every other tested release pair (26.1.0, 26.0.0, 2.3.0, 2.2.0) runs one case the same way
+against its own CP = 1 run, on its own sources (test_release_loop_equals_cp1); what its
+stock recipe cannot run at CP > 1 is shown refused at start-up (test_release_loop_refused).
+
+The host's CP-local router terms (``--seq-aux``,
 ``--moe-router-enable-expert-bias``) are left out of the recipe: the host itself is
 not CP-invariant with them (real_loop.HOST_CP_VARIANT).
 """
@@ -29,6 +35,7 @@ from pathlib import Path
 import pytest
 
 import real_loop
+from support.thirdparty import RELEASE_NAMES, release_sources
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
 
@@ -39,9 +46,9 @@ RUN_TIMEOUT_S = 420    # one torchrun, on a loaded 2-core machine
 MTP = ["--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-mem-efficient-logits"]
 
 
-@pytest.fixture(scope="module")
-def loop(host_sources, tmp_path_factory):
-    """Writable host sources and the dataset, shared by every run of this module."""
+def _runner(sources, workdir):
+    """run(name, cp, algo, laga, **recipe): one loop of the scaled-down stock recipe on these
+    host sources, each name run once (writable sources and the dataset prepared here)."""
     missing = real_loop.missing_modules()
     if missing:  # as host_sources does: skip naming them, fail under CI=true
         from support.thirdparty import in_ci
@@ -49,8 +56,7 @@ def loop(host_sources, tmp_path_factory):
         if in_ci():
             pytest.fail(f"CI=true and {message}", pytrace=False)
         pytest.skip(message)
-    workdir = tmp_path_factory.mktemp("real-loop")
-    ready = real_loop.prepare(host_sources, workdir, real_loop.default_documents())
+    ready = real_loop.prepare(sources, workdir, real_loop.default_documents())
     runs = {}
 
     def run(name, cp, algo="ulysses_cp_algo", laga=True, **recipe):
@@ -62,6 +68,12 @@ def loop(host_sources, tmp_path_factory):
         return runs[name]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def loop(host_sources, tmp_path_factory):
+    """The master pair's runner, shared by every master case of this module."""
+    return _runner(host_sources, tmp_path_factory.mktemp("real-loop"))
 
 
 def _reference(loop, **recipe):
@@ -162,3 +174,80 @@ def test_documents_loop_equals_cp1(loop, case):
     run = loop(case, cp, algo, **settings)
     assert_laga_ran_everywhere(run)
     assert_same_training(run, ref)
+
+
+# --- the other release pairs ------------------------------------------------------------------
+#
+# Each release pair trains its own stock recipe (scaled down the same way) with LAGA at CP = 2
+# and must equal that release's own CP = 1 run, as master does above. What a release's recipe
+# leaves out, and why:
+# - 2.3.0 and 2.2.0: MTP. Megatron core_v0.12.1's validate_args asserts "Multi-Token
+#   Prediction (MTP) is not supported with Context Parallelism" whatever the other flags, and
+#   only MindSpeed-LLM 26.0.0 and later lift it, so these releases cannot train MTP at CP > 1,
+#   LAGA on or off (test_release_loop_refused).
+# - 2.2.0: --reset-position-ids, the documents switch its stock recipe ships (it sets
+#   --shape-order TND); LAGA refuses packed documents on 2.2.0 (its MLA forward cannot rope
+#   them; patches/mindspeed_llm/releases.py) and says so at start-up (test_release_loop_refused).
+
+RELEASE_CASES = {
+    "26.1.0": dict(),
+    "26.0.0": dict(),
+    "2.3.0": dict(without=MTP),
+    "2.2.0": dict(without=MTP + ["--reset-position-ids"]),
+}
+assert sorted(RELEASE_CASES) == sorted(r for r in RELEASE_NAMES if r != "master")
+
+
+@pytest.fixture(scope="module")
+def release_loop(tmp_path_factory):
+    """release -> that pair's runner (sources prepared once per release)."""
+    runners = {}
+
+    def get(release):
+        if release not in runners:
+            runners[release] = _runner(release_sources(release),
+                                       tmp_path_factory.mktemp(f"real-loop-{release}"))
+        return runners[release]
+
+    return get
+
+
+def assert_release_found(run, release):
+    from patches.mindspeed_llm.releases import BY_NAME
+    assert f"{BY_NAME[release].label()} found" in run.log, f"not {release}'s sources"
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+@pytest.mark.parametrize("release", list(RELEASE_CASES))
+def test_release_loop_equals_cp1(release_loop, release):
+    loop = release_loop(release)
+    ref = _reference(loop, **RELEASE_CASES[release])
+    run = loop("ulysses_cp_algo", 2, "ulysses_cp_algo", **RELEASE_CASES[release])
+    assert_release_found(run, release)
+    assert_laga_ran_everywhere(run)
+    assert_same_training(run, ref)
+
+
+# (release, what the case leaves out of its stock recipe, the refusal every rank prints);
+# each case keeps one refused part, so the message it expects is the one that stops it
+REFUSED = {
+    "2.3.0-mtp": ("2.3.0", dict(), "Multi-Token Prediction (MTP) is not supported with Context "
+                                   "Parallelism"),
+    "2.2.0-mtp": ("2.2.0", dict(without=["--reset-position-ids"]),
+                  "Multi-Token Prediction (MTP) is not supported with Context Parallelism"),
+    "2.2.0-reset-position-ids": ("2.2.0", dict(without=MTP),
+                                 "ValueError: --mla-latent-all-gather with --shape-order TND is "
+                                 "not supported"),
+}
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_release_loop_refused(release_loop, case):
+    """What RELEASE_CASES leaves out stops at start-up, on every rank, before iteration 1."""
+    release, recipe, refusal = REFUSED[case]
+    with pytest.raises(real_loop.LoopFailed) as failed:
+        release_loop(release)(f"refused-{case}", 2, "ulysses_cp_algo", **recipe)
+    log = failed.value.log
+    assert log.count(refusal) >= 2, failed.value  # both ranks refuse
+    assert not real_loop.parse_log(log), "it trained before refusing"
