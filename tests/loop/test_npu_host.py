@@ -1,6 +1,6 @@
 """The CPU stand-ins of an NPU host (tests/support/npu_host.py) behave as documented and
 reject what the real host rejects. The checks run in one fresh interpreter
-(tests/loop/npu_host_checks.py), because installing the stand-ins changes torch itself."""
+(tests/support/loop/npu_host_checks.py), because installing the stand-ins changes torch itself."""
 import json
 import subprocess
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import npu_host_checks
+from support.loop import npu_host_checks
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
 

@@ -1,5 +1,5 @@
 """LAGA through MindSpeed-LLM's own training loop: the unmodified ``pretrain_gpt.py``
-under ``torchrun ... -m mindspeed_laga.launch`` on gloo CPU ranks (tests/loop/real_loop.py).
+under ``torchrun ... -m mindspeed_laga.launch`` on gloo CPU ranks (tests/support/loop/real_loop.py).
 
 Every case trains the scaled-down stock DeepSeek-V3 recipe (MLA with q-lora,
 qk-layernorm and yarn rope; MoE with a shared expert; MTP) for a few iterations on a
@@ -15,7 +15,7 @@ the same run twice is bitwise equal; CP = 2 or 4 against CP = 1 differs by at mo
 softmax scale moves the losses by up to 3.3e-5 and the grad norm by up to 9.4e-4
 (1.5e-5 already at iteration 1), so each of the two tolerances below fails it alone.
 
-Each rank counts its calls (tests/loop/bootstrap): LAGA's attention must have run on
+Each rank counts its calls (tests/support/loop/bootstrap): LAGA's attention must have run on
 every MLA forward and the host's core attention never, so a silent fallback to the
 original forward fails.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-import real_loop
+from support.loop import real_loop
 from support.thirdparty import RELEASE_NAMES, release_sources
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]

@@ -36,7 +36,7 @@ Megatron would pick a dummy ``FusedAdam``; MindSpeed brings its own replacements
 a real NPU host).
 
 Nothing here is part of the product; the real-loop tests install it in every rank
-through tests/loop/real_loop.py's bootstrap.
+through tests/support/loop/real_loop.py's bootstrap.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ What a CPU machine needs for that, and nothing in the host sources changes:
   the test cache, with the helper built there);
 - a small Megatron indexed dataset written with Megatron's own
   ``IndexedDatasetBuilder``: EOD-terminated documents of random tokens;
-- tests/loop/bootstrap first on PYTHONPATH: its ``sitecustomize`` installs the CPU
+- tests/support/loop/bootstrap first on PYTHONPATH: its ``sitecustomize`` installs the CPU
   stand-ins (tests/support/npu_host.py) in every rank and records, per rank, the
   losses and grad norm of each iteration at full precision and how often LAGA, the MLA
   module and the host's core attention ran (``rank<R>.json``).
@@ -22,7 +22,7 @@ fp32, a few iterations at a learning rate that moves the losses. MLA with q-lora
 qk-layernorm and yarn rope, MoE with a shared expert and the sigmoid group-top-k
 router, and MTP stay as the script has them.
 
-``python tests/loop/real_loop.py [--release 26.1.0] --cp 2 --algo ulysses_cp_algo [--laga]
+``python tests/support/loop/real_loop.py [--release 26.1.0] --cp 2 --algo ulysses_cp_algo [--laga]
 [--documents]`` runs one case and prints its losses (the host sources of that release pair
 come from tests/support/thirdparty.py).
 """
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-TESTS = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parents[2]
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 LAGA = "--mla-latent-all-gather"
 
