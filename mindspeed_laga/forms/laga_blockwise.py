@@ -204,8 +204,6 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad):
     return out, lse
 
 
-
-
 def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan, steps, bad):
     """Grads of q, the gathered latent and kv_up_weight, one (row block, key block) tile
     at a time (``steps``: forward's :func:`walk`): float32 dq for one row block, K/V and their grads for one tile."""

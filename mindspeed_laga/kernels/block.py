@@ -55,8 +55,6 @@ from .precision import acc_dtype
 from .sdpa import CpuFlash, CudaEfficient, fused_backward, fused_forward
 
 
-
-
 def _scores(q, key, keep, scale):
     acc = acc_dtype(q.dtype)
     s = torch.matmul(q.to(acc), key.to(acc).transpose(-1, -2)) * scale

@@ -18,8 +18,6 @@ not the plain zigzag of megatron's ``get_batch_on_this_cp_rank``: shard with
 from __future__ import annotations
 
 
-
-
 def check_ulysses_degree(cp_algo: str, ulysses_degree) -> int:
     """Patch-time check of ``ulysses_degree`` (ValueError naming it) -> U (1: not hybrid)."""
     if cp_algo != "hybrid":

@@ -98,8 +98,6 @@ def release_cases(release: str) -> dict:
     return cases
 
 
-
-
 def with_laga(argv, extra, dropped=()):
     """``dropped``: flags, or (flag, number of values it takes)."""
     argv = list(argv)
