@@ -17,6 +17,7 @@ import json
 import math
 import os
 import time
+from datetime import timedelta
 from typing import List, Optional
 
 from ..cases import Case, MLAShape
@@ -242,6 +243,14 @@ class Ranks:
 
     def close(self):
         if self.dist is not None:
+            if self.backend == "gloo":
+                # No rank tears its group down while a peer still uses it: a rank that left
+                # first once made gloo abort its peer at exit. Bounded, so a peer stuck in
+                # another collective (rank 0 failed alone) makes this raise, not hang.
+                try:
+                    self.dist.monitored_barrier(timeout=timedelta(seconds=60))
+                except RuntimeError:
+                    pass  # the failure that brought us here is the one to report
             self.dist.destroy_process_group()
 
 
