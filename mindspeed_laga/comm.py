@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 GROUPS = ("cp", "ulysses", "ring")
+DIRECTIONS = ("forward", "backward")
 
 
 @dataclass
@@ -60,6 +61,8 @@ class CommCounter:
         handshake, kind "handshake"); ``group`` keeps one group's records
         ("cp", "ulysses" or "ring"; None: all).
         """
+        _check_choice("kind", kind, DATA_KINDS + ("handshake",))
+        _check_choice("direction", direction, DIRECTIONS)
         if measure not in ("payload", "wire"):
             raise ValueError(f"measure must be 'payload' or 'wire', got {measure!r}")
         if group is not None and group not in GROUPS:
@@ -71,6 +74,7 @@ class CommCounter:
 
     def design_bytes(self, direction: Optional[str] = None) -> float:
         """payload * (P-1)/P, summed: the paper's convention (docs/DESIGN.md, section 'Byte counter')."""
+        _check_choice("direction", direction, DIRECTIONS)
         return sum(r.payload * (r.group_size - 1) / r.group_size for r in self.records
                    if r.kind in DATA_KINDS and (direction is None or r.direction == direction))
 
@@ -84,6 +88,12 @@ class CommCounter:
             slot["wire"] += r.wire
             slot["calls"] += 1
         return {d: dict(k) for d, k in out.items()}
+
+
+def _check_choice(name: str, value, choices) -> None:
+    """A filter that matches no record would read as 0 bytes: a typo must raise instead."""
+    if value is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {choices} or None, got {value!r}")
 
 
 _OPEN_COUNTERS: List[CommCounter] = []
