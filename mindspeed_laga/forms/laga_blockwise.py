@@ -180,8 +180,22 @@ def latent_block(latent: torch.Tensor, bad: torch.Tensor, tile) -> torch.Tensor:
     return latent[tile.k0:tile.k1].masked_fill(bad[tile.k0:tile.k1, :, None], 0)
 
 
-def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad):
+def rebuild_finite(block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
+    """:func:`rebuild`, then (K, V, their non-finite positions [b, h, B]) with those zeroed.
+
+    A finite latent can still rebuild to inf (float16 overflow of the up-projection); the
+    kernels would spread it to every row of the block (0 x inf), so the rebuilt K/V are
+    cleaned like any non-finite key (kernels/nonfinite.py) and the rows that see such a
+    position are poisoned after the walk, per head, as the non-recompute path does."""
+    key, value = rebuild(block, kv_up_weight, plan)
+    bad = nonfinite.bad_positions(key) | nonfinite.bad_positions(value)
+    return (nonfinite.zero_bad_positions(key, bad, in_place=True),
+            nonfinite.zero_bad_positions(value, bad, in_place=True), bad)
+
+
+def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad, overflow):
     """Attention over rebuilt key blocks, merged by log-sum-exp -> (out, lse float32).
+    ``overflow`` [b, h, S] collects the positions whose rebuilt K/V were not finite.
 
     Row block by row block (``steps``: :func:`walk`): the float32 running output and log-sum-exp exist for
     one row block at a time. ``out`` is laid out [s, b, h, d_v] in memory (a BNSD
@@ -196,7 +210,9 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad):
         acc_out = torch.zeros(b, h, n, plan.v_head_dim, dtype=acc, device=q.device)
         acc_lse = lse[:, :, r0:r0 + n]
         for tile in row_tiles:
-            key, value = rebuild(latent_block(latent, bad, tile), kv_up_weight, plan)
+            key, value, tile_bad = rebuild_finite(latent_block(latent, bad, tile), kv_up_weight,
+                                                  plan)
+            overflow[:, :, tile.k0:tile.k1] |= tile_bad
             for (r, _, _), (block_out, block_lse) in zip(
                     tile.runs, forward_runs(kernel, q, key, value, tile.runs, plan.scale)):
                 merge_into(acc_out, acc_lse, _shift(r, r0), block_out, block_lse)
@@ -217,7 +233,7 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
         dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)
         for tile in row_tiles:
             block = latent_block(latent, bad, tile)
-            key, value = rebuild(block, kv_up_weight, plan)
+            key, value, _ = rebuild_finite(block, kv_up_weight, plan)
             grads = backward_runs(kernel, q, key, value, tile.runs, plan.scale, d_out, out, lse)
             for (r, _, _), (dq_b, _, _) in zip(tile.runs, grads):
                 dq_rows[:, :, _shift(r, r0)] += dq_b
@@ -268,7 +284,8 @@ class BlockwiseLAGA(torch.autograd.Function):
     """Autograd boundary: saves q, the gathered latent, the output and the lse only.
 
     A non-finite latent position is zeroed in every rebuilt block (forward and
-    backward) and the rows that see it come out NaN (kernels/nonfinite.py), in
+    backward), so are rebuilt K/V that overflow, and the rows that see either come
+    out NaN (kernels/nonfinite.py), in
     the output backward keeps too, so their gradients are NaN as exact
     attention's would be."""
 
@@ -276,8 +293,10 @@ class BlockwiseLAGA(torch.autograd.Function):
     def forward(ctx, q, latent, kv_up_weight, plan: BlockPlan):
         bad = nonfinite.bad_positions(latent)  # [S, b]; kept as is (S*b bools), not saved
         steps = walk(plan, latent.shape[0])
-        out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps, bad)
-        out.add_(poison_rows(bad.t()[:, None], segments=list(plan.segments), causal=plan.causal,
+        overflow = torch.zeros(q.shape[0], q.shape[1], latent.shape[0], dtype=torch.bool,
+                               device=q.device)
+        out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps, bad, overflow)
+        out.add_(poison_rows(bad.t()[:, None] | overflow, segments=list(plan.segments), causal=plan.causal,
                              documents=plan.documents, key_ranges=plan.key_ranges,
                              dtype=out.dtype))
         ctx.save_for_backward(q, latent, kv_up_weight, out, lse)
