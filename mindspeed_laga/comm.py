@@ -238,32 +238,48 @@ def handshake(values: List[int], group, device) -> List[List[int]]:
 
 # ---------------------------------------------------------------- autograd wrappers
 
+# Each backward is again one of these Functions (the adjoint collective), so a double
+# backward (create_graph=True) differentiates through it and reaches the peers' grads.
+
 class _GatherSeq(torch.autograd.Function):
     """All-gather along dim 0 forward; reduce-scatter the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group, tag, label):
+    def forward(ctx, x, group, tag, label, direction="forward"):
         ctx.group, ctx.tag, ctx.label = group, tag, label
-        return all_gather_raw(x, group, "forward", tag, label=label)
+        return all_gather_raw(x, group, direction, tag, label=label)
 
     @staticmethod
     def backward(ctx, grad):
-        local = reduce_scatter_raw(grad, ctx.group, "backward", ctx.tag, label=ctx.label)
-        return local, None, None, None
+        local = _ReduceScatterSeq.apply(grad, ctx.group, ctx.tag, ctx.label)
+        return local, None, None, None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Reduce-scatter along dim 0 (a gather's backward); all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, tag, label):
+        ctx.group, ctx.tag, ctx.label = group, tag, label
+        return reduce_scatter_raw(x, group, "backward", tag, label=label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherSeq.apply(grad, ctx.group, ctx.tag, ctx.label, "backward"), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single forward; the same exchange of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group, tag, label):
+    def forward(ctx, x, group, tag, label, direction="forward"):
         ctx.group, ctx.tag, ctx.label = group, tag, label
-        return all_to_all_raw(x, group, "forward", tag, label=label)
+        return all_to_all_raw(x, group, direction, tag, label=label)
 
     @staticmethod
     def backward(ctx, grad):
-        exchanged = all_to_all_raw(grad, ctx.group, "backward", ctx.tag, label=ctx.label)
-        return exchanged, None, None, None
+        exchanged = _AllToAll.apply(grad, ctx.group, ctx.tag, ctx.label, "backward")
+        return exchanged, None, None, None, None
 
 
 def gather_seq(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> torch.Tensor:

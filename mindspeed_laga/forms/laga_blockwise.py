@@ -32,6 +32,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..double_backward import once_differentiable
 from ..kernels import KeyIndex, nonfinite, poison_rows
 from ..kernels.block import block_kernel
 from ..kernels.merge import merge_into
@@ -304,6 +305,8 @@ class BlockwiseLAGA(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable("laga_attention(recompute_kv=True)",
+                         "use recompute_kv=False with kernel='eager' for second-order grads")
     def backward(ctx, d_out):
         q, latent, kv_up_weight, out, lse = ctx.saved_tensors
         # forward ran with autocast off (api.py); a backward called inside an autocast

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm, handshake
+from ..double_backward import once_differentiable
 from ..kernels.precision import autocast_dtype, to_autocast
 from ..vocab.attn_setup import AttnSetup
 from .common import concat_latent, gathered_latent, split_latent, to_position_order
@@ -53,6 +54,9 @@ class SyncLatent:
 
 # ---------------------------------------------------------------- the overlapped gather
 
+_WITHOUT_OVERLAP = "call laga_attention without latent_gather for second-order grads"
+
+
 class _State:
     """What the two backward nodes share: the pending reduce-scatter."""
 
@@ -70,6 +74,7 @@ class _WaitForGradient(torch.autograd.Function):
         return latent.view_as(latent)
 
     @staticmethod
+    @once_differentiable("start_latent_gather (the overlapped gather)", _WITHOUT_OVERLAP)
     def backward(ctx, grad):
         ctx.state.pending.wait()
         return grad, None
@@ -85,6 +90,7 @@ class _GatheredLatent(torch.autograd.Function):
         return gathered
 
     @staticmethod
+    @once_differentiable("start_latent_gather (the overlapped gather)", _WITHOUT_OVERLAP)
     def backward(ctx, grad):
         local, ctx.state.pending = comm.reduce_scatter_raw(grad, ctx.state.group, "backward",
                                                            "latent", async_op=True)

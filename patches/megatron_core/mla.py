@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from mindspeed_laga import layout as layouts
 from mindspeed_laga import comm
+from mindspeed_laga.double_backward import once_differentiable
 
 from . import compat as compat
 from ..common import check_weight_once, first_call, start_gather
@@ -187,6 +188,8 @@ class _SumGradOverTP(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable("patch_megatron_mla's TP reduction of the latent's gradient",
+                         "second-order grads need tensor-parallel size 1")
     def backward(ctx, grad):
         grad = grad.contiguous()
         torch.distributed.all_reduce(grad, group=ctx.group)
