@@ -188,16 +188,28 @@ def _raise(failure) -> None:
     raise failure if isinstance(failure, BaseException) else ValueError(failure)
 
 
-def check_same_weight(weight, cp_group, name: str = "kv_up_weight") -> None:
+def check_same_weight(weight, cp_group, name: str = "kv_up_weight",
+                      settings: Optional[Dict[str, Sequence[object]]] = None) -> None:
     """Raise on every rank unless every CP rank holds the same ``weight`` (bit for bit).
 
     One exchange of one int64 (a checksum of the weight's bits, computed where
     the weight lives). CP ranks are replicas of one TP shard: a rank with other
     values would run and return wrong numbers (wrong K/V for every peer).
+    ``settings``: {name: (this rank's value, its choices)} sent in the same exchange
+    (an adapter's configuration, before it builds any group); ranks that differ
+    raise "CP ranks disagree on <name>" with the values by rank.
     """
     if comm.group_size(cp_group) == 1:
         return
-    table = comm.handshake([weight_checksum(weight)], cp_group, weight.device)
+    settings = settings or {}
+    codes = [_setting_code(value, choices) for value, choices in settings.values()]
+    table = comm.handshake([weight_checksum(weight)] + codes, cp_group, weight.device)
+    for i, (label, (_, choices)) in enumerate(settings.items(), start=1):
+        values = [row[i] for row in table]
+        if len(set(values)) > 1:
+            shown = [choices[v] if choices and 0 <= v < len(choices) else v for v in values]
+            raise ValueError(f"CP ranks disagree on {label}: {shown} (by rank); every CP rank "
+                             "must be configured alike (no process group was built)")
     sums = [row[0] for row in table]
     if len(set(sums)) > 1:
         differ = [r for r, s in enumerate(sums) if s != sums[0]]
@@ -206,6 +218,13 @@ def check_same_weight(weight, cp_group, name: str = "kv_up_weight") -> None:
             f"rank 0 (checksums by rank {sums}); every rank of cp_group must hold the same "
             f"{name} (the CP ranks of one TP rank are replicas: load or initialize the weights "
             "with the same seed and keep them in sync through the data-parallel reduction)")
+
+
+def _setting_code(value, choices) -> int:
+    """A setting as an int64: its index among ``choices``, else the int itself."""
+    if choices:
+        return choices.index(value) if value in choices else UNKNOWN
+    return int(value)
 
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd int64: position-dependent weights, mod 2^64
