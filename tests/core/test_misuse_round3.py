@@ -131,11 +131,11 @@ def _worker(rank, world, names):
 
 @pytest.fixture(scope="module")
 def reports():
-    per_rank = run_on_ranks(_worker, 2, sorted(SCENARIOS), timeout_s=60)
+    per_rank = run_on_ranks(_worker, 2, sorted(SCENARIOS), timeout_s=120)
     return {name: [per_rank[r][name] for r in range(2)] for name in SCENARIOS}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_every_rank_raises_the_same_named_value_error(reports, name):
     expected = SCENARIOS[name][1]
@@ -193,5 +193,5 @@ def _overflow_worker(rank, world, cp_algo, options):
                                               ("ulysses", "laga+blockwise")])
 def test_rebuilt_kv_overflow_on_two_ranks(cp_algo, variant):
     for positions, finite in run_on_ranks(_overflow_worker, 2, cp_algo,
-                                          OVERFLOW_VARIANTS[variant], timeout_s=60):
+                                          OVERFLOW_VARIANTS[variant], timeout_s=120):
         assert finite == [p < TOKEN for p in positions], (positions, finite)
