@@ -7,7 +7,11 @@ runs and returns wrong numbers. So before its first data collective each
 call all-gathers one fixed-length row of integers per rank (the verdict of
 its local checks and every value that must agree, see :data:`FIELDS`) and
 every rank raises the same ``ValueError``, naming the argument and the values
-by rank, when any rank rejected its arguments or any value differs.
+by rank, when any rank rejected its arguments or any value differs. A rank
+that rejected re-raises its own exception and its peers raise with its
+message (one more small exchange, on that path only); a value that cannot
+travel as an int64 is that rank's rejection, never an error before the
+exchange, and meta tensors exchange on the backend's device.
 
 The row has the same length for every call that can handshake (the
 attention forms and ``start_latent_gather``), so a rank that overlaps the
