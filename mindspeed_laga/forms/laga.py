@@ -56,20 +56,15 @@ def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_pr
     key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents, key_ranges=ranges, pad_v=setup.pad_v, own_kv=True)
+                 documents=setup.documents, key_ranges=ranges, own_kv=True)
     return from_bnsd(out)
 
 
 def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv_block_size):
     """K/V rebuilt per block in forward and again in backward; only the latent is kept."""
-    d = setup.dims
     ranges = setup.key_ranges() if trim_causal_prefix else None
     if ranges:
         latent = take_ranges(latent, ranges)
     weight = up_weight_rows(kv_up_weight, setup)
-    plan = BlockPlan(qk_head_dim=d.qk_head_dim, rope_dim=d.rope_dim, v_head_dim=d.v_head_dim,
-                     kv_lora_rank=d.kv_lora_rank, scale=setup.softmax_scale, causal=setup.causal,
-                     segments=tuple(setup.query_segments()), block_size=kv_block_size,
-                     kernel=setup.kernel, pad_v=setup.pad_v, documents=setup.documents,
-                     key_ranges=tuple(ranges) if ranges else None)
+    plan = BlockPlan.from_setup(setup, kv_block_size, ranges)
     return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))

@@ -27,7 +27,6 @@ and the rows that see them set to NaN after.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,13 +34,13 @@ import torch
 from ..vocab.documents import doc_pieces, document_of
 from ..vocab.keys import key_window
 from ..vocab.segments import Documents, Segment
-from . import eager, nonfinite, npu, sdpa
+from . import nonfinite
+from .base import Kernel
 from .masks import Piece
+from .registry import KERNEL_TYPES, kernel_for, resolve  # noqa: F401
 
-_KERNELS = {"eager": eager.attend_segment, "sdpa": sdpa.attend_segment, "npu": npu.attend_segment}
 
-
-def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel: str,
+def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel,
            epilogue: Optional[Callable] = None, documents: Documents = None,
            key_ranges: Optional[Sequence[Tuple[int, int]]] = None, pad_v: bool = False,
            own_kv: bool = False, bad: Optional[torch.Tensor] = None):
@@ -50,14 +49,14 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
 
     ``documents``: cu_seqlens; a query sees only keys of its own document.
     ``key_ranges``: the position ranges ``k`` holds, in order (None: ``[0, S)``).
-    ``pad_v``: kernel "npu" zero-pads V to the q/k head dim (the others ignore it).
+    ``kernel``: the :class:`~mindspeed_laga.kernels.base.Kernel` the setup resolved (or a
+    kernel name, with ``pad_v``: kernel "npu" zero-pads V to the q/k head dim, the
+    others ignore it).
     ``own_kv``: ``k`` and ``v`` were made by the caller for this call (nothing else
     reads them), so non-finite positions are zeroed in place instead of in a copy.
     ``bad``: [b, n_k, S], True = non-finite, when the caller found and zeroed them itself.
     """
-    fn = _KERNELS[kernel]
-    if kernel == "npu":
-        fn = partial(fn, pad_v=pad_v)
+    fn = kernel_for(kernel, pad_v).attend_segment
     if bad is None:
         bad = nonfinite.bad_positions(k) | nonfinite.bad_positions(v)  # [b, n_k, S]
         k = nonfinite.zero_bad_positions(k, bad, own_kv)

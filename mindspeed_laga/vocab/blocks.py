@@ -11,6 +11,11 @@ from .segments import Segment
 # accumulators that live for one row block (dq in backward, the output in forward).
 QUERY_BLOCK_KEYS = 2
 
+# The eager block kernel's scores of one block are float32 [b, heads, rows, B]; heads
+# are taken a few at a time so the transient scores/probabilities stay near this many
+# elements (kernels/eager.py runs it, the cost model's peak counts it).
+SCORE_CHUNK_ELEMENTS = 1 << 25
+
 
 def query_block_rows(block_size: Optional[int]) -> Optional[int]:
     """Query rows a blockwise walk takes at once; None (one block of keys): whole segments."""

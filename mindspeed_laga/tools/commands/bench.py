@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 
 from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
+from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, HYBRID, KERNELS, LAYOUTS  # noqa: F401
 from ...vocab.dims import ModelDims  # noqa: F401
 from .output import (MiB, check_output_path, dtype_arg, one_line_errors, pad as _pad,
@@ -150,7 +151,7 @@ def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type:
 def ulysses_degree_from_args(args, cp_size: int) -> int:
     """U for --cp-algo hybrid (1 otherwise), checked before anything runs."""
     degree = getattr(args, "ulysses_degree", None)
-    if args.cp_algo != HYBRID:
+    if not takes_ulysses_degree(args.cp_algo):
         if degree is not None:
             raise ValueError(f"--ulysses-degree goes with --cp-algo hybrid, not --cp-algo {args.cp_algo}")
         return 1
@@ -158,7 +159,7 @@ def ulysses_degree_from_args(args, cp_size: int) -> int:
         raise ValueError("--cp-algo hybrid needs --ulysses-degree U (a divisor of --cp)")
     if _torchrun():
         raise ValueError("--cp-algo hybrid runs on spawned gloo ranks; run it without torchrun")
-    if cp_size % degree:
+    if not algo(args.cp_algo).degree_divides(cp_size, degree):
         raise ValueError(f"--ulysses-degree {degree} must divide --cp {cp_size}")
     return degree
 
@@ -175,18 +176,18 @@ def build_runs(args, cp_size: int, device_type: str):
     runs, models = [], []
     for seq_len in parse_seq_lens(args.seq_lens):
         shape = shape_from_args(args, seq_len)
-        for doc_lens, algo in [(d, a) for d in document_settings(args, seq_len) for a in algos]:
-            layout = args.layout or DEFAULT_LAYOUT[algo]
-            cfg = replace(model_config(args, shape, cp_size, algo, args.kernel, device_type, degree),
+        for doc_lens, name in [(d, a) for d in document_settings(args, seq_len) for a in algos]:
+            layout = args.layout or DEFAULT_LAYOUT[name]
+            cfg = replace(model_config(args, shape, cp_size, name, args.kernel, device_type, degree),
                           layout=layout, doc_lens=doc_lens)
             variants = variants_for(args, seq_len, cp_size)
             cm.validate(cfg, variants)
             bounds = cfg.documents
             for v in variants:
                 kernel = "auto" if v.recompute_kv else args.kernel
-                case = Case(spec=v, cp_algo=algo, layout=layout, kernel=kernel, dtype=args.dtype,
+                case = Case(spec=v, cp_algo=name, layout=layout, kernel=kernel, dtype=args.dtype,
                             shape=shape, cu_seqlens=bounds,
-                            ulysses_degree=degree if algo == HYBRID else 1)
+                            ulysses_degree=degree if algo(name).takes_ulysses_degree else 1)
                 runs.append(case)
                 models.append(_model(case_config(case, cp_size, device_type), v, cp_size))
     return runs, models
@@ -400,14 +401,15 @@ def run(args) -> int:
         per_rank, rank = _run_torchrun(args, runs, args.repeat, args.warmup)
         if rank != 0:
             return 0
-    elif args.cp_algo == HYBRID:
+    elif takes_ulysses_degree(args.cp_algo):
         per_rank = run_on_ranks(hybrid_worker, cp_size, args.ulysses_degree, runs, args.repeat,
                                 args.warmup, True, timeout_s=RUN_TIMEOUT_S)
     else:
         # (count_flops, progress, cpu_peak): spawned ranks run on the CPU, measure its peak
         per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True, True,
                                 timeout_s=RUN_TIMEOUT_S)
-    rows = make_rows(runs, models, per_rank, args.ulysses_degree if args.cp_algo == HYBRID else 1)
+    rows = make_rows(runs, models, per_rank,
+                     args.ulysses_degree if takes_ulysses_degree(args.cp_algo) else 1)
     print_table(rows)
     print_document_trend(rows)
     print(f"\nbytes: rank 0's payload handed to the collectives (fwd, bwd) and bytes it sends "
