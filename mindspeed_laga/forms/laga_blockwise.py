@@ -28,7 +28,7 @@ same way. Accumulation is float32 for half-precision inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -65,6 +65,15 @@ class BlockPlan:
                    segments=tuple(setup.query_segments()), block_size=block_size,
                    kernel=setup.kernel, documents=setup.documents,
                    key_ranges=tuple(key_ranges) if key_ranges else None)
+
+
+class Run(NamedTuple):
+    """Query rows of one segment and document that see a key block: ``rows`` (a slice of
+    the local queries), ``keys`` (a slice of the block handed to the kernel) and the
+    kernels' causal ``offset`` (key j visible to row i iff j <= i + offset; None: all)."""
+    rows: slice
+    keys: slice
+    offset: Optional[int]
 
 
 def visible_rows(plan: BlockPlan, k0: int, k1: int):
@@ -109,7 +118,7 @@ def _run(plan: BlockPlan, piece, keys, total: int, k0: int, k1: int):
     offset = base + g + first - a if plan.causal else None
     if offset is not None and offset >= e - a - 1:
         offset = None
-    return slice(local + first, local + n), slice(a - k0, e - k0), offset
+    return Run(slice(local + first, local + n), slice(a - k0, e - k0), offset)
 
 
 def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
@@ -128,7 +137,7 @@ def row_blocks(plan: BlockPlan) -> List[Segment]:
     out = []
     for local, n, g in join_adjacent(plan.segments):
         step = size or n
-        out += [(local + i, min(step, n - i), g + i) for i in range(0, n, step)]
+        out += [Segment(local + i, min(step, n - i), g + i) for i in range(0, n, step)]
     return out
 
 
@@ -139,7 +148,7 @@ class Tile:
     slices relative to ``k0``."""
     k0: int
     k1: int
-    runs: List[Tuple[slice, slice, Optional[int]]]
+    runs: List[Run]
 
 
 def tiles(plan: BlockPlan, rows: Segment, num_keys: int) -> List[Tile]:
@@ -149,9 +158,9 @@ def tiles(plan: BlockPlan, rows: Segment, num_keys: int) -> List[Tile]:
     for k0, k1 in key_blocks(num_keys, plan.block_size):
         runs = [run for seg in segment_runs(sub, k0, k1) for run in seg]
         if runs:
-            a, e = min(r[1].start for r in runs), max(r[1].stop for r in runs)
-            out.append(Tile(k0 + a, k0 + e, [(r, slice(ks.start - a, ks.stop - a), c)
-                                              for r, ks, c in runs]))
+            a, e = min(r.keys.start for r in runs), max(r.keys.stop for r in runs)
+            out.append(Tile(k0 + a, k0 + e, [Run(r.rows, slice(r.keys.start - a, r.keys.stop - a),
+                                                 r.offset) for r in runs]))
     return out
 
 
@@ -179,14 +188,15 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad):
     view), so the [s, b, h*d_v] output the caller gets is the same storage that
     backward keeps."""
     kernel = plan.kernel.block
-    b, h, s_q, _ = q.shape
+    b, h, s_q, _ = q.shape  # q [b, h, s_q, d_n + d_r]; latent [S, b, d_c + d_r]
     acc = acc_dtype(q.dtype)
     out = torch.zeros(s_q, b, h, plan.dims.v_head_dim, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
-    lse = torch.full((b, h, s_q), float("-inf"), dtype=acc, device=q.device)
-    for (r0, n, _), row_tiles in steps:
-        acc_out = torch.zeros(b, h, n, plan.dims.v_head_dim, dtype=acc, device=q.device)
-        acc_lse = lse[:, :, r0:r0 + n]
+    lse = torch.full((b, h, s_q), float("-inf"), dtype=acc, device=q.device)  # [b, h, s_q]
+    for (r0, n, _), row_tiles in steps:  # one row block: rows [r0, r0 + n)
+        acc_out = torch.zeros(b, h, n, plan.dims.v_head_dim, dtype=acc, device=q.device)  # [b, h, n, d_v]
+        acc_lse = lse[:, :, r0:r0 + n]  # [b, h, n], a view: merged in place
         for tile in row_tiles:
+            # K [b, h, k1 - k0, d_n + d_r], V [b, h, k1 - k0, d_v]: one tile's span, rebuilt
             key, value = rebuild(latent_block(latent, bad, tile), kv_up_weight, plan)
             for (r, _, _), (block_out, block_lse) in zip(
                     tile.runs, kernel.forward_runs(q, key, value, tile.runs, plan.scale)):
@@ -204,11 +214,11 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
     d_latent = torch.zeros(latent.shape, dtype=acc, device=q.device)
     d_weight = torch.zeros(kv_up_weight.shape, dtype=acc, device=q.device)
     weight = kv_up_weight.to(push_dtype(q))
-    for (r0, n, _), row_tiles in steps:
-        dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)
+    for (r0, n, _), row_tiles in steps:  # one row block: rows [r0, r0 + n)
+        dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)  # [b, h, n, d_qk]
         for tile in row_tiles:
-            block = latent_block(latent, bad, tile)
-            key, value = rebuild(block, kv_up_weight, plan)
+            block = latent_block(latent, bad, tile)  # [k1 - k0, b, d_c + d_r]
+            key, value = rebuild(block, kv_up_weight, plan)  # [b, h, k1 - k0, .], as forward
             grads = kernel.backward_runs(q, key, value, tile.runs, plan.scale, d_out, out, lse)
             for (r, _, _), (dq_b, _, _) in zip(tile.runs, grads):
                 dq_rows[:, :, _shift(r, r0)] += dq_b

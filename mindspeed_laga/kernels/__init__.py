@@ -89,8 +89,8 @@ def poison_rows(bad: torch.Tensor, *, segments: List[Segment], causal: bool, doc
     """[b, n_k, s_q, 1] of 0 or NaN: NaN for the query rows that see a key of ``bad``
     ([b, n_k, S], True = non-finite), the rows of every segment in order (what
     :func:`attend` adds to its output; the blockwise path adds it to its own)."""
-    parts = [nonfinite.row_poison(bad[:, :, lo_i:hi_i], seg[1], causal, pieces, dtype)
-             for seg, lo_i, hi_i, pieces in _windows(segments, key_ranges, bad.shape[-1], causal,
+    parts = [nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces, dtype)
+             for (_, length, _), lo_i, hi_i, pieces in _windows(segments, key_ranges, bad.shape[-1], causal,
                                                      documents)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
@@ -98,12 +98,12 @@ def poison_rows(bad: torch.Tensor, *, segments: List[Segment], causal: bool, doc
 def _relative_pieces(seg: Segment, lo: int, causal: bool, documents) -> List[Piece]:
     """The segment's document pieces as (query start, query length, key start, key end),
     relative to the segment and to its key window starting at position ``lo``."""
-    local0 = seg[0]
+    local0, _, _ = seg
     out = []
     for local, n, g in doc_pieces(seg, documents):
         d = document_of(g, documents)
         end = g + n if causal else documents[d + 1]
-        out.append((local - local0, n, documents[d] - lo, end - lo))
+        out.append(Piece(local - local0, n, documents[d] - lo, end - lo))
     return out
 
 

@@ -153,7 +153,8 @@ def attend_pieces(torch_npu, q, k, v, *, scale: float, causal: bool, pieces):
     if q_end != q.shape[2] or k_end != k.shape[2]:
         raise ValueError(f"document pieces {list(pieces)} cover {q_end} rows and {k_end} keys; "
                          f"the segment has {q.shape[2]} rows and {k.shape[2]} keys")
-    kwargs = varlen_kwargs([p[1] for p in pieces], [p[3] - p[2] for p in pieces], causal, q.device)
+    kwargs = varlen_kwargs([p.length for p in pieces], [p.k_end - p.k_start for p in pieces],
+                           causal, q.device)
     out = torch_npu.npu_fusion_attention(to_tnd(q), to_tnd(k), to_tnd(v), q.shape[1],
                                          scale=scale, **kwargs)[0]
     return out.transpose(0, 1).unsqueeze(0)
