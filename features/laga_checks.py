@@ -14,7 +14,7 @@ from argparse import Namespace
 from mindspeed_laga.cp_algos import algo
 from mindspeed_laga.vocab.names import HYBRID
 
-from .laga_args import (CP_ALGO_MAP, DEFAULT_CP_ALGO, DOCUMENT_CP_ALGO_MAP, FLAG,
+from .laga_args import (CP_ALGO_MAP, DOCUMENT_CP_ALGO_MAP, FLAG, context_parallel_algo,
                         cp_algo_and_layout)
 
 _PACKED = ("this packed (THD) form is not covered by LAGA: pack documents with "
@@ -122,12 +122,8 @@ def _check_documents(args: Namespace) -> None:
                          "--global-batch-size's accumulation instead), or drop " + FLAG)
 
 
-def _algo(args: Namespace) -> str:
-    return getattr(args, "context_parallel_algo", None) or DEFAULT_CP_ALGO
-
-
 def _check_cp_algo(args: Namespace):
-    algo = _algo(args)
+    algo = context_parallel_algo(args)
     mapped = cp_algo_and_layout(algo, _documents(args))
     if mapped is not None:
         return mapped
@@ -158,7 +154,7 @@ def _check_split(args: Namespace, cp_size: int, cp_algo: str, layout: str) -> No
     if seq_length % chunks:
         what = "--context-parallel-size" if layout == "contiguous" else "2 x --context-parallel-size"
         raise ValueError(
-            f"{FLAG} with --context-parallel-algo {_algo(args)} cuts the sequence into {what} "
+            f"{FLAG} with --context-parallel-algo {context_parallel_algo(args)} cuts the sequence into {what} "
             f"= {chunks} equal chunks: --seq-length {seq_length} is not divisible by {chunks}; "
             f"pad --seq-length to a multiple of {chunks}")
 

@@ -8,9 +8,9 @@
 
 Every rank runs gloo on CPU; CP size = world size / TP size. Without --laga,
 megatron's unpatched MLA forward runs with a small CP-capable core attention
-(tests/support/megatron_cpu.py). Rank 0 prints the global loss of each step and the
+(mindspeed_laga/tools/megatron_cpu.py). Rank 0 prints the global loss of each step and the
 bytes the attention collectives moved. The model, shims and trainer are the
-ones the end-to-end tests use (tests/support/megatron_cpu.py).
+ones the end-to-end tests use (mindspeed_laga/tools/megatron_cpu.py).
 
 The configuration (world size, TP, CP algorithm, layout, sequence length) is
 checked before anything is built: a combination the model cannot run fails
@@ -23,10 +23,7 @@ import argparse
 import os
 import sys
 import warnings
-from pathlib import Path
 
-# The demo runs from a checkout: it shares the CPU harness of the end-to-end tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 # megatron's own notices on CPU (no Apex, cuda-graph scope, torch's renamed collectives).
 warnings.filterwarnings("ignore", message=r".*(Apex|full scope is deprecated|is deprecated\. "
                                           r"Please use|CUDA_DEVICE_MAX_CONNECTIONS).*")
@@ -35,7 +32,7 @@ import functools  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-import megatron_cpu as mc  # noqa: E402
+from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 
 from mindspeed_laga.cp_algos import algo  # noqa: E402
 from mindspeed_laga.vocab.segments import check_seq_len  # noqa: E402

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 
 from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
+from ..spawn import under_torchrun as _torchrun
 from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, HYBRID, KERNELS, LAYOUTS  # noqa: F401
 from ...vocab.dims import ModelDims  # noqa: F401
@@ -138,14 +139,11 @@ def variants_for(args, seq_len: int, cp_size: int) -> List[RunSpec]:
 
 def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type: str,
                  ulysses_degree: int = 1) -> cm.Config:
-    dims = ModelDims(shape.heads, shape.qk_head_dim, shape.rope_dim, shape.v_head_dim, shape.kv_lora_rank)
-    # torch SDPA's CPU dispatch is what the model's "sdpa" describes; on an accelerator
-    # its kernels keep no score matrix: model them as "fused".
-    if kernel == "auto":
-        kernel = {"cpu": cm.SDPA, "npu": cm.NPU}.get(device_type, cm.FUSED)
-    model_kernel = cm.FUSED if kernel == cm.SDPA and device_type != "cpu" else kernel
-    return cm.Config(dims, shape.seq_len, shape.batch, cp_size, 1, algo, DEFAULT_LAYOUT[algo],
-                     args.dtype, model_kernel, True, ulysses_degree=ulysses_degree)
+    """The cost model's config of one bench run (measure.case_config's rules)."""
+    from ..measure import model_kernel, shape_dims
+    return cm.Config(shape_dims(shape), shape.seq_len, shape.batch, cp_size, 1, algo,
+                     DEFAULT_LAYOUT[algo], args.dtype, model_kernel(kernel, device_type), True,
+                     ulysses_degree=ulysses_degree)
 
 
 def ulysses_degree_from_args(args, cp_size: int) -> int:
@@ -356,10 +354,6 @@ def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmu
 
 
 # ---------------------------------------------------------------- running
-
-def _torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
 
 def _run_torchrun(args, runs, repeat, warmup):
     """This process is one rank: run every variant, gather all ranks' results on every rank."""
