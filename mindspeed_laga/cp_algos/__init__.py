@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Dict
 
 from .allgather import AllGather
-from .base import CPAlgo, Exchange
+from .base import CPAlgo, Exchange, SplitView
 from .hybrid import Hybrid
 from .ulysses import Ulysses
 
@@ -35,4 +35,4 @@ def takes_ulysses_degree(name) -> bool:
     return isinstance(name, str) and name in ALGOS and ALGOS[name].takes_ulysses_degree
 
 
-__all__ = ["ALGOS", "AllGather", "CPAlgo", "Exchange", "Hybrid", "Ulysses", "algo", "takes_ulysses_degree"]
+__all__ = ["ALGOS", "AllGather", "CPAlgo", "Exchange", "Hybrid", "SplitView", "Ulysses", "algo", "takes_ulysses_degree"]

@@ -88,6 +88,28 @@ class CPAlgo:
         raise NotImplementedError
 
 
+class SplitView:
+    """The algorithm's answers for a record holding ``cp_algo``, ``cp_size`` and
+    ``ulysses_degree`` (the forms' setup, the cost model's config): mixed in, so both
+    ask the same object the same way."""
+
+    @property
+    def algo(self) -> CPAlgo:
+        """The CP algorithm (cp_algos/): what differs between allgather, ulysses, hybrid."""
+        from . import algo  # the registry imports this module
+        return algo(self.cp_algo)
+
+    @property
+    def heads_split(self) -> bool:
+        """Heads split over the split group: Q goes out and O comes back by all-to-all."""
+        return self.algo.heads_split(self.cp_size, self.ulysses_degree)
+
+    @property
+    def split_size(self) -> int:
+        """Ranks the heads are split over: P (ulysses) or U (hybrid)."""
+        return self.algo.split_size(self.cp_size, self.ulysses_degree)
+
+
 def latent_exchanges(form: str, d, n: int, query_group: str, latent_group: str = "cp"):
     """Absorbed and LAGA with heads split: Q out, the latent gathered, O back."""
     query_width = d.latent_dim if form == "absorbed" else d.qk_dim  # q_abs is latent-wide

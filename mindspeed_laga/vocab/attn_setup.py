@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Tuple
 
-from ..cp_algos import CPAlgo, algo
+from ..cp_algos import SplitView, algo
 from .dims import MLADims
 from .keys import key_ranges
 from .segments import Documents, Segment, query_segments
@@ -20,7 +20,7 @@ def heads_split(cp_algo: str, cp_size: int, ulysses_degree: int = 1) -> bool:
 
 
 @dataclass(frozen=True)
-class AttnSetup:
+class AttnSetup(SplitView):  # algo, heads_split, split_size: asked of the CP algorithm
     """Everything a form needs besides the tensors (made by ``checks.check``)."""
 
     dims: MLADims
@@ -41,23 +41,9 @@ class AttnSetup:
     ulysses_degree: int = 1
 
     @property
-    def algo(self) -> CPAlgo:
-        """The CP algorithm (cp_algos/): what differs between allgather, ulysses, hybrid."""
-        return algo(self.cp_algo)
-
-    @property
-    def heads_split(self) -> bool:
-        """Heads split over the split group: Q goes out and O comes back by all-to-all."""
-        return self.algo.heads_split(self.cp_size, self.ulysses_degree)
-
-    @property
     def split_group(self):
         """The group the head all-to-alls run over: the Ulysses group (hybrid) or cp_group."""
         return self.algo.split_group(self.cp_group, self.ulysses_group)
-
-    @property
-    def split_size(self) -> int:
-        return self.algo.split_size(self.cp_size, self.ulysses_degree)
 
     @property
     def split_rank(self) -> int:

@@ -7,7 +7,7 @@ from functools import cached_property
 from typing import Iterable, Optional, Sequence, Tuple
 
 from ..runspec import RunSpec
-from ...cp_algos import CPAlgo, algo
+from ...cp_algos import SplitView
 from ...vocab.names import ATTN_CP_ALGOS, LAYOUTS
 from ...vocab.segments import Documents, check_seq_len
 from ...vocab.dims import MLADims, ModelDims
@@ -60,7 +60,7 @@ def model_kernel_kind(kernel: str, qk_dim: int, v_dim: int, documents: bool = Fa
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(SplitView):  # algo, heads_split, split_size: asked of the CP algorithm
     dims: ModelDims
     seq_len: int
     micro_batch: int = 1
@@ -103,20 +103,6 @@ class Config:
     def tp_heads(self) -> int:
         """Heads on this TP rank (n/TP): the rows of kv_up_weight it holds."""
         return self.rank_dims.heads
-
-    @property
-    def algo(self) -> CPAlgo:
-        """The CP algorithm (cp_algos/)."""
-        return algo(self.cp_algo)
-
-    @property
-    def heads_split(self) -> bool:
-        return self.algo.heads_split(self.cp_size, self.ulysses_degree)
-
-    @property
-    def split_size(self) -> int:
-        """Ranks the heads are split over: P (ulysses) or U (hybrid)."""
-        return self.algo.split_size(self.cp_size, self.ulysses_degree)
 
     @property
     def ring_size(self) -> int:
