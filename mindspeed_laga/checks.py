@@ -99,8 +99,17 @@ def _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight):
                          f"{[str(d) for d in handshake.DTYPES]}; cast query, kv_latent, k_pos_emb "
                          "and kv_up_weight to bfloat16 (float8 recipes keep attention in bf16)")
     devices = {t.device for t in (query, kv_latent, k_pos_emb, kv_up_weight)}
+    check_not_meta(devices)
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_not_meta(devices) -> None:
+    """Meta tensors have shapes but no values: nothing can be computed or exchanged on them."""
+    if any(torch.device(d).type == "meta" for d in devices):
+        raise ValueError(f"inputs on the meta device (got {sorted(map(str, devices))}) have no "
+                         "values: materialize the model (to_empty() and initialize, or load its "
+                         "checkpoint) and run it on a real device")
 
 
 def _check_choices(cp_algo, layout, kernel, causal, softmax_scale):
@@ -116,6 +125,18 @@ def _check_choices(cp_algo, layout, kernel, causal, softmax_scale):
             or not _finite(softmax_scale) or softmax_scale <= 0):
         raise ValueError(f"softmax_scale must be a positive, finite real number (e.g. "
                          f"1/sqrt(qk_head_dim + qk_pos_emb_head_dim)), got {softmax_scale!r}")
+    if not SCALE_RANGE[0] <= softmax_scale <= SCALE_RANGE[1]:
+        # the fused kernels take the scale in float32: below its range it flushes to zero
+        # (torch's CPU flash op then returns NaN where eager math does not)
+        raise ValueError(f"softmax_scale must be between {SCALE_RANGE[0]:g} and "
+                         f"{SCALE_RANGE[1]:g}, the range every kernel computes alike (MLA's is "
+                         f"about 1/sqrt(qk_head_dim + qk_pos_emb_head_dim) times the rope "
+                         f"mscale), got {softmax_scale!r}")
+
+
+# softmax_scale's accepted range: well inside float32's normal range, where every kernel
+# (eager math, SDPA, the CPU flash op, the NPU op) gives the same result
+SCALE_RANGE = (1e-30, 1e30)
 
 
 def _finite(x) -> bool:
@@ -254,8 +275,10 @@ def _check_laga_flags(options: AttnOptions):
             raise ValueError(f"{name} must be True or False, got {getattr(options, name)!r}")
     block = options.kv_block_size
     if block is not None:
-        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-            raise ValueError(f"kv_block_size must be a positive int or None, got {block!r}")
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 < block < 1 << 63:
+            raise ValueError(f"kv_block_size must be a positive int below 2**63 or None, got "
+                             f"{block!r}; a block as long as the sequence or longer is one block, "
+                             "which None asks for")
         if not options.recompute_kv:
             raise ValueError("kv_block_size needs recompute_kv=True: blockwise rebuild keeps no "
                              "K/V for backward, so it rebuilds them there")
@@ -274,6 +297,12 @@ def _check_laga_options(options: AttnOptions, kv_latent, k_pos_emb, cp_size: int
                              "the ones passed here; pass the same tensors to both calls")
         if gather.cp_group is not options.cp_group or cp_size == 1:
             raise ValueError("latent_gather was started on another cp_group; pass the same group")
+        if gather.lost_grads(kv_latent, k_pos_emb):
+            raise ValueError("latent_gather was started under torch.no_grad() (its gather is "
+                             "outside autograd), but this call runs in grad mode with kv_latent/"
+                             "k_pos_emb needing grads, which would be lost; start the gather in "
+                             "grad mode (outside the no_grad block), or call laga_attention "
+                             "under no_grad too")
 
 
 def _check_flags(options: AttnOptions):

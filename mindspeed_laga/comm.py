@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 GROUPS = ("cp", "ulysses", "ring")
+DIRECTIONS = ("forward", "backward")
 
 
 @dataclass
@@ -60,6 +61,8 @@ class CommCounter:
         handshake, kind "handshake"); ``group`` keeps one group's records
         ("cp", "ulysses" or "ring"; None: all).
         """
+        _check_choice("kind", kind, DATA_KINDS + ("handshake",))
+        _check_choice("direction", direction, DIRECTIONS)
         if measure not in ("payload", "wire"):
             raise ValueError(f"measure must be 'payload' or 'wire', got {measure!r}")
         if group is not None and group not in GROUPS:
@@ -71,6 +74,7 @@ class CommCounter:
 
     def design_bytes(self, direction: Optional[str] = None) -> float:
         """payload * (P-1)/P, summed: the paper's convention (docs/DESIGN.md, section 'Byte counter')."""
+        _check_choice("direction", direction, DIRECTIONS)
         return sum(r.payload * (r.group_size - 1) / r.group_size for r in self.records
                    if r.kind in DATA_KINDS and (direction is None or r.direction == direction))
 
@@ -84,6 +88,12 @@ class CommCounter:
             slot["wire"] += r.wire
             slot["calls"] += 1
         return {d: dict(k) for d, k in out.items()}
+
+
+def _check_choice(name: str, value, choices) -> None:
+    """A filter that matches no record would read as 0 bytes: a typo must raise instead."""
+    if value is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {choices} or None, got {value!r}")
 
 
 _OPEN_COUNTERS: List[CommCounter] = []
@@ -228,32 +238,48 @@ def handshake(values: List[int], group, device) -> List[List[int]]:
 
 # ---------------------------------------------------------------- autograd wrappers
 
+# Each backward is again one of these Functions (the adjoint collective), so a double
+# backward (create_graph=True) differentiates through it and reaches the peers' grads.
+
 class _GatherSeq(torch.autograd.Function):
     """All-gather along dim 0 forward; reduce-scatter the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group, tag, label):
+    def forward(ctx, x, group, tag, label, direction="forward"):
         ctx.group, ctx.tag, ctx.label = group, tag, label
-        return all_gather_raw(x, group, "forward", tag, label=label)
+        return all_gather_raw(x, group, direction, tag, label=label)
 
     @staticmethod
     def backward(ctx, grad):
-        local = reduce_scatter_raw(grad, ctx.group, "backward", ctx.tag, label=ctx.label)
-        return local, None, None, None
+        local = _ReduceScatterSeq.apply(grad, ctx.group, ctx.tag, ctx.label)
+        return local, None, None, None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Reduce-scatter along dim 0 (a gather's backward); all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, tag, label):
+        ctx.group, ctx.tag, ctx.label = group, tag, label
+        return reduce_scatter_raw(x, group, "backward", tag, label=label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherSeq.apply(grad, ctx.group, ctx.tag, ctx.label, "backward"), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single forward; the same exchange of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group, tag, label):
+    def forward(ctx, x, group, tag, label, direction="forward"):
         ctx.group, ctx.tag, ctx.label = group, tag, label
-        return all_to_all_raw(x, group, "forward", tag, label=label)
+        return all_to_all_raw(x, group, direction, tag, label=label)
 
     @staticmethod
     def backward(ctx, grad):
-        exchanged = all_to_all_raw(grad, ctx.group, "backward", ctx.tag, label=ctx.label)
-        return exchanged, None, None, None
+        exchanged = _AllToAll.apply(grad, ctx.group, ctx.tag, ctx.label, "backward")
+        return exchanged, None, None, None, None
 
 
 def gather_seq(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> torch.Tensor:

@@ -7,7 +7,11 @@ runs and returns wrong numbers. So before its first data collective each
 call all-gathers one fixed-length row of integers per rank (the verdict of
 its local checks and every value that must agree, see :data:`FIELDS`) and
 every rank raises the same ``ValueError``, naming the argument and the values
-by rank, when any rank rejected its arguments or any value differs.
+by rank, when any rank rejected its arguments or any value differs. A rank
+that rejected re-raises its own exception and its peers raise with its
+message (one more small exchange, on that path only); a value that cannot
+travel as an int64 is that rank's rejection, never an error before the
+exchange, and meta tensors exchange on the backend's device.
 
 The row has the same length for every call that can handshake (the
 attention forms and ``start_latent_gather``), so a rank that overlaps the
@@ -116,15 +120,70 @@ def agree(values: Dict[str, int], failure, cp_group, device,
     if comm.group_size(cp_group) == 1 or (skips(cp_group) and not force):
         _raise(failure)
         return
-    row = [UNKNOWN] * len(FIELDS)
-    for key, value in values.items():
-        row[FIELDS.index(key)] = int(value)
-    row[0] = 0 if failure is None else 1
+    row, failure = _pack(values, failure)
+    device = exchange_device(device, cp_group)
     table = comm.handshake(row, cp_group, device)
-    _raise(failure)
+    _raise_on_rejection(table, failure, cp_group, device)
     _raise_on_difference(table, names or {}, details or {}, cp_group, device)
     if all(r[FIELDS.index("check_ranks")] == 0 for r in table):
         _SKIP[cp_group] = True
+
+
+_INT64 = (-(1 << 63), 1 << 63)
+
+
+def _pack(values: Dict[str, int], failure):
+    """(this rank's row, its failure): a value beyond int64 cannot travel, so it is sent as
+    unknown and, unless a check already failed, becomes this rank's failure, which then
+    reaches the peers like any other (a bare OverflowError here would leave them waiting)."""
+    row = [UNKNOWN] * len(FIELDS)
+    for key, value in values.items():
+        value = int(value)
+        if _INT64[0] <= value < _INT64[1]:
+            row[FIELDS.index(key)] = value
+        elif failure is None:
+            failure = ValueError(f"{key}={value} is beyond the int64 range the ranks exchange; "
+                                 f"pass a value below 2**63")
+    row[0] = 0 if failure is None else 1
+    return row, failure
+
+
+def exchange_device(device, cp_group):
+    """Where the exchange's tensors live: the call's device, unless it has no storage (meta
+    tensors, refused by the checks), then the one the group's backend runs on."""
+    device = torch.device(device)
+    if device.type != "meta":
+        return device
+    backend = str(torch.distributed.get_backend(cp_group)).lower()
+    kind = {"nccl": "cuda", "hccl": "npu"}.get(backend)
+    if kind is None:
+        return torch.device("cpu")
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
+def _raise_on_rejection(table: List[List[int]], failure, cp_group, device) -> None:
+    """When any rank rejected its call: every rank learns every rejecting rank's message (one
+    more small exchange, only on this path), the rejecting ranks re-raise their own exception
+    and the others a ValueError carrying those messages, so every rank shows the cause."""
+    rejected = [r for r, row in enumerate(table) if row[0]]
+    if not rejected:
+        return
+    mine = _describe(failure).encode()[:_MESSAGE_BYTES] if failure is not None else b""
+    texts = _gather_detail(list(mine), cp_group, device, shorten=False)
+    _raise(failure)
+    causes = "; ".join(f"CP rank {r}: {bytes(texts[r] or []).decode(errors='replace')}"
+                       for r in rejected)
+    raise ValueError(f"CP rank(s) {rejected} rejected their arguments (no collective was "
+                     f"issued): {causes}")
+
+
+_MESSAGE_BYTES = 1500
+
+
+def _describe(failure) -> str:
+    if isinstance(failure, ValueError) or not isinstance(failure, BaseException):
+        return str(failure)
+    return f"{type(failure).__name__}: {failure}"
 
 
 def _raise(failure) -> None:
@@ -133,16 +192,28 @@ def _raise(failure) -> None:
     raise failure if isinstance(failure, BaseException) else ValueError(failure)
 
 
-def check_same_weight(weight, cp_group, name: str = "kv_up_weight") -> None:
+def check_same_weight(weight, cp_group, name: str = "kv_up_weight",
+                      settings: Optional[Dict[str, Sequence[object]]] = None) -> None:
     """Raise on every rank unless every CP rank holds the same ``weight`` (bit for bit).
 
     One exchange of one int64 (a checksum of the weight's bits, computed where
     the weight lives). CP ranks are replicas of one TP shard: a rank with other
     values would run and return wrong numbers (wrong K/V for every peer).
+    ``settings``: {name: (this rank's value, its choices)} sent in the same exchange
+    (an adapter's configuration, before it builds any group); ranks that differ
+    raise "CP ranks disagree on <name>" with the values by rank.
     """
     if comm.group_size(cp_group) == 1:
         return
-    table = comm.handshake([weight_checksum(weight)], cp_group, weight.device)
+    settings = settings or {}
+    codes = [_setting_code(value, choices) for value, choices in settings.values()]
+    table = comm.handshake([weight_checksum(weight)] + codes, cp_group, weight.device)
+    for i, (label, (_, choices)) in enumerate(settings.items(), start=1):
+        values = [row[i] for row in table]
+        if len(set(values)) > 1:
+            shown = [choices[v] if choices and 0 <= v < len(choices) else v for v in values]
+            raise ValueError(f"CP ranks disagree on {label}: {shown} (by rank); every CP rank "
+                             "must be configured alike (no process group was built)")
     sums = [row[0] for row in table]
     if len(set(sums)) > 1:
         differ = [r for r, s in enumerate(sums) if s != sums[0]]
@@ -151,6 +222,13 @@ def check_same_weight(weight, cp_group, name: str = "kv_up_weight") -> None:
             f"rank 0 (checksums by rank {sums}); every rank of cp_group must hold the same "
             f"{name} (the CP ranks of one TP rank are replicas: load or initialize the weights "
             "with the same seed and keep them in sync through the data-parallel reduction)")
+
+
+def _setting_code(value, choices) -> int:
+    """A setting as an int64: its index among ``choices``, else the int itself."""
+    if choices:
+        return choices.index(value) if value in choices else UNKNOWN
+    return int(value)
 
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd int64: position-dependent weights, mod 2^64
@@ -183,10 +261,6 @@ _CHUNK = 1 << 21
 
 def _raise_on_difference(table: List[List[int]], names: Dict[str, Sequence[str]],
                          details: Dict[str, Sequence[int]], cp_group, device) -> None:
-    rejected = [r for r, row in enumerate(table) if row[0]]
-    if rejected:
-        raise ValueError(f"CP rank(s) {rejected} rejected their arguments (see the error there); "
-                         "no collective was issued")
     stage = FIELDS.index("stage")
     if len({row[stage] for row in table}) > 1:
         by_rank = [STAGES[row[stage]] for row in table]
@@ -204,12 +278,13 @@ def _raise_on_difference(table: List[List[int]], names: Dict[str, Sequence[str]]
                              "rank); every rank of cp_group must pass the same value")
 
 
-def _gather_detail(mine: Sequence[int], cp_group, device) -> List[object]:
+def _gather_detail(mine: Sequence[int], cp_group, device, shorten: bool = True) -> List[object]:
     """Every rank's full value (a list of ints of any length): two small exchanges."""
     lengths = [row[0] for row in comm.handshake([len(mine)], cp_group, device)]
     padded = list(mine) + [UNKNOWN] * (max(lengths) - len(mine))
     table = comm.handshake(padded or [UNKNOWN], cp_group, device)
-    return [_shorten(row[:n]) if n else None for row, n in zip(table, lengths)]
+    keep = _shorten if shorten else list
+    return [keep(row[:n]) if n else None for row, n in zip(table, lengths)]
 
 
 def _shorten(values: List[int], keep: int = 12):

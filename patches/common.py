@@ -8,7 +8,11 @@ the same ``kv_up_weight`` (one more small exchange: a checksum).
 """
 from __future__ import annotations
 
-from typing import Optional
+import os
+from datetime import timedelta
+from typing import Dict, Optional
+
+import torch.distributed as dist
 
 from mindspeed_laga import handshake
 
@@ -20,11 +24,42 @@ def first_call(module) -> bool:
     return first
 
 
-def check_weight_once(first: bool, kv_up_weight, cp_group) -> None:
+def check_weight_once(first: bool, kv_up_weight, cp_group, settings=None) -> None:
     """On a module's first call: every CP rank must hold the same kv_up_weight (ValueError on
-    every rank otherwise; one exchange of one int64, docs/RESULTS.md has its cost)."""
+    every rank otherwise; one exchange of one int64, docs/RESULTS.md has its cost), and
+    agree on ``settings`` ({name: (value, choices)}, in the same exchange)."""
     if first:
-        handshake.check_same_weight(kv_up_weight, cp_group)
+        meet_peers(cp_group)
+        handshake.check_same_weight(kv_up_weight, cp_group, settings=settings)
+
+
+PEER_WAIT_ENV = "MINDSPEED_LAGA_PEER_WAIT_S"
+_MEETINGS: Dict[tuple, int] = {}  # CP ranks -> first calls met so far (alike on every rank)
+
+
+def meet_peers(cp_group) -> None:
+    """Before a module's first exchange, every CP rank must reach it: through the process
+    group's key-value store, not a collective, so a peer that runs something else (the
+    patch missing on that rank: its original forward's all-gather) cannot abort this rank
+    in gloo or mismatch silently. RuntimeError naming the absent ranks after
+    ``MINDSPEED_LAGA_PEER_WAIT_S`` seconds (default 300)."""
+    if cp_group is None or cp_group.size() == 1:
+        return
+    ranks = tuple(dist.get_process_group_ranks(cp_group))
+    count = _MEETINGS[ranks] = _MEETINGS.get(ranks, 0) + 1
+    key = f"mindspeed_laga/first_call/{'-'.join(map(str, ranks))}/{count}"
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{dist.get_rank()}", "1")
+    wait_s = float(os.environ.get(PEER_WAIT_ENV, "300"))
+    try:
+        store.wait([f"{key}/{r}" for r in ranks], timedelta(seconds=wait_s))
+    except Exception:  # noqa: BLE001 -- the store's timeout error type differs by release
+        absent = [r for r in ranks if not store.check([f"{key}/{r}"])]
+        raise RuntimeError(
+            f"mindspeed_laga: CP rank(s) {absent} (global) did not reach LAGA's first call of "
+            f"this module within {wait_s:g} s ({PEER_WAIT_ENV}); LAGA's patch must be applied "
+            "on every rank before the first forward (patch_megatron_mla / the launcher), or "
+            "those ranks are stalled") from None
 
 
 def start_gather(overlap: bool, kv_latent, k_pos_emb, cp_group, check_ranks: bool) -> Optional[object]:

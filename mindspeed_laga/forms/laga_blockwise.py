@@ -32,6 +32,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..double_backward import once_differentiable
 from ..kernels import KeyIndex, nonfinite, poison_rows
 from ..kernels.base import Kernel
 from ..kernels.eager import Eager
@@ -180,8 +181,22 @@ def latent_block(latent: torch.Tensor, bad: torch.Tensor, tile) -> torch.Tensor:
     return latent[tile.k0:tile.k1].masked_fill(bad[tile.k0:tile.k1, :, None], 0)
 
 
-def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad):
+def rebuild_finite(block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
+    """:func:`rebuild`, then (K, V, their non-finite positions [b, h, B]) with those zeroed.
+
+    A finite latent can still rebuild to inf (float16 overflow of the up-projection); the
+    kernels would spread it to every row of the block (0 x inf), so the rebuilt K/V are
+    cleaned like any non-finite key (kernels/nonfinite.py) and the rows that see such a
+    position are poisoned after the walk, per head, as the non-recompute path does."""
+    key, value = rebuild(block, kv_up_weight, plan)
+    bad = nonfinite.bad_positions(key) | nonfinite.bad_positions(value)
+    return (nonfinite.zero_bad_positions(key, bad, in_place=True),
+            nonfinite.zero_bad_positions(value, bad, in_place=True), bad)
+
+
+def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad, overflow):
     """Attention over rebuilt key blocks, merged by log-sum-exp -> (out, lse float32).
+    ``overflow`` [b, h, S] collects the positions whose rebuilt K/V were not finite.
 
     Row block by row block (``steps``: :func:`walk`): the float32 running output and log-sum-exp exist for
     one row block at a time. ``out`` is laid out [s, b, h, d_v] in memory (a BNSD
@@ -197,7 +212,9 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad):
         acc_lse = lse[:, :, r0:r0 + n]  # [b, h, n], a view: merged in place
         for tile in row_tiles:
             # K [b, h, k1 - k0, d_n + d_r], V [b, h, k1 - k0, d_v]: one tile's span, rebuilt
-            key, value = rebuild(latent_block(latent, bad, tile), kv_up_weight, plan)
+            key, value, tile_bad = rebuild_finite(latent_block(latent, bad, tile), kv_up_weight,
+                                                  plan)
+            overflow[:, :, tile.k0:tile.k1] |= tile_bad
             for (r, _, _), (block_out, block_lse) in zip(
                     tile.runs, kernel.forward_runs(q, key, value, tile.runs, plan.scale)):
                 merge_into(acc_out, acc_lse, _shift(r, r0), block_out, block_lse)
@@ -218,7 +235,7 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
         dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)  # [b, h, n, d_qk]
         for tile in row_tiles:
             block = latent_block(latent, bad, tile)  # [k1 - k0, b, d_c + d_r]
-            key, value = rebuild(block, kv_up_weight, plan)  # [b, h, k1 - k0, .], as forward
+            key, value, _ = rebuild_finite(block, kv_up_weight, plan)  # as forward
             grads = kernel.backward_runs(q, key, value, tile.runs, plan.scale, d_out, out, lse)
             for (r, _, _), (dq_b, _, _) in zip(tile.runs, grads):
                 dq_rows[:, :, _shift(r, r0)] += dq_b
@@ -270,7 +287,8 @@ class BlockwiseLAGA(torch.autograd.Function):
     """Autograd boundary: saves q, the gathered latent, the output and the lse only.
 
     A non-finite latent position is zeroed in every rebuilt block (forward and
-    backward) and the rows that see it come out NaN (kernels/nonfinite.py), in
+    backward), so are rebuilt K/V that overflow, and the rows that see either come
+    out NaN (kernels/nonfinite.py), in
     the output backward keeps too, so their gradients are NaN as exact
     attention's would be."""
 
@@ -278,15 +296,19 @@ class BlockwiseLAGA(torch.autograd.Function):
     def forward(ctx, q, latent, kv_up_weight, plan: BlockPlan):
         bad = nonfinite.bad_positions(latent)  # [S, b]; kept as is (S*b bools), not saved
         steps = walk(plan, latent.shape[0])
-        out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps, bad)
-        out.add_(poison_rows(bad.t()[:, None], segments=list(plan.segments), causal=plan.causal,
-                             documents=plan.documents, key_ranges=plan.key_ranges,
-                             dtype=out.dtype))
+        overflow = torch.zeros(q.shape[0], q.shape[1], latent.shape[0], dtype=torch.bool,
+                               device=q.device)
+        out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps, bad, overflow)
+        out.add_(poison_rows(bad.t()[:, None] | overflow, segments=list(plan.segments),
+                             causal=plan.causal, documents=plan.documents,
+                             key_ranges=plan.key_ranges, dtype=out.dtype))
         ctx.save_for_backward(q, latent, kv_up_weight, out, lse)
         ctx.plan, ctx.steps, ctx.bad = plan, steps, bad
         return out
 
     @staticmethod
+    @once_differentiable("laga_attention(recompute_kv=True)",
+                         "use recompute_kv=False with kernel='eager' for second-order grads")
     def backward(ctx, d_out):
         q, latent, kv_up_weight, out, lse = ctx.saved_tensors
         # forward ran with autocast off (api.py); a backward called inside an autocast

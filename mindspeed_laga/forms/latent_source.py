@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm, handshake
+from ..double_backward import once_differentiable
 from ..kernels.precision import autocast_dtype, to_autocast
 from ..vocab.attn_setup import AttnSetup
 from .common import concat_latent, gathered_latent, split_latent, to_position_order
@@ -53,6 +54,9 @@ class SyncLatent:
 
 # ---------------------------------------------------------------- the overlapped gather
 
+_WITHOUT_OVERLAP = "call laga_attention without latent_gather for second-order grads"
+
+
 class _State:
     """What the two backward nodes share: the pending reduce-scatter."""
 
@@ -70,6 +74,7 @@ class _WaitForGradient(torch.autograd.Function):
         return latent.view_as(latent)
 
     @staticmethod
+    @once_differentiable("start_latent_gather (the overlapped gather)", _WITHOUT_OVERLAP)
     def backward(ctx, grad):
         ctx.state.pending.wait()
         return grad, None
@@ -85,6 +90,7 @@ class _GatheredLatent(torch.autograd.Function):
         return gathered
 
     @staticmethod
+    @once_differentiable("start_latent_gather (the overlapped gather)", _WITHOUT_OVERLAP)
     def backward(ctx, grad):
         local, ctx.state.pending = comm.reduce_scatter_raw(grad, ctx.state.group, "backward",
                                                            "latent", async_op=True)
@@ -101,6 +107,7 @@ class LatentGather:
         self.kv_latent, self.k_pos_emb, self.cp_group = kv_latent, k_pos_emb, cp_group
         self._passed = passed or (kv_latent, k_pos_emb)
         self._state = _State(cp_group)
+        self.grad_mode = torch.is_grad_enabled()  # a gather started under no_grad has no backward
         latent = concat_latent(kv_latent, k_pos_emb)
         self._latent = _WaitForGradient.apply(latent, self._state)
         self._buffer, self._pending = comm.all_gather_raw(self._latent.detach(), cp_group, "forward",
@@ -119,6 +126,12 @@ class LatentGather:
     def parts(self, setup):
         """The gathered latent as (kv part, rope key)."""
         return split_latent(self.latent(setup), setup)
+
+    def lost_grads(self, kv_latent, k_pos_emb) -> bool:
+        """Whether a call in the current grad mode would lose the latent's gradients: the
+        gather ran outside autograd, but the call needs grads of what it gathered."""
+        return (not self.grad_mode and torch.is_grad_enabled()
+                and (kv_latent.requires_grad or k_pos_emb.requires_grad))
 
     def started_on(self, kv_latent, k_pos_emb) -> bool:
         """Whether this gather was started on these very tensors (as passed, or as gathered)."""
@@ -166,6 +179,9 @@ def _local_error(kv_latent, k_pos_emb, check_ranks):
             return f"{name} must be a 3-dim [s, b, d] tensor"
     if kv_latent.shape[:2] != k_pos_emb.shape[:2] or kv_latent.dtype != k_pos_emb.dtype:
         return "kv_latent and k_pos_emb must share [s, b] and dtype"
+    if kv_latent.device.type == "meta" or k_pos_emb.device.type == "meta":
+        return ("kv_latent and k_pos_emb on the meta device have no values: materialize the "
+                "model (to_empty() and initialize, or load its checkpoint) first")
     if kv_latent.dtype not in handshake.DTYPES:
         return (f"kv_latent of dtype {kv_latent.dtype} is not supported: the forms run "
                 f"{[str(d) for d in handshake.DTYPES]}; cast it (and k_pos_emb) to bfloat16")

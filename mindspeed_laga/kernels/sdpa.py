@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..double_backward import once_differentiable
 from .base import BlockKernel, Kernel
 from .eager import expand_kv
 from .masks import bottom_right, keep_mask, pieces_keep_mask
@@ -147,6 +148,8 @@ class FusedSegment(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable("kernel='sdpa' (torch's fused CPU flash attention)",
+                         "use kernel='eager' for second-order grads")
     def backward(ctx, d_out):
         q, key, value, out, lse = ctx.saved_tensors
         dq, dk, dv = fused_backward(CpuFlash, q, key, value, ctx.offset, ctx.scale,

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from mindspeed_laga import layout as layouts
 from mindspeed_laga import comm
 from mindspeed_laga.cp_algos import algo
+from mindspeed_laga.double_backward import once_differentiable
+from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, FORMS, KERNELS, LAYOUTS
 
 from . import compat as compat
 from ..common import check_weight_once, first_call, start_gather
@@ -188,6 +190,8 @@ class _SumGradOverTP(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable("patch_megatron_mla's TP reduction of the latent's gradient",
+                         "second-order grads need tensor-parallel size 1")
     def backward(ctx, grad):
         grad = grad.contiguous()
         torch.distributed.all_reduce(grad, group=ctx.group)
@@ -247,15 +251,31 @@ def _apply_rope(module, x, table, mscale):
     return compat.apply_mla_rope(x, table, module.config.rotary_interleaved, mscale)
 
 
-def _core_options(module, settings: MegatronPatchSettings, cp_group) -> Dict:
-    """The core's keywords; by default the ranks agree on shapes (and on kv_up_weight) on a
-    module's first call only."""
+def _core_options(settings: MegatronPatchSettings, first: bool) -> Dict:
+    """The core's keywords; by default the ranks agree on shapes on a module's first call
+    only (:func:`check_first_call` has checked the settings and kv_up_weight then)."""
     options = dict(settings.core_options)
-    first = first_call(module)
     options.setdefault("check_ranks", first)
-    check_weight_once(first and options["check_ranks"] is not False,
-                      module.linear_kv_up_proj.weight, cp_group)
     return options
+
+
+def check_first_call(module, settings: MegatronPatchSettings, cp_group) -> bool:
+    """On a module's first covered call, before any group is built or any collective runs:
+    every CP rank must have the same patch settings and the same kv_up_weight (one
+    exchange; ValueError on every rank otherwise). A rank patched with another
+    ``cp_algo``/``ulysses_degree`` would otherwise wait to build a Ulysses group its peers
+    never build. Returns whether this is the module's first call."""
+    first = first_call(module)
+    check = first and settings.core_options.get("check_ranks", True) is not False
+    check_weight_once(check, module.linear_kv_up_proj.weight, cp_group, {
+        "patch_megatron_mla(form=)": (settings.form, FORMS),
+        "patch_megatron_mla(cp_algo=)": (settings.cp_algo, ATTN_CP_ALGOS),
+        "patch_megatron_mla(ulysses_degree=)": (settings.ulysses_degree, None),
+        "patch_megatron_mla(layout=)": (settings.layout, LAYOUTS),
+        "patch_megatron_mla(kernel=)": (settings.kernel, KERNELS),
+        "patch_megatron_mla(overlap_latent_gather=)": (settings.overlap_latent_gather,
+                                                       (False, True))})
+    return first
 
 
 def check_attention_dropout(module) -> None:
@@ -269,11 +289,13 @@ def check_attention_dropout(module) -> None:
 
 
 def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings, cp_group,
-                         packed: Optional[PackedBatch] = None, ulysses_group=None):
+                         packed: Optional[PackedBatch] = None, ulysses_group=None,
+                         first: bool = False):
     """The covered path: hidden [s, b, h] -> (linear_proj output, bias).
 
     ``packed``: a THD call (documents, megatron's per-document split and rope
-    positions); ``ulysses_group``: hybrid CP's group of this rank.
+    positions); ``ulysses_group``: hybrid CP's group of this rank; ``first``: the module's
+    first call (:func:`check_first_call`).
     """
     cfg = module.config
     q_compressed, kv_compressed, k_pos_emb = _down_project(module, hidden_states)
@@ -285,7 +307,7 @@ def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings,
     else:
         table, mscale = _rope_at_packed_positions(module, kv_latent.shape[0], packed, cp_group)
     k_pos_emb = _apply_rope(module, k_pos_emb.unsqueeze(2), table, mscale).squeeze(2)
-    options = _core_options(module, settings, cp_group)
+    options = _core_options(settings, first)
     if ulysses_group is not None:
         options["ulysses_group"] = ulysses_group
     handle = start_gather(settings.overlap_latent_gather, kv_latent, k_pos_emb, cp_group,
@@ -335,7 +357,9 @@ def make_forward(original: Callable, settings: MegatronPatchSettings) -> Callabl
         bound = signature.bind(self, *args, **kwargs)
         reason = uncovered_reason(self, bound.arguments)
         if reason is None:
+            first = check_first_call(self, settings, cp_group)
             return laga_attention_block(self, bound.arguments["hidden_states"], settings, cp_group,
+                                        first=first,
                                         **_covered_call(self, bound.arguments, settings, cp_group))
         if settings.layout != "zigzag":
             # The original forward slices rope zigzag (megatron's batch layout): with
