@@ -17,6 +17,7 @@ from mindspeed_laga import (handshake, count_bytes, explicit_attention, absorbed
                             laga_attention, start_latent_gather)
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
+from support.raise_together import assert_raised_together, outcome
 
 S, B, N, D_N, D_R, D_V, D_C = 16, 1, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
@@ -87,17 +88,7 @@ def _one_call(rank, world, kw):
 
 
 def _scenario_worker(rank, world, names):
-    reports = []
-    for name in names:
-        handshake.reset()
-        with count_bytes() as counter:
-            try:
-                _one_call(rank, world, RANK_DIFFERENCES[name][rank])
-                text = None
-            except ValueError as exc:
-                text = str(exc)
-        reports.append((text, counter.bytes()))
-    return reports
+    return [outcome(_one_call, rank, world, RANK_DIFFERENCES[name][rank]) for name in names]
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +101,7 @@ def scenario_reports():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", sorted(RANK_DIFFERENCES))
 def test_ranks_that_disagree_raise_together(scenario_reports, name):
-    for rank, (text, data_bytes) in enumerate(scenario_reports[name]):
-        assert text is not None and EXPECTED[name] in text, (rank, text)
-        assert data_bytes == 0, f"rank {rank} moved {data_bytes} data bytes before raising"
+    assert_raised_together(scenario_reports[name], EXPECTED[name])
 
 
 def _policy_worker(rank, world):

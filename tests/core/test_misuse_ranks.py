@@ -18,6 +18,7 @@ from mindspeed_laga import (handshake, count_bytes, explicit_attention, laga_att
                             start_latent_gather)
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
+from support.raise_together import assert_raised_together, outcome
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -157,34 +158,19 @@ SCENARIOS = {
 SETUP = {"check_ranks_after_skip": skip_exchanges}
 
 
-def _run(fn, rank, world, setup=None):
-    import torch.distributed as dist
-    handshake.reset()
-    dist.barrier()
-    if setup is not None:
-        setup(rank, world)
-    with count_bytes() as counter:
-        try:
-            fn(rank, world)
-            outcome = (None, None)
-        except Exception as exc:  # noqa: BLE001 -- the type is what is reported
-            outcome = (type(exc).__name__, str(exc))
-    return outcome + (counter.bytes(),)
-
-
 def _worker(rank, world, names):
-    return {name: _run(SCENARIOS[name][0], rank, world, SETUP.get(name)) for name in names}
+    return {name: outcome(SCENARIOS[name][0], rank, world, setup=SETUP.get(name)) for name in names}
 
 
 def _unforeseen_worker(rank, world):
-    return _run(unforeseen_error, rank, world)
+    return outcome(unforeseen_error, rank, world)
 
 
 def _membership_worker(rank, world):
     """Each rank passes the one-rank group of the other rank."""
     import torch.distributed as dist
     groups = [dist.new_group([r]) for r in range(world)]  # collective: every rank builds both
-    return _run(lambda r, w: _attend(r, w, cp_group=groups[1 - r]), rank, world)
+    return outcome(lambda r, w: _attend(r, w, cp_group=groups[1 - r]), rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +182,7 @@ def reports():
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_every_rank_raises_a_named_value_error(reports, name):
-    expected = SCENARIOS[name][1]
-    for rank, (kind, text, data_bytes) in enumerate(reports[name]):
-        want = expected if isinstance(expected, str) else expected[rank]
-        assert kind == "ValueError" and want in text, (rank, kind, text)
-        assert data_bytes == 0, f"rank {rank} moved {data_bytes} data bytes before raising"
+    assert_raised_together(reports[name], SCENARIOS[name][1])
 
 
 @pytest.mark.timeout(120)
