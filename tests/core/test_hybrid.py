@@ -18,6 +18,7 @@ from mindspeed_laga import api, layout
 from mindspeed_laga import comm
 from mindspeed_laga.comm import count_bytes
 from mindspeed_laga import start_latent_gather
+from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support.raise_together import assert_raised_together, outcome
 from mindspeed_laga.vocab.segments import query_segments, rank_segments
@@ -29,6 +30,14 @@ pytestmark = pytest.mark.timeout(900)
 # S, b, n, d_n, d_r, d_v, d_c
 S, B, N, D_N, D_R, D_V, D_C = 32, 1, 8, 8, 4, 8, 16
 SCALE = 1 / math.sqrt(D_N + D_R)
+
+
+def mla_shape(**override):
+    dims = dict(seq_len=S, batch=B, heads=N, qk_head_dim=D_N, rope_dim=D_R, v_head_dim=D_V,
+                kv_lora_rank=D_C)
+    return MLAShape(**dict(dims, **override))
+
+
 SIZES = [(4, 2), (8, 2), (8, 4)]
 LAGA_OPTIONS = {
     "trim": dict(trim_causal_prefix=True),
@@ -56,12 +65,7 @@ def tolerance(case):
 
 def full_inputs(dtype=torch.float64):
     """The same full-sequence inputs on every rank and in the reference."""
-    g = torch.Generator().manual_seed(1234)
-    return {"query": torch.randn(S, B, N, D_N + D_R, generator=g, dtype=torch.float64),
-            "kv_latent": torch.randn(S, B, D_C, generator=g, dtype=torch.float64),
-            "k_pos_emb": torch.randn(S, B, D_R, generator=g, dtype=torch.float64),
-            "kv_up_weight": torch.randn(N * (D_N + D_V), D_C, generator=g, dtype=torch.float64) / 4,
-            "d_out": torch.randn(S, B, N * D_V, generator=g, dtype=torch.float64)}
+    return shape_inputs(mla_shape(), seed=1234)  # float64; kv_up_weight scaled by D_C**-0.5 = 1/4
 
 
 def mla_reference():
@@ -76,7 +80,7 @@ def mla_reference():
     future = torch.ones(S, S, dtype=torch.bool).triu(1)
     probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
     out = torch.einsum("bnqk,kbnd->qbnd", probs, value).reshape(S, B, N * D_V)
-    out.backward(x["d_out"])
+    out.backward(x["grad_out"])
     return {"out": out.detach(), **{k: v.grad for k, v in leaves.items()}}
 
 
@@ -88,7 +92,7 @@ def run_case(rank, world, degree, ulysses_group, case):
     local = {k: layout.shard(x[k], lay, world, rank, ulysses_degree=degree).requires_grad_(True)
              for k in ("query", "kv_latent", "k_pos_emb")}
     weight = x["kv_up_weight"].clone().requires_grad_(True)
-    d_out = layout.shard(x["d_out"], lay, world, rank, ulysses_degree=degree)
+    d_out = layout.shard(x["grad_out"], lay, world, rank, ulysses_degree=degree)
     options = dict(LAGA_OPTIONS.get(option, {}))
     cp_group = dist.group.WORLD
     with count_bytes() as counter:
@@ -232,13 +236,8 @@ def test_shard_rejects_a_sequence_the_hybrid_split_cannot_cut():
 
 def _call(rank, form="laga", heads=N, seq=S, cp_algo="hybrid", **kw):
     world = dist.get_world_size()
-    g = torch.Generator().manual_seed(7)
-    s = seq // world
-    q = torch.randn(s, B, heads, D_N + D_R, generator=g, dtype=torch.float64)
-    kv = torch.randn(s, B, D_C, generator=g, dtype=torch.float64)
-    pe = torch.randn(s, B, D_R, generator=g, dtype=torch.float64)
-    w = torch.randn(heads * (D_N + D_V), D_C, generator=g, dtype=torch.float64)
-    api.FORMS[form](q, kv, pe, w, softmax_scale=SCALE, cp_group=dist.group.WORLD,
+    x = shape_inputs(mla_shape(seq_len=seq // world, heads=heads), seed=7)  # this rank's part
+    api.FORMS[form](*(x[k] for k in INPUTS), softmax_scale=SCALE, cp_group=dist.group.WORLD,
                     cp_algo=cp_algo, layout="zigzag", kernel="eager", **kw)
 
 

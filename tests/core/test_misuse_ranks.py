@@ -18,6 +18,7 @@ from mindspeed_laga import (handshake, count_bytes, explicit_attention, laga_att
                             start_latent_gather)
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
 from support.raise_together import assert_raised_together, outcome
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
@@ -26,12 +27,14 @@ S, B, N, D_N, D_R, D_V, D_C = 16, 1, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
 
 
+SHAPE = MLAShape(seq_len=S, batch=B, heads=N, qk_head_dim=D_N, rope_dim=D_R, v_head_dim=D_V,
+                 kv_lora_rank=D_C)
+
+
 def local_inputs(rank, world, grads=(True, True, True, True), dtype=torch.float32):
-    g = torch.Generator().manual_seed(0)
-    full = [torch.randn(S, B, N, D_N + D_R, generator=g), torch.randn(S, B, D_C, generator=g),
-            torch.randn(S, B, D_R, generator=g)]
-    out = [layouts.shard(t, "zigzag", world, rank).to(dtype) for t in full]
-    out.append((torch.randn(N * (D_N + D_V), D_C, generator=g) * D_C ** -0.5).to(dtype))
+    full = shape_inputs(SHAPE, seed=0)
+    out = [layouts.shard(full[k], "zigzag", world, rank).to(dtype) for k in INPUTS[:3]]
+    out.append(full["kv_up_weight"].to(dtype))
     return [t.requires_grad_(grad) for t, grad in zip(out, grads)]
 
 
