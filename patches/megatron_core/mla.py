@@ -41,7 +41,7 @@ from mindspeed_laga import layout as layouts
 from mindspeed_laga import comm
 from mindspeed_laga.cp_algos import algo
 
-from . import compat as compat
+from . import releases
 from ..common import check_weight_once, first_call, start_gather
 from .hybrid import check_hybrid_shape
 from .thd import PackedBatch, is_thd, packed_batch, packed_rope_positions
@@ -139,7 +139,7 @@ def _down_project(module, hidden_states):
         scatter_to_sequence_parallel_region)
     cfg = module.config
     tp_group = _tp_group(module)
-    q_compressed, kv_combined = compat.qkv_down_projection(module, hidden_states, tp_group)
+    q_compressed, kv_combined = releases.qkv_down_projection(module, hidden_states, tp_group)
     split = [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim]
     if kv_combined.size(-1) != sum(split):
         kv_combined = gather_from_tensor_model_parallel_region(kv_combined, group=tp_group)
@@ -244,7 +244,7 @@ def _call_layout(settings: MegatronPatchSettings, packed: Optional[PackedBatch])
 
 
 def _apply_rope(module, x, table, mscale):
-    return compat.apply_mla_rope(x, table, module.config.rotary_interleaved, mscale)
+    return releases.apply_mla_rope(x, table, module.config.rotary_interleaved, mscale)
 
 
 def _core_options(module, settings: MegatronPatchSettings, cp_group) -> Dict:
