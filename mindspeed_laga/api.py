@@ -123,34 +123,34 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
     return _run(laga_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options, options.laga)
 
 
-def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
-                       cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
-                       kernel="auto", check_ranks: Optional[bool] = None,
-                       qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
-                       cu_seqlens=None, pad_v: bool = False,
-                       ulysses_group=None):
-    """Explicit MLA: per-head K/V (allgather) or Q/K/V/O (ulysses) cross the wire."""
-    options = AttnOptions(
-        form="explicit", softmax_scale=softmax_scale, cp_group=cp_group, cp_algo=cp_algo,
-        layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
-        qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
-        ulysses_group=ulysses_group)
-    return _run(explicit_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options)
+def _dense_form(form: str, forward, doc: str):
+    """``explicit_attention`` and ``absorbed_attention``: one signature (LAGA's without its
+    options), the options record, then ``forward``."""
+
+    def attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
+                  cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
+                  kernel="auto", check_ranks: Optional[bool] = None,
+                  qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
+                  cu_seqlens=None, pad_v: bool = False,
+                  ulysses_group=None):
+        options = AttnOptions(
+            form=form, softmax_scale=softmax_scale, cp_group=cp_group, cp_algo=cp_algo,
+            layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
+            qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
+            ulysses_group=ulysses_group)
+        return _run(forward, (query, kv_latent, k_pos_emb, kv_up_weight), options)
+
+    attention.__name__ = attention.__qualname__ = f"{form}_attention"
+    attention.__doc__ = doc
+    return attention
 
 
-def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,
-                       cp_group=None, cp_algo="allgather", layout="zigzag", causal=True,
-                       kernel="auto", check_ranks: Optional[bool] = None,
-                       qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
-                       cu_seqlens=None, pad_v: bool = False,
-                       ulysses_group=None):
-    """Absorbed MLA: latent-space attention with q . W_UK and o . W_UV^T (the memory trap)."""
-    options = AttnOptions(
-        form="absorbed", softmax_scale=softmax_scale, cp_group=cp_group, cp_algo=cp_algo,
-        layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
-        qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
-        ulysses_group=ulysses_group)
-    return _run(absorbed_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options)
+explicit_attention = _dense_form(
+    "explicit", explicit_forward,
+    "Explicit MLA: per-head K/V (allgather) or Q/K/V/O (ulysses) cross the wire.")
+absorbed_attention = _dense_form(
+    "absorbed", absorbed_forward,
+    "Absorbed MLA: latent-space attention with q . W_UK and o . W_UV^T (the memory trap).")
 
 
 FORMS = {"explicit": explicit_attention, "absorbed": absorbed_attention, "laga": laga_attention}

@@ -18,6 +18,11 @@ class Kernel:
     name: ClassVar[str]
     # Whether ``pad_v`` (zero-pad V to the q/k head dim for the op) means anything here.
     pads_v: ClassVar[bool] = False
+    # Whether packed documents (cu_seqlens) through this kernel depend on the runtime's
+    # build (the NPU op's varlen layout): the doctor runs those checks only where it has it.
+    documents_need_build: ClassVar[bool] = False
+    # What the blockwise path's block kernel is, for the doctor ("" = the name says it).
+    block_note: ClassVar[str] = ""
 
     def __init__(self, pad_v: bool = False):
         self.pad_v = bool(pad_v) and self.pads_v

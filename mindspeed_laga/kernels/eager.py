@@ -92,6 +92,7 @@ class Eager(Kernel):
 
     name = "eager"
     block = EagerBlock
+    block_note = "no fused block op, eager math"
 
     @classmethod
     def picks_auto(cls, device, dtype, blockwise):

@@ -337,6 +337,7 @@ class Npu(Kernel):
 
     name = "npu"
     pads_v = True
+    documents_need_build = True
 
     @classmethod
     def picks_auto(cls, device, dtype, blockwise):

@@ -235,6 +235,7 @@ class Sdpa(Kernel):
 
     name = "sdpa"
     block = FusedBlock
+    block_note = "fused block ops"
 
     @classmethod
     def picks_auto(cls, device, dtype, blockwise):

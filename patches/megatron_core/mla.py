@@ -43,7 +43,7 @@ from mindspeed_laga.cp_algos import algo
 from mindspeed_laga.double_backward import once_differentiable
 from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, FORMS, KERNELS, LAYOUTS
 
-from . import compat as compat
+from . import releases
 from ..common import check_weight_once, first_call, start_gather
 from .hybrid import check_hybrid_shape
 from .thd import PackedBatch, is_thd, packed_batch, packed_rope_positions
@@ -141,7 +141,7 @@ def _down_project(module, hidden_states):
         scatter_to_sequence_parallel_region)
     cfg = module.config
     tp_group = _tp_group(module)
-    q_compressed, kv_combined = compat.qkv_down_projection(module, hidden_states, tp_group)
+    q_compressed, kv_combined = releases.qkv_down_projection(module, hidden_states, tp_group)
     split = [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim]
     if kv_combined.size(-1) != sum(split):
         kv_combined = gather_from_tensor_model_parallel_region(kv_combined, group=tp_group)
@@ -248,7 +248,7 @@ def _call_layout(settings: MegatronPatchSettings, packed: Optional[PackedBatch])
 
 
 def _apply_rope(module, x, table, mscale):
-    return compat.apply_mla_rope(x, table, module.config.rotary_interleaved, mscale)
+    return releases.apply_mla_rope(x, table, module.config.rotary_interleaved, mscale)
 
 
 def _core_options(settings: MegatronPatchSettings, first: bool) -> Dict:

@@ -12,6 +12,7 @@ from mindspeed_laga import (absorbed_attention, explicit_attention, laga_attenti
                             start_latent_gather)
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -25,12 +26,13 @@ VARIANTS = [(laga_attention, {}, "eager"), (laga_attention, {}, "sdpa"),
             (absorbed_attention, {}, "sdpa")]
 
 
+SHAPE = MLAShape(seq_len=S, batch=1, heads=N, qk_head_dim=D_N, rope_dim=D_R, v_head_dim=D_V,
+                 kv_lora_rank=D_C)
+
+
 def inputs(dtype=torch.float32):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(S, 1, N, D_N + D_R, generator=g).to(dtype),
-            torch.randn(S, 1, D_C, generator=g).to(dtype),
-            torch.randn(S, 1, D_R, generator=g).to(dtype),
-            (torch.randn(N * (D_N + D_V), D_C, generator=g) * D_C ** -0.5).to(dtype)]
+    x = shape_inputs(SHAPE, seed=0)
+    return [x[k].to(dtype) for k in INPUTS]
 
 
 def _grads(fn, tensors, options, kernel, autocast):

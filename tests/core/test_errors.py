@@ -7,6 +7,7 @@ import torch.distributed as dist
 from mindspeed_laga import count_bytes, explicit_attention, laga_attention, absorbed_attention, layout
 from mindspeed_laga.tools.equivalence import INPUTS, MLAShape, full_inputs
 from mindspeed_laga.tools.spawn import run_on_ranks
+from support.raise_together import assert_raised_together, outcome
 
 SHAPE = MLAShape(seq_len=16, heads=4)
 FORMS = (laga_attention, explicit_attention, absorbed_attention)
@@ -76,17 +77,15 @@ def test_sequence_not_divisible_when_sharding(layout_name, length, message):
 
 # ------------------------------------------------------------- multi-rank errors
 
-def _bad_worker(rank, world, problem):
-    """Each rank passes what ``problem`` says; returns the error text it raised."""
+def _bad_call(rank, world, problem):
+    """Each rank passes what ``problem`` says."""
     s = {"odd_zigzag": 5, "lengths_differ": 4 + 2 * rank, "one_rank_odd": 4 + rank}[problem]
     full = full_inputs(MLAShape(seq_len=s, heads=4), seed=1)
-    args = [full[k].float() for k in INPUTS]
-    with count_bytes() as counter:
-        try:
-            laga_attention(*args, softmax_scale=0.1, cp_group=dist.group.WORLD)
-        except ValueError as exc:
-            return str(exc), counter.bytes()
-    return None, counter.bytes()
+    laga_attention(*[full[k].float() for k in INPUTS], softmax_scale=0.1, cp_group=dist.group.WORLD)
+
+
+def _bad_worker(rank, world, problem):
+    return outcome(_bad_call, rank, world, problem)
 
 
 @pytest.mark.parametrize("problem,messages", [
@@ -95,10 +94,7 @@ def _bad_worker(rank, world, problem):
     ("one_rank_odd", ["CP rank(s) [1] rejected their arguments", "divisible by 2*CP=4"]),
 ])
 def test_ranks_raise_together(problem, messages):
-    results = run_on_ranks(_bad_worker, 2, problem, timeout_s=60)
-    for (text, data_bytes), message in zip(results, messages):
-        assert text is not None and message in text, text
-        assert data_bytes == 0  # only the handshake ran
+    assert_raised_together(run_on_ranks(_bad_worker, 2, problem, timeout_s=60), messages)
 
 
 def _heads_worker(rank, world):

@@ -18,7 +18,9 @@ from mindspeed_laga import api, layout
 from mindspeed_laga import comm
 from mindspeed_laga.comm import count_bytes
 from mindspeed_laga import start_latent_gather
+from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
 from mindspeed_laga.tools.spawn import run_on_ranks
+from support.raise_together import assert_raised_together, outcome
 from mindspeed_laga.vocab.segments import query_segments, rank_segments
 
 from support import fake_torch_npu
@@ -28,6 +30,14 @@ pytestmark = pytest.mark.timeout(900)
 # S, b, n, d_n, d_r, d_v, d_c
 S, B, N, D_N, D_R, D_V, D_C = 32, 1, 8, 8, 4, 8, 16
 SCALE = 1 / math.sqrt(D_N + D_R)
+
+
+def mla_shape(**override):
+    dims = dict(seq_len=S, batch=B, heads=N, qk_head_dim=D_N, rope_dim=D_R, v_head_dim=D_V,
+                kv_lora_rank=D_C)
+    return MLAShape(**dict(dims, **override))
+
+
 SIZES = [(4, 2), (8, 2), (8, 4)]
 LAGA_OPTIONS = {
     "trim": dict(trim_causal_prefix=True),
@@ -55,12 +65,7 @@ def tolerance(case):
 
 def full_inputs(dtype=torch.float64):
     """The same full-sequence inputs on every rank and in the reference."""
-    g = torch.Generator().manual_seed(1234)
-    return {"query": torch.randn(S, B, N, D_N + D_R, generator=g, dtype=torch.float64),
-            "kv_latent": torch.randn(S, B, D_C, generator=g, dtype=torch.float64),
-            "k_pos_emb": torch.randn(S, B, D_R, generator=g, dtype=torch.float64),
-            "kv_up_weight": torch.randn(N * (D_N + D_V), D_C, generator=g, dtype=torch.float64) / 4,
-            "d_out": torch.randn(S, B, N * D_V, generator=g, dtype=torch.float64)}
+    return shape_inputs(mla_shape(), seed=1234)  # float64; kv_up_weight scaled by D_C**-0.5 = 1/4
 
 
 def mla_reference():
@@ -75,7 +80,7 @@ def mla_reference():
     future = torch.ones(S, S, dtype=torch.bool).triu(1)
     probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
     out = torch.einsum("bnqk,kbnd->qbnd", probs, value).reshape(S, B, N * D_V)
-    out.backward(x["d_out"])
+    out.backward(x["grad_out"])
     return {"out": out.detach(), **{k: v.grad for k, v in leaves.items()}}
 
 
@@ -87,7 +92,7 @@ def run_case(rank, world, degree, ulysses_group, case):
     local = {k: layout.shard(x[k], lay, world, rank, ulysses_degree=degree).requires_grad_(True)
              for k in ("query", "kv_latent", "k_pos_emb")}
     weight = x["kv_up_weight"].clone().requires_grad_(True)
-    d_out = layout.shard(x["d_out"], lay, world, rank, ulysses_degree=degree)
+    d_out = layout.shard(x["grad_out"], lay, world, rank, ulysses_degree=degree)
     options = dict(LAGA_OPTIONS.get(option, {}))
     cp_group = dist.group.WORLD
     with count_bytes() as counter:
@@ -231,20 +236,9 @@ def test_shard_rejects_a_sequence_the_hybrid_split_cannot_cut():
 
 def _call(rank, form="laga", heads=N, seq=S, cp_algo="hybrid", **kw):
     world = dist.get_world_size()
-    g = torch.Generator().manual_seed(7)
-    s = seq // world
-    q = torch.randn(s, B, heads, D_N + D_R, generator=g, dtype=torch.float64)
-    kv = torch.randn(s, B, D_C, generator=g, dtype=torch.float64)
-    pe = torch.randn(s, B, D_R, generator=g, dtype=torch.float64)
-    w = torch.randn(heads * (D_N + D_V), D_C, generator=g, dtype=torch.float64)
-    with count_bytes() as counter:
-        try:
-            api.FORMS[form](q, kv, pe, w, softmax_scale=SCALE, cp_group=dist.group.WORLD,
-                            cp_algo=cp_algo, layout="zigzag", kernel="eager", **kw)
-        except ValueError as exc:
-            moved = counter.bytes()
-            return str(exc), moved
-    return None, counter.bytes()
+    x = shape_inputs(mla_shape(seq_len=seq // world, heads=heads), seed=7)  # this rank's part
+    api.FORMS[form](*(x[k] for k in INPUTS), softmax_scale=SCALE, cp_group=dist.group.WORLD,
+                    cp_algo=cp_algo, layout="zigzag", kernel="eager", **kw)
 
 
 def error_worker(rank, world):
@@ -267,12 +261,12 @@ def error_worker(rank, world):
         "explicit_missing": dict(form="explicit"),
         "absorbed_strided": dict(form="absorbed", ulysses_group=strided),
     }
-    return {name: _call(rank, **kw) for name, kw in cases.items()}
+    return {name: outcome(_call, rank, **kw) for name, kw in cases.items()}
 
 
 def odd_degree_worker(rank, world):
     whole = dist.new_group(list(range(world)))
-    return _call(rank, seq=9, heads=3, ulysses_group=whole)
+    return outcome(_call, rank, seq=9, heads=3, ulysses_group=whole)
 
 
 @pytest.fixture(scope="module")
@@ -299,15 +293,11 @@ EXPECTED_ERRORS = {
 
 @pytest.mark.parametrize("name", EXPECTED_ERRORS)
 def test_hybrid_errors_raise_on_every_rank_before_data_moves(errors, name):
-    for rank, per_case in enumerate(errors):
-        message, moved = per_case[name]
-        assert message is not None and EXPECTED_ERRORS[name][rank] in message, (rank, message)
-        assert moved == 0, (rank, moved)
+    assert_raised_together([per_case[name] for per_case in errors], EXPECTED_ERRORS[name])
 
 
 def test_hybrid_zigzag_sequence_the_split_cannot_cut():
     results = run_on_ranks(odd_degree_worker, 3, timeout_s=300)
-    for message, moved in results:
-        assert message is not None and "needs the sequence divisible by 6" in message, message
-        assert "pad the sequence to a multiple of 6" in message and moved == 0
+    assert_raised_together(results, "needs the sequence divisible by 6")
+    assert_raised_together(results, "pad the sequence to a multiple of 6")
 

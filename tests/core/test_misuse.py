@@ -17,18 +17,21 @@ from mindspeed_laga import (handshake, count_bytes, explicit_attention, absorbed
                             laga_attention, start_latent_gather)
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
+from support.raise_together import assert_raised_together, outcome
 
 S, B, N, D_N, D_R, D_V, D_C = 16, 1, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
 FORMS = {"laga": laga_attention, "explicit": explicit_attention, "absorbed": absorbed_attention}
 
 
+SHAPE = MLAShape(seq_len=S, batch=B, heads=N, qk_head_dim=D_N, rope_dim=D_R, v_head_dim=D_V,
+                 kv_lora_rank=D_C)
+
+
 def full_inputs(seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return {"query": torch.randn(S, B, N, D_N + D_R, generator=g).to(dtype),
-            "kv_latent": torch.randn(S, B, D_C, generator=g).to(dtype),
-            "k_pos_emb": torch.randn(S, B, D_R, generator=g).to(dtype),
-            "kv_up_weight": (torch.randn(N * (D_N + D_V), D_C, generator=g) * D_C ** -0.5).to(dtype)}
+    x = shape_inputs(SHAPE, seed)
+    return {k: x[k].to(dtype) for k in INPUTS}
 
 
 def local_inputs(rank, world, layout="zigzag", grad=True):
@@ -87,17 +90,7 @@ def _one_call(rank, world, kw):
 
 
 def _scenario_worker(rank, world, names):
-    reports = []
-    for name in names:
-        handshake.reset()
-        with count_bytes() as counter:
-            try:
-                _one_call(rank, world, RANK_DIFFERENCES[name][rank])
-                text = None
-            except ValueError as exc:
-                text = str(exc)
-        reports.append((text, counter.bytes()))
-    return reports
+    return [outcome(_one_call, rank, world, RANK_DIFFERENCES[name][rank]) for name in names]
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +103,7 @@ def scenario_reports():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", sorted(RANK_DIFFERENCES))
 def test_ranks_that_disagree_raise_together(scenario_reports, name):
-    for rank, (text, data_bytes) in enumerate(scenario_reports[name]):
-        assert text is not None and EXPECTED[name] in text, (rank, text)
-        assert data_bytes == 0, f"rank {rank} moved {data_bytes} data bytes before raising"
+    assert_raised_together(scenario_reports[name], EXPECTED[name])
 
 
 def _policy_worker(rank, world):

@@ -18,6 +18,8 @@ from mindspeed_laga import (handshake, count_bytes, explicit_attention, laga_att
                             start_latent_gather)
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
+from support.raise_together import assert_raised_together, outcome
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -25,12 +27,14 @@ S, B, N, D_N, D_R, D_V, D_C = 16, 1, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
 
 
+SHAPE = MLAShape(seq_len=S, batch=B, heads=N, qk_head_dim=D_N, rope_dim=D_R, v_head_dim=D_V,
+                 kv_lora_rank=D_C)
+
+
 def local_inputs(rank, world, grads=(True, True, True, True), dtype=torch.float32):
-    g = torch.Generator().manual_seed(0)
-    full = [torch.randn(S, B, N, D_N + D_R, generator=g), torch.randn(S, B, D_C, generator=g),
-            torch.randn(S, B, D_R, generator=g)]
-    out = [layouts.shard(t, "zigzag", world, rank).to(dtype) for t in full]
-    out.append((torch.randn(N * (D_N + D_V), D_C, generator=g) * D_C ** -0.5).to(dtype))
+    full = shape_inputs(SHAPE, seed=0)
+    out = [layouts.shard(full[k], "zigzag", world, rank).to(dtype) for k in INPUTS[:3]]
+    out.append(full["kv_up_weight"].to(dtype))
     return [t.requires_grad_(grad) for t, grad in zip(out, grads)]
 
 
@@ -157,34 +161,19 @@ SCENARIOS = {
 SETUP = {"check_ranks_after_skip": skip_exchanges}
 
 
-def _run(fn, rank, world, setup=None):
-    import torch.distributed as dist
-    handshake.reset()
-    dist.barrier()
-    if setup is not None:
-        setup(rank, world)
-    with count_bytes() as counter:
-        try:
-            fn(rank, world)
-            outcome = (None, None)
-        except Exception as exc:  # noqa: BLE001 -- the type is what is reported
-            outcome = (type(exc).__name__, str(exc))
-    return outcome + (counter.bytes(),)
-
-
 def _worker(rank, world, names):
-    return {name: _run(SCENARIOS[name][0], rank, world, SETUP.get(name)) for name in names}
+    return {name: outcome(SCENARIOS[name][0], rank, world, setup=SETUP.get(name)) for name in names}
 
 
 def _unforeseen_worker(rank, world):
-    return _run(unforeseen_error, rank, world)
+    return outcome(unforeseen_error, rank, world)
 
 
 def _membership_worker(rank, world):
     """Each rank passes the one-rank group of the other rank."""
     import torch.distributed as dist
     groups = [dist.new_group([r]) for r in range(world)]  # collective: every rank builds both
-    return _run(lambda r, w: _attend(r, w, cp_group=groups[1 - r]), rank, world)
+    return outcome(lambda r, w: _attend(r, w, cp_group=groups[1 - r]), rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +185,7 @@ def reports():
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_every_rank_raises_a_named_value_error(reports, name):
-    expected = SCENARIOS[name][1]
-    for rank, (kind, text, data_bytes) in enumerate(reports[name]):
-        want = expected if isinstance(expected, str) else expected[rank]
-        assert kind == "ValueError" and want in text, (rank, kind, text)
-        assert data_bytes == 0, f"rank {rank} moved {data_bytes} data bytes before raising"
+    assert_raised_together(reports[name], SCENARIOS[name][1])
 
 
 @pytest.mark.timeout(120)

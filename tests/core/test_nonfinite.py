@@ -10,11 +10,14 @@ import torch
 from mindspeed_laga import explicit_attention, absorbed_attention, laga_attention
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 S, N, D_N, D_R, D_V, D_C = 16, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
+SHAPE = MLAShape(seq_len=S, batch=1, heads=N, qk_head_dim=D_N, rope_dim=D_R, v_head_dim=D_V,
+                 kv_lora_rank=D_C)
 DOCS = [0, 6, 16]
 RANK_DOCS = [0, 8, 16]  # doc_zigzag on 2 ranks: documents in multiples of 4
 VARIANTS = {
@@ -28,10 +31,8 @@ VARIANTS = {
 
 
 def inputs(bad_token: int, where: str):
-    g = torch.Generator().manual_seed(0)
-    x = [torch.randn(S, 1, N, D_N + D_R, generator=g), torch.randn(S, 1, D_C, generator=g),
-         torch.randn(S, 1, D_R, generator=g),
-         torch.randn(N * (D_N + D_V), D_C, generator=g) * D_C ** -0.5]
+    full = shape_inputs(SHAPE, seed=0)
+    x = [full[k].float() for k in INPUTS]
     if where == "kv_latent":
         x[1][bad_token, 0, 3] = float("nan")
     else:

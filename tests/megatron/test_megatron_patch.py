@@ -286,18 +286,18 @@ def test_kv_norm_applies_te_fused_norm(normalization, zero_centered):
 # ----------------------------------------------------------------- what differs between releases
 
 def test_mla_rope_is_deinterleaved_rope_on_this_release():
-    """compat.apply_mla_rope with the installed release's keyword: MLA's rope is the
+    """releases.apply_mla_rope with the installed release's keyword: MLA's rope is the
     rotate-half rope on the de-interleaved channels (pairs 0,2,4.. then 1,3,5..), scaled by
     mscale; and it does not warn (0.19 deprecates the 0.16.1 keyword)."""
     import warnings
-    from mindspeed_laga.patches.megatron_core import compat as megatron_compat
+    from mindspeed_laga.patches.megatron_core import releases as megatron_releases
     gen = torch.Generator().manual_seed(0)
     s, b, n, d = 5, 2, 3, 4
     x = torch.randn(s, b, n, d, generator=gen)
     freqs = torch.randn(s, 1, 1, d, generator=gen)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = megatron_compat.apply_mla_rope(x, freqs, rotary_interleaved=False, mscale=0.7)
+        got = megatron_releases.apply_mla_rope(x, freqs, rotary_interleaved=False, mscale=0.7)
     t = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
     rotated = torch.cat([-t[..., d // 2:], t[..., :d // 2]], dim=-1)
     expected = t * torch.cos(freqs) * 0.7 + rotated * torch.sin(freqs) * 0.7
@@ -307,15 +307,15 @@ def test_mla_rope_is_deinterleaved_rope_on_this_release():
 def test_down_projection_is_the_modules_own_where_it_has_one():
     """0.17+ (and its fused q/kv down-projection subclass) project in _qkv_down_projection;
     0.16.1 modules have none, and the inlined projection is used."""
-    from mindspeed_laga.patches.megatron_core import compat as megatron_compat
+    from mindspeed_laga.patches.megatron_core import releases as megatron_releases
     hidden = torch.randn(3, 1, 8)
     fused = SimpleNamespace(_qkv_down_projection=lambda h: ("q", h * 2))
-    q, kv = megatron_compat.qkv_down_projection(fused, hidden, tp_group=None)
+    q, kv = megatron_releases.qkv_down_projection(fused, hidden, tp_group=None)
     assert q == "q" and torch.equal(kv, hidden * 2)
     weight = torch.randn(6, 8)
     plain = SimpleNamespace(config=SimpleNamespace(q_lora_rank=None),
                             linear_kv_down_proj=lambda h: (h @ weight.T, None))
-    q, kv = megatron_compat.qkv_down_projection(plain, hidden, tp_group=None)
+    q, kv = megatron_releases.qkv_down_projection(plain, hidden, tp_group=None)
     assert q is hidden and torch.equal(kv, hidden @ weight.T)
 
 

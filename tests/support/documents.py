@@ -7,11 +7,14 @@ import torch
 
 from mindspeed_laga import absorbed_attention, explicit_attention, laga_attention
 from mindspeed_laga import layout as layouts
+from mindspeed_laga.tools.cases import MLAShape, full_inputs as shape_inputs
 
 S, HEADS, D_N, D_R, D_V, D_C = 32, 4, 8, 4, 8, 16
 
 
 SCALE = (D_N + D_R) ** -0.5
+SHAPE = MLAShape(seq_len=S, batch=1, heads=HEADS, qk_head_dim=D_N, rope_dim=D_R, v_head_dim=D_V,
+                 kv_lora_rank=D_C)
 
 
 
@@ -39,14 +42,8 @@ def doc_zigzag_ok(bounds, cp):
 
 
 def full_inputs(seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*size, scale=1.0):
-        return torch.randn(*size, generator=g, dtype=torch.float64) * scale
-
-    return {"query": randn(S, 1, HEADS, D_N + D_R), "kv_latent": randn(S, 1, D_C),
-            "k_pos_emb": randn(S, 1, D_R), "kv_up_weight": randn(HEADS * (D_N + D_V), D_C, scale=D_C ** -0.5),
-            "grad_out": randn(S, 1, HEADS * D_V)}
+    """Float64 full-sequence inputs and ``grad_out`` (the shared shape helper's draw)."""
+    return shape_inputs(SHAPE, seed)
 
 
 

@@ -22,6 +22,7 @@ from mindspeed_laga.comm import count_bytes
 from mindspeed_laga.tools.measure import SavedBytes
 from mindspeed_laga.tools.runspec import RunSpec
 from mindspeed_laga.tools.spawn import run_on_ranks
+from mindspeed_laga.tools.cases import MLAShape, full_inputs as shape_inputs
 from mindspeed_laga.vocab.dims import ModelDims
 
 
@@ -31,6 +32,8 @@ WORLD, DEGREE = 4, 2
 S, B, N, D_N, D_R, D_V, D_C = 32, 2, 8, 8, 4, 8, 16
 DIMS = ModelDims(heads=N, qk_head_dim=D_N, rope_dim=D_R, v_head_dim=D_V, kv_lora_rank=D_C)
 SCALE = 1 / math.sqrt(D_N + D_R)
+SHAPE = MLAShape(seq_len=S, batch=B, heads=N, qk_head_dim=D_N, rope_dim=D_R, v_head_dim=D_V,
+                 kv_lora_rank=D_C)
 SPECS = [RunSpec.from_options("explicit", "explicit", ()), RunSpec.from_options("absorbed", "absorbed", ()),
          RunSpec.from_options("laga", "laga", ()),
          RunSpec.from_options("laga+trim", "laga", (("trim_causal_prefix", True),)),
@@ -41,14 +44,12 @@ CASES = [(spec, lay) for spec in SPECS for lay in ("zigzag", "contiguous")]
 
 
 def _run(rank, world, degree, group, spec, lay):
-    g = torch.Generator().manual_seed(5)
-    full = {"query": torch.randn(S, B, N, D_N + D_R, generator=g),
-            "kv_latent": torch.randn(S, B, D_C, generator=g),
-            "k_pos_emb": torch.randn(S, B, D_R, generator=g),
-            "d_out": torch.randn(S, B, N * D_V, generator=g)}
+    x = {k: t.float() for k, t in shape_inputs(SHAPE, seed=5).items()}
+    full = {"query": x["query"], "kv_latent": x["kv_latent"], "k_pos_emb": x["k_pos_emb"],
+            "d_out": x["grad_out"]}
     local = {k: layout.shard(v, lay, world, rank, ulysses_degree=degree) for k, v in full.items()}
     inputs = {k: local[k].clone().requires_grad_(True) for k in ("query", "kv_latent", "k_pos_emb")}
-    weight = (torch.randn(N * (D_N + D_V), D_C, generator=g) / 4).requires_grad_(True)
+    weight = x["kv_up_weight"].requires_grad_(True)  # scaled by D_C**-0.5 = 1/4
     saved = SavedBytes(exclude=[weight])
     with count_bytes() as counter, FlopCounterMode(display=False) as flops:
         with saved:

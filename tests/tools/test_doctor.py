@@ -168,6 +168,25 @@ def test_bad_arguments_one_line_before_running(argv, words, monkeypatch, capsys)
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_npu_rows_cover_both_v_layouts_and_documents_only_where_the_build_has_them():
+    """The NPU kernel is checked with V padded and unpadded; its packed-document rows exist
+    only where torch_npu has the varlen layout; eager's rows never depend on it."""
+    def rows(kernel, documents):
+        return exactness.plan([kernel], ["float32"], documents)
+    labels = [c.label() for c in rows("npu", True)]
+    assert any(x.endswith(" padded V") for x in labels) and any(x.endswith("unpadded V") for x in labels)
+    assert any(c.documents for c in rows("npu", True))
+    assert not any(c.documents for c in rows("npu", False))
+    assert rows("eager", False) == rows("eager", True) and any(c.documents for c in rows("eager", False))
+    assert not any("V" in c.label().split() for c in rows("eager", False))
+
+
+def test_blockwise_kernel_notes():
+    """What the doctor says of each kernel's block kernel (laga_paths)."""
+    notes = {name: k.block_note for name, k in kernels.KERNEL_TYPES.items()}
+    assert notes == {"npu": "", "sdpa": "fused block ops", "eager": "no fused block op, eager math"}
+
+
 def test_without_torch_npu_no_npu_rows(monkeypatch):
     monkeypatch.setattr(environment, "torch_npu_module", lambda: None)
     paths = environment.laga_paths(torch.device("cpu"))

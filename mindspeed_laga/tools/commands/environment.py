@@ -223,16 +223,15 @@ def _safe(fn):
 
 def laga_paths(device: torch.device) -> Dict[str, str]:
     """Which LAGA paths run on ``device``: the blockwise kernel ``recompute_kv`` picks
-    per dtype (``checks.resolve_kernel``), the NPU kernel, its V layouts (tried
+    per dtype (``kernels.resolve``), the NPU kernel, its V layouts (tried
     on a 192/128 call, forward and backward) and packed documents through it."""
-    from ... import checks
+    from ... import kernels
     out = {}
     for dtype in dtypes_for(device):
         name = str(dtype).replace("torch.", "")
-        kernel = checks.resolve_kernel("auto", device, blockwise=True, dtype=dtype)
-        out[f"recompute_kv block kernel ({name})"] = (
-            "sdpa: fused block ops" if kernel == "sdpa" else f"{kernel}" + (
-                "" if kernel == "npu" else ": no fused block op, eager math"))
+        kernel = kernels.resolve("auto", device, dtype, blockwise=True)
+        out[f"recompute_kv block kernel ({name})"] = kernel.name + (
+            f": {kernel.block_note}" if kernel.block_note else "")
     if torch_npu_module() is None:
         out["npu kernel"] = "not available (torch_npu does not import)"
         return out

@@ -17,6 +17,7 @@ import torch
 
 from .. import equivalence as eq
 from ...api import FORMS
+from ...kernels import KERNEL_TYPES
 from ..cases import DTYPES, INPUTS, MLAShape, full_inputs
 from .verify import TOLERANCE as VERIFY_TOLERANCE
 
@@ -71,7 +72,7 @@ class Check:
         parts = [self.form, self.kernel, self.dtype, self.shape] + ([opts] if opts else [])
         if self.documents:
             parts.append("docs=" + "/".join(map(str, self.documents)))
-        if self.kernel == "npu":
+        if KERNEL_TYPES[self.kernel].pads_v:
             parts.append("padded V" if self.pad_v else "unpadded V")
         return ("lse merge: " if self.kind == "lse_merge" else "") + " ".join(parts)
 
@@ -83,13 +84,13 @@ def plan(kernels, dtypes, npu_documents: bool) -> List[Check]:
         S = shape.seq_len
         for kernel in kernels:
             for dtype in dtypes:
-                pads = (False, True) if kernel == "npu" else (False,)
+                pads = (False, True) if KERNEL_TYPES[kernel].pads_v else (False,)
                 for pad_v in pads:
                     base = dict(kernel=kernel, dtype=dtype, shape=shape_name, pad_v=pad_v)
                     opts_list = laga_options(S) if not pad_v else laga_options(S)[::3]
                     checks += [Check(form=f, **base) for f in ("explicit", "absorbed")]
                     checks += [Check(form="laga", options=tuple(o.items()), **base) for o in opts_list]
-                    if kernel != "npu" or npu_documents:
+                    if not KERNEL_TYPES[kernel].documents_need_build or npu_documents:
                         docs = documents_for(S)
                         checks += [Check(form=f, documents=docs, **base) for f in ("explicit", "absorbed")]
                         checks += [Check(form="laga", options=tuple(o.items()), documents=docs, **base)
@@ -119,7 +120,7 @@ def run_check(check: Check, device: torch.device, refs: Optional[dict] = None) -
     row = {"label": check.label(), "kind": check.kind, "form": check.form, "kernel": check.kernel,
            "dtype": check.dtype, "shape": check.shape, "options": dict(check.options),
            "documents": list(check.documents) if check.documents else None,
-           "pad_v": check.pad_v if check.kernel == "npu" else None,
+           "pad_v": check.pad_v if KERNEL_TYPES[check.kernel].pads_v else None,
            "tolerance": TOLERANCE[check.dtype]}
     unsupported = _not_a_path(check, device)
     if unsupported:

@@ -1,0 +1,46 @@
+"""Ranks that disagree raise together: what one call did on a rank, and the check that every
+rank raised the expected error before any data moved.
+
+A worker spawned by ``run_on_ranks`` returns :func:`outcome` of its call (one per rank);
+the test hands the ranks' outcomes to :func:`assert_raised_together`.
+"""
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Optional, Sequence, Union
+
+from mindspeed_laga import count_bytes, handshake
+
+
+class Outcome(NamedTuple):
+    kind: Optional[str]   # the exception's type name; None when the call returned
+    text: Optional[str]   # its message
+    data_bytes: int       # data bytes the package moved before it (the handshake excluded)
+
+
+def outcome(call, *args, setup=None, **kw) -> Outcome:
+    """Run ``call(*args, **kw)`` on this rank after the other ranks are here (a barrier)
+    and with the handshake's skip state cleared; ``setup(*args)`` runs first, outside the
+    byte count. Any exception is reported, not raised, so the ranks stay in step."""
+    import torch.distributed as dist
+    handshake.reset()
+    dist.barrier()
+    if setup is not None:
+        setup(*args)
+    with count_bytes() as counter:
+        try:
+            call(*args, **kw)
+        except Exception as exc:  # noqa: BLE001 -- the type is part of what is checked
+            return Outcome(type(exc).__name__, str(exc), counter.bytes())
+    return Outcome(None, None, counter.bytes())
+
+
+Expected = Union[str, Sequence[str], Mapping[int, str]]
+
+
+def assert_raised_together(outcomes: Sequence[Outcome], expected: Expected, kind: str = "ValueError"):
+    """Every rank raised ``kind`` whose message holds ``expected`` (one text for all ranks,
+    or one per rank), and moved no data bytes before it."""
+    for rank, (raised, text, data_bytes) in enumerate(outcomes):
+        want = expected if isinstance(expected, str) else expected[rank]
+        assert raised == kind and want in text, (rank, raised, text)
+        assert data_bytes == 0, f"rank {rank} moved {data_bytes} data bytes before raising"
