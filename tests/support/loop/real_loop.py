@@ -219,7 +219,7 @@ def build_dataset(megatron_src: Path, prefix: Path, documents: List[int], seed: 
         "builder.finalize(get_idx_path(prefix))\n")
     env = dict(os.environ, PYTHONPATH=str(megatron_src))
     subprocess.run([sys.executable, "-c", code, str(prefix), str(VOCAB), str(seed),
-                    *map(str, documents)], check=True, env=env, capture_output=True, timeout=120)
+                    *map(str, documents)], check=True, env=env, capture_output=True, timeout=300)
 
 
 # --- running --------------------------------------------------------------------------------
