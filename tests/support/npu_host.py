@@ -662,10 +662,9 @@ def install() -> types.ModuleType:
     functions = _install_cuda_namespace(DEVICE_RNG)
     npu = _npu_namespace(functions)
     modules = _build_torch_npu(npu)
-    for name, module in modules.items():
-        # importlib.util.find_spec raises on a module in sys.modules without a spec (accelerate,
-        # which peft pulls in, asks find_spec("torch_npu") when transformers imports it)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    for name, module in modules.items():  # importlib.util.find_spec (accelerate's probe) needs one
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None,
+                                                         is_package=hasattr(module, "__path__"))
     sys.modules.update(modules)
     sys.modules["torch.npu"] = npu
     torch.npu = npu
