@@ -214,8 +214,9 @@ def _reduce_scatter_rank(rank: int, port: int):
     dist.reduce_scatter(out, pieces)
     work = dist.reduce_scatter(torch.empty_like(out), pieces, async_op=True)
     work.wait()
-    dist.destroy_process_group()
-    print(json.dumps(out.tolist()))
+    print(json.dumps(out.tolist()), flush=True)
+    dist.barrier()  # both ranks are done; leave without tearing the group down (gloo can hang
+    os._exit(0)     # there in a rank whose peer left first)
 
 
 @check
@@ -229,7 +230,12 @@ def gloo_reduce_scatter_sums_uneven_pieces():
     ranks = [subprocess.Popen([sys.executable, __file__, "--reduce-scatter-rank", str(r),
                                str(port)], stdout=subprocess.PIPE, text=True)
              for r in range(2)]
-    outs = [json.loads(p.communicate(timeout=90)[0].strip().splitlines()[-1]) for p in ranks]
+    try:
+        outs = [json.loads(p.communicate(timeout=180)[0].strip().splitlines()[-1])
+                for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
     for rank, n in enumerate(REDUCE_SCATTER_SIZES):  # rank r gets piece r summed over ranks
         want = [sum(float(k) * (source + 1) + 10 * rank for source in range(2)) for k in range(n)]
         assert outs[rank] == want, (rank, outs[rank], want)
