@@ -15,13 +15,13 @@ pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
 
 @pytest.fixture(scope="module")
 def results():
-    done = subprocess.run([sys.executable, str(Path(npu_host_checks.__file__))], timeout=120,
+    done = subprocess.run([sys.executable, str(Path(npu_host_checks.__file__))], timeout=300,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("name", list(npu_host_checks.CHECKS))
 def test_stand_in(results, name):
     assert results[name] == "ok", results[name]

@@ -9,9 +9,10 @@ a process on an NPU host with ``torch_npu.contrib.transfer_to_npu`` imported:
   ``torch_npu.contrib.transfer_to_npu`` (importing it is what maps the devices, as the
   real module does).
 - The device mapping of ``transfer_to_npu``: on an NPU host it rewrites ``cuda`` to
-  ``npu`` in tensor factories, ``Tensor.to``, ``Module.to``, ``.cuda()`` and makes
-  ``torch.cuda.is_available()`` true. Here ``cuda`` and ``npu`` both mean the CPU, and
-  ``Tensor.type()`` reports ``torch.cuda.*`` (Megatron's grad clipping asserts it).
+  ``npu`` in tensor factories, ``Tensor.new_*``, ``Tensor.to``, ``Module.to``, ``.cuda()`` and makes
+  ``torch.cuda.is_available()`` true. Here ``cuda`` and ``npu`` both mean the CPU,
+  ``Tensor.type()`` reports ``torch.cuda.*`` (Megatron's grad clipping asserts it) and
+  ``Tensor.is_cuda`` is true (it is ``is_npu`` there).
   ``pin_memory`` requests give ordinary memory (there is no device to pin for).
   Device indices must lie below ``device_count()`` (the node's devices: torchrun's
   ``LOCAL_WORLD_SIZE``), as on the real host.
@@ -21,6 +22,10 @@ a process on an NPU host with ``torch_npu.contrib.transfer_to_npu`` imported:
   ``enable_timing=True`` and recorded, like the real one.
 - ``torch.histc`` counts integer input, as the NPU kernel does (MindSpeed-LLM's
   ``--seq-aux`` router counts expert ids with it); the CPU kernel takes floats only.
+- ``torch.distributed.reduce_scatter`` on a gloo group: HCCL has it, gloo before torch 2.9
+  does not ("ProcessGroupGloo does not support reduce_scatter"), and Megatron's MoE
+  dispatcher calls it under tensor parallelism with uneven splits. Here it is an all-reduce
+  of the concatenated inputs of which each rank keeps its own slice: the same sum.
 - A separate device RNG behind ``torch.cuda.get_rng_state / set_rng_state /
   manual_seed / default_generators / _lazy_call``: "device" randomness (Megatron's
   model-parallel RNG tracker) never touches the CPU generator that CPU-initialized
@@ -128,6 +133,10 @@ FACTORIES = ("tensor", "as_tensor", "empty", "empty_like", "empty_strided", "zer
              "zeros_like", "ones", "ones_like", "full", "full_like", "arange", "range",
              "linspace", "logspace", "rand", "rand_like", "randn", "randn_like", "randint",
              "randint_like", "randperm", "eye", "tril_indices", "triu_indices", "scalar_tensor")
+# Tensor methods that take a device too (Megatron's all-to-all-v allocates its output with
+# input.new_empty(..., device=torch.cuda.current_device()))
+TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor",
+                    "new_empty_strided")
 
 
 def _with_device_kwarg(fn):
@@ -171,6 +180,10 @@ def _install_device_mapping():
         fn = getattr(torch, name)
         if not hasattr(fn, "__npu_host_original__"):
             setattr(torch, name, _with_device_kwarg(fn))
+    for name in TENSOR_FACTORIES:
+        fn = getattr(torch.Tensor, name)
+        if not hasattr(fn, "__npu_host_original__"):
+            setattr(torch.Tensor, name, _with_device_kwarg(fn))
 
     tensor_to, module_to, tensor_type = torch.Tensor.to, torch.nn.Module.to, torch.Tensor.type
 
@@ -200,6 +213,10 @@ def _install_device_mapping():
         return tensor_type(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.to = to
+    # transfer_to_npu sets is_cuda = is_npu: a device tensor says so (Megatron's MoE dispatcher
+    # moves its split sizes to the host only when they are on the device)
+    torch.Tensor.is_cuda = property(lambda self: self.device.type == "cpu")
+    torch.Tensor.record_stream = lambda self, stream: _check_stream(stream, "record_stream")
     torch.Tensor.cuda = to_device
     torch.Tensor.npu = to_device
     torch.Tensor.type = type_
@@ -480,6 +497,36 @@ def _set_compile_mode(*, jit_compile: bool):
         raise TypeError(f"set_compile_mode(jit_compile=...) takes a bool, got {jit_compile!r}")
 
 
+# ---------------------------------------------------------------- collectives gloo lacks
+
+class _DoneWork:
+    """What an ``async_op=True`` collective returns, for one that already finished."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _install_gloo_reduce_scatter():
+    import torch.distributed as dist
+
+    native = dist.reduce_scatter
+
+    @functools.wraps(native)
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if dist.get_backend(group) != "gloo":
+            return native(output, input_list, op=op, group=group, async_op=async_op)
+        flat = torch.cat([t.reshape(-1) for t in input_list])
+        dist.all_reduce(flat, op=op, group=group)
+        start = sum(t.numel() for t in input_list[:dist.get_rank(group)])
+        output.copy_(flat[start:start + output.numel()].view_as(output))
+        return _DoneWork() if async_op else None
+
+    dist.reduce_scatter = reduce_scatter
+
+
 # ---------------------------------------------------------------- torch_npu
 
 def _package(name: str, doc: str) -> types.ModuleType:
@@ -615,10 +662,14 @@ def install() -> types.ModuleType:
     functions = _install_cuda_namespace(DEVICE_RNG)
     npu = _npu_namespace(functions)
     modules = _build_torch_npu(npu)
+    for name, module in modules.items():  # importlib.util.find_spec (accelerate's probe) needs one
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None,
+                                                         is_package=hasattr(module, "__path__"))
     sys.modules.update(modules)
     sys.modules["torch.npu"] = npu
     torch.npu = npu
     _install_device_mapping()
+    _install_gloo_reduce_scatter()
     missing = [name for name in IMPORT_STAND_INS if importlib.util.find_spec(name) is None]
     if missing:
         sys.meta_path.insert(0, StandInFinder(missing))

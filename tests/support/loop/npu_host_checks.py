@@ -183,6 +183,64 @@ def import_stand_ins_import_but_refuse_use():
         raises(npu_host.NpuHostError, Derived, match="stand-in")
 
 
+@check
+def tensor_methods_and_device_tensors_as_transfer_to_npu_has_them():
+    import importlib.util
+
+    cpu = torch.device("cpu")
+    x = torch.ones(2)
+    for method in ("new_empty", "new_zeros", "new_ones"):
+        assert getattr(x, method)((3,), device=torch.cuda.current_device()).device == cpu
+    assert x.new_full((2,), 5.0, device="npu:1").device == cpu
+    assert x.new_tensor([1, 2], device="cuda").device == cpu
+    assert x.is_cuda and not torch.empty(1, device="meta").is_cuda  # is_cuda = is_npu there
+    x.record_stream(torch.cuda.current_stream())
+    raises(TypeError, x.record_stream, "stream", match="Stream")
+    assert importlib.util.find_spec("torch_npu") is not None  # accelerate asks this
+
+
+REDUCE_SCATTER_SIZES = [3, 5]  # uneven, as Megatron's MoE dispatcher passes them
+
+
+def _reduce_scatter_rank(rank: int, port: int):
+    """One of two gloo ranks: reduce_scatter of uneven pieces; prints this rank's piece."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    pieces = [torch.arange(n, dtype=torch.float32) * (rank + 1) + 10 * i
+              for i, n in enumerate(REDUCE_SCATTER_SIZES)]
+    out = torch.empty(REDUCE_SCATTER_SIZES[rank])
+    dist.reduce_scatter(out, pieces)
+    work = dist.reduce_scatter(torch.empty_like(out), pieces, async_op=True)
+    work.wait()
+    print(json.dumps(out.tolist()), flush=True)
+    dist.barrier()  # both ranks are done; leave without tearing the group down (gloo can hang
+    os._exit(0)     # there in a rank whose peer left first)
+
+
+@check
+def gloo_reduce_scatter_sums_uneven_pieces():
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, __file__, "--reduce-scatter-rank", str(r),
+                               str(port)], stdout=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        outs = [json.loads(p.communicate(timeout=180)[0].strip().splitlines()[-1])
+                for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    for rank, n in enumerate(REDUCE_SCATTER_SIZES):  # rank r gets piece r summed over ranks
+        want = [sum(float(k) * (source + 1) + 10 * rank for source in range(2)) for k in range(n)]
+        assert outs[rank] == want, (rank, outs[rank], want)
+
+
 def main():
     global TORCH_NPU
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # a node of two devices
@@ -198,4 +256,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--reduce-scatter-rank"]:
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+        npu_host.install()
+        _reduce_scatter_rank(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main()

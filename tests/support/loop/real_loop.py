@@ -122,19 +122,24 @@ def flag_groups(argv: List[str]):
 
 def recipe(llm_src: Path, cp_size: int, cp_algo: str, laga: bool, data_path: str,
            documents: bool = False, recompute: bool = False, ulysses_degree: Optional[int] = None,
-           extra: List[str] = (), without: Sequence[str] = ()) -> List[str]:
+           extra: List[str] = (), without: Sequence[str] = (),
+           layout: Optional[Dict[str, str]] = None) -> List[str]:
     """pretrain_gpt.py's arguments for one case: the stock recipe scaled down;
-    ``without``: stock flags this case leaves out (with their values)."""
+    ``without``: stock flags this case leaves out (with their values); ``layout``: flag ->
+    value replacing a stock flag's (scaled) value, e.g. the parallel sizes, the global batch
+    or the iterations (flags the stock recipe lacks go in ``extra``)."""
+    layout = dict(layout or {})
     argv = []
     stock = flag_groups(stock_flags(llm_src))
     stock_names = {flag for flag, _ in stock}
-    missing = [flag for flag in SCALED if flag not in stock_names]
+    missing = [flag for flag in [*SCALED, *layout] if flag not in stock_names]
     if missing:  # the stock script changed: the scaling no longer describes it
         raise RuntimeError(f"the stock DeepSeek-V3 recipe lacks {missing}")
     for flag, values in stock:
         if flag in DROPPED or flag in without:
             continue
-        argv += [flag] + ([SCALED[flag]] if flag in SCALED else values)
+        value = layout.get(flag, SCALED.get(flag))
+        argv += [flag] + ([value] if value is not None else values)
     argv += CPU_FLAGS + ["--data-path", data_path, "--context-parallel-size", str(cp_size),
                          "--context-parallel-algo", cp_algo]
     if ulysses_degree:
@@ -147,6 +152,20 @@ def recipe(llm_src: Path, cp_size: int, cp_algo: str, laga: bool, data_path: str
     if laga:
         argv += [LAGA]
     return argv + list(extra)
+
+
+def flag_value(argv: Sequence[str], flag: str, default: Optional[str] = None) -> Optional[str]:
+    """The value the host reads for ``flag`` (argparse keeps the last one)."""
+    positions = [i for i, token in enumerate(argv) if token == flag]
+    return argv[positions[-1] + 1] if positions else default
+
+
+def ranks(argv: Sequence[str], dp: int = 1) -> int:
+    """The processes a recipe needs for data-parallel size ``dp``: Megatron derives DP as
+    world / (TP x PP x CP); expert parallelism is carved out of DP x CP (x TP)."""
+    sizes = [int(flag_value(argv, f"--{name}-parallel-size", "1"))
+             for name in ("tensor-model", "pipeline-model", "context")]
+    return sizes[0] * sizes[1] * sizes[2] * dp
 
 
 # --- sources and data -----------------------------------------------------------------------
@@ -200,7 +219,7 @@ def build_dataset(megatron_src: Path, prefix: Path, documents: List[int], seed: 
         "builder.finalize(get_idx_path(prefix))\n")
     env = dict(os.environ, PYTHONPATH=str(megatron_src))
     subprocess.run([sys.executable, "-c", code, str(prefix), str(VOCAB), str(seed),
-                    *map(str, documents)], check=True, env=env, capture_output=True, timeout=120)
+                    *map(str, documents)], check=True, env=env, capture_output=True, timeout=300)
 
 
 # --- running --------------------------------------------------------------------------------
@@ -350,6 +369,10 @@ def main():
     parser.add_argument("--laga", action="store_true")
     parser.add_argument("--documents", action="store_true")
     parser.add_argument("--recompute", action="store_true")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (sets the ranks)")
+    parser.add_argument("--set", action="append", default=[], metavar="FLAG=VALUE",
+                        help="replace a stock flag's value (repeatable), e.g. "
+                             "--set=--tensor-model-parallel-size=2")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--without", action="append", default=[], metavar="FLAG",
                         help="leave this stock flag out (repeatable), e.g. --without=--mtp-num-layers")
@@ -363,8 +386,8 @@ def main():
     argv = recipe(Path(ready["sources"]["MINDSPEED_LLM_SRC"]), args.cp, args.algo, args.laga,
                   ready["data_path"], documents=args.documents, recompute=args.recompute,
                   ulysses_degree=args.ulysses_degree, extra=[a for a in args.extra if a != "--"],
-                  without=args.without)
-    run = run_loop(ready["sources"], workdir / "run", args.cp, argv)
+                  without=args.without, layout=dict(item.split("=", 1) for item in args.set))
+    run = run_loop(ready["sources"], workdir / "run", ranks(argv, args.dp), argv)
     for i in sorted(run.iterations):
         print(i, json.dumps(run.iterations[i]))
     print("counts per rank:", json.dumps(run.counts))

@@ -87,6 +87,10 @@ def _record_training_log(module):
 
 
 def _write(folder, torch_npu):
+    if not COUNTS and not RECORD["iterations"] and not torch_npu.calls:
+        # a helper process of the rank (a spawned checkpoint writer) that trained nothing must
+        # not overwrite the rank's record
+        return
     shapes = set()
     for call in torch_npu.calls:
         COUNTS[call["name"]] += 1
