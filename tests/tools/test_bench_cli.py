@@ -84,6 +84,12 @@ def test_bench_plot_written_or_skipped_with_a_note(tiny_bench):
     (["--plot", "b.notaformat"], "--plot 'b.notaformat': matplotlib writes"),
     (["--dtype", "int4"], "'int4' is not a dtype this command runs"),
     (["--dtype", "fp16"], "use one of fp32/float32, bf16/bfloat16"),
+    # a repeated setting: once ran every variant, then KeyError 'comm_explicit_over_form'
+    (["--seq-lens", "32,32"], "--seq-lens '32,32' lists 32 more than once"),
+    (["--seq-lens", "32", "--num-docs", "2,2"], "--num-docs '2,2' lists 2 more than once"),
+    # far past the machine: once a traceback per rank after every rank had started
+    (["--seq-lens", str(10 ** 12)], "needs about"),
+    (["--kv-block-size", str(10 ** 21)], "--kv-block-size 1000000000000000000000 is longer than"),
 ])
 def test_bad_input_is_one_line_error(capsys, argv, word):
     if "notaformat" in argv[-1]:
@@ -95,6 +101,23 @@ def test_bad_input_is_one_line_error(capsys, argv, word):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and word in lines[0] and lines[0].startswith("mindspeed-laga bench: error:")
     assert "Traceback" not in err
+
+
+def test_memory_estimate_counts_the_reference_scores():
+    """The estimate grows as S^2 (the float64 reference's scores): S=4096 at the CPU default
+    dims needs 8 GiB of them, and a machine with less is told before anything starts."""
+    from mindspeed_laga.tools.commands import bench_fit
+    from mindspeed_laga.tools.commands.shapes import CPU_DEFAULT
+    from dataclasses import replace
+    shape = replace(CPU_DEFAULT, seq_len=4096)
+    need = bench_fit.run_bytes(shape, peak_bytes=0, local_ranks=1)
+    scores = 4 * 8 * 16 * 4096 * 4096  # four float64 [1, 16, S, S] tensors
+    assert scores <= need < 1.05 * scores
+    case = type("Run", (), {"shape": shape})()
+    model = type("Model", (), {"peak_bytes": 0})()
+    bench_fit.check_fits([case], [model], 1, available=need)  # fits exactly
+    with pytest.raises(ValueError, match=r"S=4096 needs about 8\.[01] GiB"):
+        bench_fit.check_fits([case], [model], 1, available=need - 1)
 
 
 def test_bench_with_documents_runs_the_forms_with_cu_seqlens(tmp_path):

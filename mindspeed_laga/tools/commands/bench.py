@@ -28,6 +28,7 @@ from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, HYBRID, KERNELS, LAYOUTS  #
 from ...vocab.dims import ModelDims  # noqa: F401
 from .output import (MiB, check_output_path, dtype_arg, one_line_errors, pad as _pad,
                      ratio as _ratio)
+from .bench_fit import check_block_size, check_fits
 from .plot import check_plot_path, write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
 
@@ -106,17 +107,28 @@ def parse_seq_lens(text: str) -> List[int]:
         raise ValueError(f"--seq-lens {text!r} must be comma-separated integers, e.g. 128,256")
     if not values or any(v <= 0 for v in values):
         raise ValueError(f"--seq-lens {text!r} must list positive lengths")
+    _once("--seq-lens", text, values)
     return values
 
 
-def parse_ints(flag: str, text: str) -> List[int]:
+def parse_ints(flag: str, text: str, distinct: bool = False) -> List[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 4096,1024")
     if not values or any(v <= 0 for v in values):
         raise ValueError(f"{flag} {text!r} must list positive integers")
+    if distinct:
+        _once(flag, text, values)
     return values
+
+
+def _once(flag: str, text: str, values: List[int]) -> None:
+    """A list of settings to run names each once (the table groups rows by setting)."""
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise ValueError(f"{flag} {text!r} lists {', '.join(map(str, twice))} more than once; "
+                         "give each value once")
 
 
 def document_settings(args, seq_len: int) -> List[Optional[tuple]]:
@@ -124,7 +136,8 @@ def document_settings(args, seq_len: int) -> List[Optional[tuple]]:
     if args.doc_lens is not None:
         return [cm.doc_lens_for(seq_len, parse_ints("--doc-lens", args.doc_lens))]
     if args.num_docs is not None:
-        return [cm.doc_lens_for(seq_len, num_docs=n) for n in parse_ints("--num-docs", args.num_docs)]
+        return [cm.doc_lens_for(seq_len, num_docs=n)
+                for n in parse_ints("--num-docs", args.num_docs, distinct=True)]
     return [None]
 
 
@@ -173,7 +186,9 @@ def build_runs(args, cp_size: int, device_type: str):
                          f"--micro-batch 1 (got {args.micro_batch})")
     degree = ulysses_degree_from_args(args, cp_size)
     runs, models = [], []
-    for seq_len in parse_seq_lens(args.seq_lens):
+    seq_lens = parse_seq_lens(args.seq_lens)
+    check_block_size(args.kv_block_size, seq_lens)
+    for seq_len in seq_lens:
         shape = shape_from_args(args, seq_len)
         for doc_lens, algo in [(d, a) for d in document_settings(args, seq_len) for a in algos]:
             layout = args.layout or DEFAULT_LAYOUT[algo]
@@ -390,6 +405,7 @@ def run(args) -> int:
     device_type = measure_device_type(args.backend) if torchrun else "cpu"
     check_kernel(args.kernel, device_type, torchrun)
     runs, models = build_runs(args, cp_size, device_type)
+    check_fits(runs, models, int(os.environ.get("LOCAL_WORLD_SIZE", cp_size)) if torchrun else cp_size)
     where = f"torchrun, world size {cp_size}" if torchrun else f"{cp_size} spawned gloo CPU ranks"
     s = runs[0].shape
     print(f"bench: {where}; {len(runs)} runs ({args.warmup} warm-up + {args.repeat} timed each); "
