@@ -8,8 +8,8 @@ laga+recompute (keep the latent, rebuild K/V in backward), laga+blockwise and
 laga+blockwise+trim (rebuild and attend --kv-block-size keys at a time); with
 CP, laga+overlap (the latent gather overlapped with a stand-in query
 projection) and laga+qproj (the same projection, gather not overlapped: the
-baseline the overlap is timed against). For each variant and sequence length: collective bytes
-(byte counter), activation bytes saved for backward (saved-tensor hooks,
+baseline the overlap is timed against). For each variant and sequence
+length: collective bytes (byte counter), activation bytes saved for backward (saved-tensor hooks,
 each storage once, kv_up_weight excluded) beside the cost model's figure,
 peak memory above the inputs beside the model's peak (an accelerator's
 max_memory_allocated; on CPU the allocator's events under the torch profiler,
