@@ -21,6 +21,7 @@ from typing import Dict, List
 
 from .. import costmodel as cm
 from ..runspec import standard_runs
+from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, HYBRID, LAYOUTS
 from ...vocab.dims import ModelDims
 from .output import (GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, one_line_errors,
@@ -113,7 +114,8 @@ def dims_from_args(args) -> ModelDims:
 
 
 def node_table_wanted(args) -> bool:
-    return args.devices_per_node is not None or args.ulysses_degree is not None or args.cp_algo == HYBRID
+    return (args.devices_per_node is not None or args.ulysses_degree is not None
+            or takes_ulysses_degree(args.cp_algo))
 
 
 def resolve_cp(args) -> None:
@@ -142,21 +144,22 @@ def configs_from_args(args) -> List[cm.Config]:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     if (args.device_memory is None) != (args.num_layers is None):
         raise ValueError("--device-memory and --num-layers go together (the fit check needs both)")
-    if args.cp_algo == HYBRID and args.ulysses_degree is None:
+    if takes_ulysses_degree(args.cp_algo) and args.ulysses_degree is None:
         raise ValueError("--cp-algo hybrid needs --ulysses-degree U (the Ulysses group's size, a "
                          "divisor of --cp)")
     dims = dims_from_args(args)
     doc_lens = cm.doc_lens_for(args.seq_len, parse_doc_lens(args.doc_lens), args.num_docs)
     algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
     out = []
-    for algo in algos:
+    for name in algos:
         cfg = cm.Config(dims=dims, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                        cp_size=args.cp, tp_size=args.tp, cp_algo=algo, layout=args.layout,
+                        cp_size=args.cp, tp_size=args.tp, cp_algo=name, layout=args.layout,
                         dtype=DTYPES[args.dtype], kernel=cm.FUSED, doc_lens=doc_lens,
-                        ulysses_degree=args.ulysses_degree if algo == HYBRID else 1)
+                        ulysses_degree=args.ulysses_degree if algo(name).takes_ulysses_degree else 1)
         cm.validate(cfg, standard_runs(args.kv_block_size))
         out.append(cfg)
     return out
+
 
 
 def parse_doc_lens(text):
@@ -269,20 +272,20 @@ def time_estimates(cfg: cm.Config, variants, machines, degree=None) -> dict:
     """Per-layer fwd+bwd seconds for every form and cp_algo (fused kernel; hybrid with
     ``degree`` U), fastest named."""
     out = {}
-    algos = [(a, 1) for a in CP_ALGOS] + ([(HYBRID, degree)] if degree else [])
+    settings = [(a, 1) for a in CP_ALGOS] + ([(HYBRID, degree)] if degree else [])
     for machine in machines:
         rows = {}
-        for algo, u in algos:
-            c = replace(cfg, cp_algo=algo, layout=None, kernel=cm.FUSED, ulysses_degree=u)
+        for name, u in settings:
+            c = replace(cfg, cp_algo=name, layout=None, kernel=cm.FUSED, ulysses_degree=u)
             try:
                 cm.validate(c)
             except ValueError as exc:
-                rows[algo] = {"error": str(exc)}
+                rows[name] = {"error": str(exc)}
                 continue
-            rows[algo] = {v.name: cm.estimate_seconds(c, cm.summarize(c, v), machine).as_dict()
+            rows[name] = {v.name: cm.estimate_seconds(c, cm.summarize(c, v), machine).as_dict()
                           for v in variants}
-        timed = [(t["total_s"], algo, name) for algo, r in rows.items() if "error" not in r
-                 for name, t in r.items()]
+        timed = [(t["total_s"], a, v) for a, r in rows.items() if "error" not in r
+                 for v, t in r.items()]
         best = min(timed) if timed else None
         out[machine.name] = {"link_gbps": machine.link_gbps, "tflops": machine.tflops, "rows": rows,
                              "ulysses_degree": degree,
@@ -317,11 +320,11 @@ def node_estimates(cfg: cm.Config, variants, cluster: cm.Cluster, degree=None) -
         try:
             cm.validate(c)
         except ValueError as exc:
-            if c.cp_algo == HYBRID and degree is not None:
+            if c.algo.takes_ulysses_degree and degree is not None:
                 raise
             rows.append({**label, "error": str(exc)})
             continue
-        spans = c.cp_algo == HYBRID and not cm.ulysses_fits_node(c, cluster.devices_per_node)
+        spans = c.algo.takes_ulysses_degree and not cm.ulysses_fits_node(c, cluster.devices_per_node)
         for v in variants:
             t = cm.estimate_cluster_seconds(c, cm.summarize(c, v), cluster)
             rows.append({**label, "variant": v.name, "ulysses_spans_nodes": spans, **t.as_dict()})
@@ -353,7 +356,7 @@ def print_plan(plan: dict) -> None:
         shown = ",".join(map(str, lens)) if len(lens) <= 8 else f"{len(lens)} documents"
         print(f"documents: {shown} (a query sees only its own document)")
     for algo, entry in plan["algos"].items():
-        hybrid = f", U={entry['ulysses_degree']}" if algo == HYBRID else ""
+        hybrid = f", U={entry['ulysses_degree']}" if takes_ulysses_degree(algo) else ""
         print(f"\ncp_algo={algo} (layout {entry['layout']}{hybrid})")
         _print_comm_flops(entry, algo)
         _print_memory(entry, algo)
@@ -483,7 +486,7 @@ def _print_times(times: dict) -> None:
              f"{m['tflops']:g} TFLOPS effective, fused kernel, worst rank; serial compute + comm, "
              "minus what the overlapped latent gather hides behind the query projection):")
         algos = list(m["rows"])
-        label = {a: f"hybrid U={m.get('ulysses_degree')}" if a == HYBRID else a for a in algos}
+        label = {a: f"hybrid U={m.get('ulysses_degree')}" if takes_ulysses_degree(a) else a for a in algos}
         timed = [a for a in algos if "error" not in m["rows"][a]]
         print(f"  {'variant':<20}" + "".join(f" {label[a]:>12}" for a in timed))
         variants = list(dict.fromkeys(v for a in timed for v in m["rows"][a]))
@@ -498,7 +501,7 @@ def _print_times(times: dict) -> None:
 
 
 def _algo_label(r: dict) -> str:
-    return f"hybrid U={r['ulysses_degree']}" if r["cp_algo"] == HYBRID else r["cp_algo"]
+    return f"hybrid U={r['ulysses_degree']}" if takes_ulysses_degree(r["cp_algo"]) else r["cp_algo"]
 
 
 def _print_nodes(nodes: dict) -> None:
@@ -530,7 +533,7 @@ def _print_nodes(nodes: dict) -> None:
              "inter-node link, where hybrid CP gains; a --cp over two nodes shows it", "  ")
     f = nodes["fastest"]
     if f:
-        u = f", U={f['ulysses_degree']}" if f["cp_algo"] == HYBRID else ""
+        u = f", U={f['ulysses_degree']}" if takes_ulysses_degree(f["cp_algo"]) else ""
         print(f"  fastest: {f['variant']} with cp_algo={f['cp_algo']}{u} ({1e3 * f['total_s']:.2f} ms)")
 
 
