@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -162,6 +163,7 @@ def run_on_rank(case: Case, rank: int, cp_size: int, group, repeat: int = 1, war
                   "wire_by_group": _wire_by_group(counter)}
     timed = times[warmup:] or times
     result["seconds"] = statistics.median(timed)
+    result["seconds_runs"] = timed  # every timed run, in order: the spread beside the median
     if cpu_peak and mem is None:
         # After the timed runs: the profiler slows every op and must not touch the times.
         # The last run's graph (its leaves) goes before the window opens: a free of memory
@@ -252,8 +254,9 @@ def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: 
         out.append(run_on_rank(case, rank, cp_size, group, repeat, warmup, count_flops,
                                cpu_peak=cpu_peak))
         if progress and rank == 0:
+            # progress on stderr: stdout may carry bench's JSON (--json -)
             print(f"  [{i + 1}/{len(cases)}] {case.spec.name} S={case.shape.seq_len} "
-                  f"{case.cp_algo}", flush=True)
+                  f"{case.cp_algo}", file=sys.stderr, flush=True)
     return out
 
 

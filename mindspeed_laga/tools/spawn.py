@@ -128,12 +128,16 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 3
     procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, queue, timeout_s,
                                                     dict(os.environ)),
                          daemon=True) for r in range(world_size)]
+    grace_s = 2.0
     try:
         for p in procs:
             p.start()
         results, errors = _collect(queue, procs, world_size, deadline)
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM): the ranks are not waited for
+        grace_s = 0.0
+        raise
     finally:
-        _stop(procs)
+        _stop(procs, grace_s)
         queue.close()
         shutil.rmtree(store_dir, ignore_errors=True)
     if errors:
@@ -175,11 +179,12 @@ def _collect(queue, procs, world_size: int, deadline: float):
     return results, errors
 
 
-def _stop(procs) -> None:
-    """Join ranks that finished; kill the rest so no hung rank outlives the call."""
+def _stop(procs, grace_s: float = 2.0) -> None:
+    """Join ranks that finished (within ``grace_s`` each); kill the rest so no hung rank
+    outlives the call."""
     for p in procs:
         if p.pid is not None:
-            p.join(timeout=2)
+            p.join(timeout=grace_s)
     for p in procs:
         if p.is_alive():
             p.kill()

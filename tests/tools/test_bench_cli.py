@@ -2,6 +2,8 @@
 import contextlib
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -84,6 +86,12 @@ def test_bench_plot_written_or_skipped_with_a_note(tiny_bench):
     (["--plot", "b.notaformat"], "--plot 'b.notaformat': matplotlib writes"),
     (["--dtype", "int4"], "'int4' is not a dtype this command runs"),
     (["--dtype", "fp16"], "use one of fp32/float32, bf16/bfloat16"),
+    # a repeated setting: once ran every variant, then KeyError 'comm_explicit_over_form'
+    (["--seq-lens", "32,32"], "--seq-lens '32,32' lists 32 more than once"),
+    (["--seq-lens", "32", "--num-docs", "2,2"], "--num-docs '2,2' lists 2 more than once"),
+    # far past the machine: once a traceback per rank after every rank had started
+    (["--seq-lens", str(10 ** 12)], "needs about"),
+    (["--kv-block-size", str(10 ** 21)], "--kv-block-size 1000000000000000000000 is longer than"),
 ])
 def test_bad_input_is_one_line_error(capsys, argv, word):
     if "notaformat" in argv[-1]:
@@ -95,6 +103,39 @@ def test_bad_input_is_one_line_error(capsys, argv, word):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and word in lines[0] and lines[0].startswith("mindspeed-laga bench: error:")
     assert "Traceback" not in err
+
+
+def test_json_dash_is_pure_json_on_stdout():
+    """--json -: stdout is the JSON alone (progress, tables and notes on stderr), as a
+    pipe into another program needs; the wall time is a line of its own."""
+    argv = [*TINY[:2], "--seq-lens", "16", *TINY[4:], "--cp-algo", "allgather", "--forms-only"]
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_laga.tools.cli", "bench", *argv,
+                           "--json", "-", "--plot", ""], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [r["variant"] for r in doc["rows"]] == ["explicit", "absorbed", "laga"]
+    assert doc["rows"][0]["ms_min"] <= doc["rows"][0]["ms"] <= doc["rows"][0]["ms_max"]
+    assert "[1/3] explicit S=16 allgather" in proc.stderr and "max rel err" in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert any(line.startswith("wall time: ") and line.endswith(" s") for line in lines)
+    assert not any(line.endswith(" s.") and "peak.py)" in line for line in lines)
+
+
+def test_memory_estimate_counts_the_reference_scores():
+    """The estimate grows as S^2 (the float64 reference's scores): S=4096 at the CPU default
+    dims needs 8 GiB of them, and a machine with less is told before anything starts."""
+    from mindspeed_laga.tools.commands import bench_fit
+    from mindspeed_laga.tools.commands.shapes import CPU_DEFAULT
+    from dataclasses import replace
+    shape = replace(CPU_DEFAULT, seq_len=4096)
+    need = bench_fit.run_bytes(shape, peak_bytes=0, local_ranks=1)
+    scores = 4 * 8 * 16 * 4096 * 4096  # four float64 [1, 16, S, S] tensors
+    assert scores <= need < 1.05 * scores
+    case = type("Run", (), {"shape": shape})()
+    model = type("Model", (), {"peak_bytes": 0})()
+    bench_fit.check_fits([case], [model], 1, available=need)  # fits exactly
+    with pytest.raises(ValueError, match=r"S=4096 needs about 8\.[01] GiB"):
+        bench_fit.check_fits([case], [model], 1, available=need - 1)
 
 
 def test_bench_with_documents_runs_the_forms_with_cu_seqlens(tmp_path):
@@ -171,46 +212,92 @@ def test_output_paths_are_left_as_they_were(tmp_path):
     assert not new.exists() and old.read_text() == "keep"
 
 
-def _rows(documents=(1,), seq_lens=(16, 32)):
+def _rows(documents=(1,), seq_lens=(16, 32), algos=("allgather",)):
     """Synthetic bench rows: every figure a distinct function of the variant and x."""
     rows = []
     for i, (variant, form) in enumerate([("explicit", "explicit"), ("absorbed", "absorbed"),
                                          ("laga", "laga"), ("laga+trim", "laga"),
                                          ("laga+recompute", "laga")]):
-        for s in seq_lens:
-            for d in documents:
-                rows.append({"variant": variant, "form": form, "cp_algo": "allgather",
-                             "seq_len": s, "documents": d, "comm_forward_bytes": s * (i + 1),
-                             "comm_backward_bytes": s, "saved_bytes": 10 * s * (i + 1) // d,
-                             "peak_bytes": 100 * s * (i + 1), "ms": 0.5 * (i + 1) * d})
+        for algo in algos:
+            for s in seq_lens:
+                for d in documents:
+                    ms = 0.5 * (i + 1) * d
+                    rows.append({"variant": variant, "form": form, "cp_algo": algo,
+                                 "seq_len": s, "documents": d, "comm_forward_bytes": s * (i + 1),
+                                 "comm_backward_bytes": 16, "saved_bytes": 10 * s * (i + 1) // d,
+                                 "peak_bytes": 100 * s * (i + 1), "model_peak_bytes": 90 * s * (i + 2),
+                                 "ms": ms, "ms_min": 0.8 * ms, "ms_max": 1.5 * ms})
     return rows
 
 
-def test_plot_has_time_and_peak_panels_style_per_form_colour_per_option():
+def _bars(ax):
+    """{variant: [bar, ...]} in x order."""
+    out = {}
+    for container in ax.containers:
+        if hasattr(container, "patches"):  # a BarContainer (its error bars are their own)
+            out.setdefault(container.get_label(), []).extend(container.patches)
+    return out
+
+
+def test_plot_ratios_to_explicit_with_spread_model_units_and_config():
+    """What a reader needs: every panel a ratio to explicit with explicit's own figure and
+    unit in its title, the time's spread over the timed runs, the model's peak beside the
+    measured one, the configuration as the title, a colour per variant (explicit's not
+    LAGA's), and a legend inside the saved figure with one CP algorithm."""
     pytest.importorskip("matplotlib")
     from mindspeed_laga.tools.commands import plot
-    fig = plot.build_figure(_rows())
-    axes = fig.axes
-    assert len(axes) == 4  # bytes, saved, peak, time; one cp_algo
-    titles = [ax.get_title() for ax in axes]
-    assert any("peak memory" in t for t in titles) and any("time" in t for t in titles)
-    lines = {line.get_label(): line for line in axes[3].get_lines()}
-    assert set(lines) == {"explicit", "absorbed", "laga", "laga+trim", "laga+recompute"}
-    styles = {name: line.get_linestyle() for name, line in lines.items()}
-    assert styles["explicit"] != styles["laga"] != styles["absorbed"] != styles["explicit"]
-    assert styles["laga"] == styles["laga+trim"] == styles["laga+recompute"]  # one form
-    colours = {name: line.get_color() for name, line in lines.items()}
-    assert len({colours["laga"], colours["laga+trim"], colours["laga+recompute"]}) == 3
-    assert colours["explicit"] == colours["laga"]  # no option: the same colour
-    assert list(lines["laga+trim"].get_ydata()) == [2.0, 2.0]  # time panel: ms of each point
-    assert list(lines["explicit"].get_xdata()) == [16, 32]
-    # with several document counts they get the x axis, one column per sequence length
-    fig = plot.build_figure(_rows(documents=(1, 4, 16)))
-    assert len(fig.axes) == 8
-    saved = [ax for ax in fig.axes if "S=16: activations" in ax.get_title()][0]
-    explicit = [line for line in saved.get_lines() if line.get_label() == "explicit"][0]
-    assert list(explicit.get_xdata()) == [1, 4, 16]
-    assert list(explicit.get_ydata()) == [160, 40, 10]
+    fig = plot.build_figure(_rows(), title="CP=2, heads 4, float32, kernel=sdpa")
+    assert fig._suptitle.get_text() == "CP=2, heads 4, float32, kernel=sdpa"
+    bytes_ax, saved_ax, peak_ax, time_ax = fig.axes
+    assert "collective bytes" in bytes_ax.get_title() and "explicit: 48 B at S=32" in bytes_ax.get_title()
+    assert "saved" in saved_ax.get_title() and "explicit: 320 B at S=32" in saved_ax.get_title()
+    assert "peak memory" in peak_ax.get_title() and "3.1 KiB at S=32" in peak_ax.get_title()
+    assert "time" in time_ax.get_title() and "explicit: 0.50 ms at S=32" in time_ax.get_title()
+    assert all(ax.get_ylabel() == "ratio to explicit" for ax in fig.axes)
+    assert [t.get_text() for t in time_ax.get_xticklabels()] == ["S=16", "S=32"]
+    # bars are ratios to explicit at the same S: bytes (s*(i+1)+16)/(s+16), time (i+1)
+    bars = _bars(bytes_ax)
+    assert [b.get_height() for b in bars["explicit"]] == [1.0, 1.0]
+    assert [b.get_height() for b in bars["laga"]] == pytest.approx([64 / 32, 112 / 48])
+    assert [b.get_height() for b in _bars(time_ax)["laga+trim"]] == [4.0, 4.0]
+    assert bars["explicit"][0].get_facecolor() != bars["laga"][0].get_facecolor()
+    assert len({bars[v][0].get_facecolor() for v in bars}) == 5
+    # time whiskers: fastest form run / slowest explicit run .. slowest / fastest
+    trim = [c for c in time_ax.containers if c.get_label() == "laga+trim" and hasattr(c, "patches")][0]
+    (low, high), = [seg[:, 1] for seg in trim.errorbar.lines[2][0].get_segments()][:1]
+    assert (low, high) == pytest.approx((4.0 * 0.8 / 1.5, 4.0 * 1.5 / 0.8))
+    # the model's peak, as a ratio to explicit's model peak, beside each measured bar
+    ticks = [line.get_ydata()[0] for line in peak_ax.get_lines() if line.get_marker() == "_"]
+    assert ticks == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0] * 2)
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "explicit", "absorbed", "laga", "laga+trim", "laga+recompute", "cost model's peak"]
+    fig.canvas.draw()  # nothing cropped: the legend lies inside the figure
+    box, page = legend.get_window_extent(), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0
+    # with several document counts they are the x axis, a column per sequence length
+    fig = plot.build_figure(_rows(documents=(1, 4, 16), algos=("allgather", "ulysses")))
+    assert len(fig.axes) == 16
+    saved = [ax for ax in fig.axes if ax.get_title().startswith("ulysses, S=16: activations")][0]
+    assert [t.get_text() for t in saved.get_xticklabels()] == ["1 doc", "4 docs", "16 docs"]
+    assert [b.get_height() for b in _bars(saved)["laga"]] == [3.0, 3.0, 3.0]
     assert "documents" in saved.get_xlabel()
-    # one legend for the figure, one entry per variant
-    assert len(fig.legends) == 1 and len(fig.legends[0].get_texts()) == 5
+
+
+def test_plot_renders_a_png_with_a_single_length(tmp_path):
+    """One sequence length: one bar per variant with its ratio printed on it, saved whole."""
+    pytest.importorskip("matplotlib")
+    from mindspeed_laga.tools.commands import plot
+    fig = plot.build_figure(_rows(seq_lens=(64,)))
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == ["1.00x", "1.80x", "2.60x", "3.40x", "4.20x"]  # (64(i+1)+16)/80
+    path = plot.write_plot(_rows(seq_lens=(64,)), str(tmp_path / "p.png"), title="t")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path
+
+
+def test_a_negative_hidden_share_is_called_noise():
+    """The overlap adds no communication: a run that blocked longer with it hid nothing,
+    and the raw figure is shown with that word, not as '-555% hidden'."""
+    assert bench.hidden_share_text(0.42) == "42% hidden"
+    text = bench.hidden_share_text(-5.55)
+    assert text.startswith("none hidden: -555% is timing noise") and "% hidden" not in text

@@ -8,6 +8,7 @@ node split and the two-link time are checked on hand-built placements.
 """
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -253,7 +254,14 @@ def test_bench_hybrid_rows(tmp_path, capsys):
         assert r["peak_bytes"] > 0, r["variant"]  # the CPU allocator's peak, every rank's pass
     groups = {r["variant"]: set(r["comm_wire_by_group"]) for r in rows}
     assert groups["explicit"] == {"ulysses", "ring"} and groups["laga"] == {"ulysses", "cp"}
-    assert "cp_algo=hybrid U=2" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "cp_algo=hybrid U=2" in text
+    # one vocabulary in the table: every row names the same three groups, in one order
+    by_group = [line.split(":", 1)[1] for line in text.splitlines() if "wire by group" in line]
+    assert len(by_group) == len(rows)
+    assert {tuple(re.findall(r"([a-z]+) [\d,]+ / [\d,]+", line)) for line in by_group} == \
+        {("ulysses", "ring", "cp")}
+    assert "groups: ulysses = the 2 ranks" in text
 
 
 def test_plan_hybrid_keeps_the_one_link_estimates(capsys):

@@ -6,6 +6,8 @@ by hand, errors against the tolerance the doctor states, exit codes.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -34,22 +36,25 @@ def report(tmp_path_factory):
     """One full doctor run (fake torch_npu installed, 2 spawned gloo ranks)."""
     out = tmp_path_factory.mktemp("doctor")
     fake_torch_npu.install()
+    printed = io.StringIO()
     try:
         # the bench runs in test_under_torchrun
-        rc = cli.main(["doctor", "--cp", str(CP), "--check-seq-len", str(CHECK_S), "--no-bench",
-                       "--json", str(out / "d.json"), "--markdown", str(out / "d.md")])
+        with contextlib.redirect_stdout(printed):
+            rc = cli.main(["doctor", "--cp", str(CP), "--check-seq-len", str(CHECK_S), "--no-bench",
+                           "--json", str(out / "d.json"), "--markdown", str(out / "d.md")])
     finally:
         fake_torch_npu.uninstall()
+
     with open(out / "d.json") as f:
         doc = json.load(f)
     with open(out / "d.md") as f:
         md = f.read()
-    return rc, doc, md
+    return rc, doc, md, printed.getvalue()
 
 
 @pytest.mark.timeout(120)
 def test_full_run_passes_and_reports_environment(report):
-    rc, doc, md = report
+    rc, doc, md, _ = report
     assert rc == 0 and doc["passed"] is True
     env = doc["environment"]
     assert env["torch"] == torch.__version__
@@ -64,8 +69,21 @@ def test_full_run_passes_and_reports_environment(report):
 
 
 @pytest.mark.timeout(120)
+def test_printed_summary_says_each_thing_once_and_where_to_send_it(report):
+    """The pass count once, notes only about columns the printed tables have, and the
+    Markdown's destination named."""
+    _, doc, md, text = report
+    count = f"{len(doc['exactness'])}/{len(doc['exactness'])}"
+    assert text.count(count) == 1, text
+    notes = [line for line in text.splitlines() if line.startswith("bytes: rank 0's payload")]
+    assert len(notes) == 1 and "saved:" not in notes[0]
+    assert "to us" not in text and "issue tracker" in text
+    assert "saved: activations autograd keeps" in md  # the Markdown's bench table has the column
+
+
+@pytest.mark.timeout(120)
 def test_exactness_rows_cover_every_path_and_pass(report):
-    _, doc, md = report
+    _, doc, md, _ = report
     rows = doc["exactness"]
     assert all(r["status"] == "pass" and r["max_rel_err"] <= r["tolerance"] for r in rows)
     seen = {(r["form"], r["kernel"], r["shape"]) for r in rows if r["kind"] == "reference"}
@@ -85,7 +103,7 @@ def test_exactness_rows_cover_every_path_and_pass(report):
 
 @pytest.mark.timeout(120)
 def test_cp_rows_match_reference_and_bytes_by_hand(report):
-    _, doc, _ = report
+    _, doc, _, _ = report
     cp = {(r["variant"], r["cp_algo"]): r for r in doc["cp"]}
     assert all(r["passed"] for r in cp.values()) and len(cp) == 16
     heads, d_n, d_r, d_v, d_c = 16, 16, 8, 16, 64       # the CP check's shape (CPU dims)

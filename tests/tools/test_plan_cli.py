@@ -195,3 +195,54 @@ def test_document_flags_are_checked(capsys, argv, word):
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and word in lines[0], err
+
+
+@pytest.mark.parametrize("argv", [[], ["--cp-algo", "both", "--terms"],
+                                  ["--cp-algo", "hybrid", "--ulysses-degree", "8"],
+                                  ["--kernel", "npu", "--device-memory", "64", "--num-layers", "4"]])
+def test_tables_fit_100_columns(capsys, argv):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    wide = [line for line in out.splitlines() if len(line) > 100]
+    assert not wide, wide
+
+
+def test_every_flag_says_what_it_is():
+    plan = cli.build_parser()._subparsers._group_actions[0].choices["plan"]
+    silent = [a.option_strings for a in plan._actions if a.option_strings and not a.help]
+    assert not silent, silent
+
+
+def test_node_table_default_spans_two_nodes_and_hybrid_is_in_every_table(capsys):
+    """With the node table and no --cp, CP covers two nodes (16 on 8-NPU nodes) so the
+    inter-node link carries traffic, and the output says why; hybrid (U given) has rows in
+    the one-link tables too."""
+    code, out, err = run_cli(capsys, "--cp-algo", "hybrid", "--ulysses-degree", "8", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["config"]["cp_size"] == 16 and plan["cp_defaulted"]
+    assert any(r["inter_bytes"] > 0 for r in plan["nodes"]["rows"] if r["cp_algo"] == "hybrid")
+    for machine in plan["time"].values():
+        assert set(machine["rows"]) == {"allgather", "ulysses", "hybrid"}
+        assert machine["ulysses_degree"] == 8
+    code, out, _ = run_cli(capsys, "--cp-algo", "hybrid", "--ulysses-degree", "8")
+    assert "CP=16: the default with the node table, two nodes of 8" in out
+    assert out.count("  variant                 allgather      ulysses   hybrid U=8") == 2
+    # an explicit one-node CP is kept, and the output says nothing crosses nodes
+    code, out, _ = run_cli(capsys, "--cp", "8", "--npus-per-node", "8")
+    assert "CP=8," in out and "every CP rank shares one node of 8: nothing crosses" in out
+    code, out, _ = run_cli(capsys)  # no node table: CP 8 as before
+    assert "CP=8," in out and "the default with the node table" not in out
+
+
+def test_trim_rows_show_where_trimming_differs(capsys):
+    """laga+trim: under allgather its rank-average rebuild is below LAGA's (the worst rank
+    sees every key, so the worst-rank columns are LAGA's); under ulysses every rank sees
+    every key and the row says so instead of repeating LAGA's figures."""
+    code, out, _ = run_cli(capsys, "--cp-algo", "both", "--kernel", "fused")
+    allgather, ulysses = out.split("cp_algo=ulysses (layout")
+    rows = {line.split()[0]: line.split() for line in allgather.split("memory")[0].splitlines()
+            if line.startswith("laga")}
+    assert rows["laga+trim"][1:-1] == rows["laga"][1:-1]  # worst-rank columns
+    assert float(rows["laga+trim"][-1]) < 0.9 * float(rows["laga"][-1])  # rank average
+    assert "laga+trim            = laga in every column (every rank sees every key)" in ulysses

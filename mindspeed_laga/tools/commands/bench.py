@@ -1,17 +1,23 @@
 """``mindspeed-laga bench``: the forms side by side, measured, beside the cost model.
 
-Runs explicit, absorbed, LAGA and every LAGA option (prefix trimming, K/V
-recompute, blockwise, and with CP the overlapped latent gather) forward+backward on P ranks: spawned gloo workers
-on CPU by default, or this process's rank under torchrun (RANK/WORLD_SIZE
-set; any backend). For each variant and sequence length: collective bytes
-(byte counter), activation bytes saved for backward (saved-tensor hooks,
+Runs explicit, absorbed, LAGA and every LAGA option forward+backward on P
+ranks: spawned gloo workers on CPU by default, or this process's rank under
+torchrun (RANK/WORLD_SIZE set; any backend). The variants: explicit,
+absorbed, laga; laga+trim (rebuild only keys a local query sees),
+laga+recompute (keep the latent, rebuild K/V in backward), laga+blockwise and
+laga+blockwise+trim (rebuild and attend --kv-block-size keys at a time); with
+CP, laga+overlap (the latent gather overlapped with a stand-in query
+projection) and laga+qproj (the same projection, gather not overlapped: the
+baseline the overlap is timed against). For each variant and sequence
+length: collective bytes (byte counter), activation bytes saved for backward (saved-tensor hooks,
 each storage once, kv_up_weight excluded) beside the cost model's figure,
 peak memory above the inputs beside the model's peak (an accelerator's
 max_memory_allocated; on CPU the allocator's events under the torch profiler,
 in one extra untimed run per variant), the model's attention FLOPs, median fwd+bwd time, and the worst relative error
 against the float64 single-process reference. With --doc-lens/--num-docs
 the forms get cu_seqlens (packed documents).
-Writes JSON (every figure in the table) and, with matplotlib, PNG plots.
+Writes JSON (every figure in the table; ``--json -``: the JSON alone on stdout,
+everything else on stderr) and, with matplotlib, PNG plots.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, HYBRID, KERNELS, LAYOUTS  #
 from ...vocab.dims import ModelDims  # noqa: F401
 from .output import (MiB, check_output_path, dtype_arg, one_line_errors, pad as _pad,
                      ratio as _ratio)
+from .bench_fit import check_block_size, check_fits
 from .plot import check_plot_path, write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
 
@@ -108,17 +115,28 @@ def parse_seq_lens(text: str) -> List[int]:
         raise ValueError(f"--seq-lens {text!r} must be comma-separated integers, e.g. 128,256")
     if not values or any(v <= 0 for v in values):
         raise ValueError(f"--seq-lens {text!r} must list positive lengths")
+    _once("--seq-lens", text, values)
     return values
 
 
-def parse_ints(flag: str, text: str) -> List[int]:
+def parse_ints(flag: str, text: str, distinct: bool = False) -> List[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 4096,1024")
     if not values or any(v <= 0 for v in values):
         raise ValueError(f"{flag} {text!r} must list positive integers")
+    if distinct:
+        _once(flag, text, values)
     return values
+
+
+def _once(flag: str, text: str, values: List[int]) -> None:
+    """A list of settings to run names each once (the table groups rows by setting)."""
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise ValueError(f"{flag} {text!r} lists {', '.join(map(str, twice))} more than once; "
+                         "give each value once")
 
 
 def document_settings(args, seq_len: int) -> List[Optional[tuple]]:
@@ -126,7 +144,8 @@ def document_settings(args, seq_len: int) -> List[Optional[tuple]]:
     if args.doc_lens is not None:
         return [cm.doc_lens_for(seq_len, parse_ints("--doc-lens", args.doc_lens))]
     if args.num_docs is not None:
-        return [cm.doc_lens_for(seq_len, num_docs=n) for n in parse_ints("--num-docs", args.num_docs)]
+        return [cm.doc_lens_for(seq_len, num_docs=n)
+                for n in parse_ints("--num-docs", args.num_docs, distinct=True)]
     return [None]
 
 
@@ -172,7 +191,9 @@ def build_runs(args, cp_size: int, device_type: str):
                          f"--micro-batch 1 (got {args.micro_batch})")
     degree = ulysses_degree_from_args(args, cp_size)
     runs, models = [], []
-    for seq_len in parse_seq_lens(args.seq_lens):
+    seq_lens = parse_seq_lens(args.seq_lens)
+    check_block_size(args.kv_block_size, seq_lens)
+    for seq_len in seq_lens:
         shape = shape_from_args(args, seq_len)
         for doc_lens, name in [(d, a) for d in document_settings(args, seq_len) for a in algos]:
             layout = args.layout or DEFAULT_LAYOUT[name]
@@ -244,6 +265,7 @@ def make_rows(runs, models, per_rank: List[List[dict]], ulysses_degree: int = 1)
             "model_attention_gflop": (model.flops["attention_fwd"] + model.flops["attention_bwd"]) / 1e9,
             "model_attention_visible_fwd_flops": model.flops["attention_visible_fwd"],
             "ms": 1e3 * max(r["seconds"] for r in ranks),
+            **_time_spread(ranks),
             "comm_seconds": r0.get("comm_seconds"),
             "max_rel_err": err,
         })
@@ -253,6 +275,12 @@ def make_rows(runs, models, per_rank: List[List[dict]], ulysses_degree: int = 1)
                              "model_comm_wire_by_group": cm.comm_by_group(model)})
     _add_relative(rows)
     return rows
+
+
+def _time_spread(ranks: List[dict]) -> dict:
+    """The fastest and slowest timed run, each run timed by its slowest rank."""
+    runs = [max(per_rank) for per_rank in zip(*(r.get("seconds_runs") or [r["seconds"]] for r in ranks))]
+    return {"ms_min": 1e3 * min(runs), "ms_max": 1e3 * max(runs)}
 
 
 def _comm(result, direction, measure) -> int:
@@ -322,14 +350,31 @@ def print_table(rows: List[dict], out=None) -> None:
         if "comm_wire_by_group" in r:
             got, model = r["comm_wire_by_group"], r["model_comm_wire_by_group"]
             print("  wire by group (measured / model): " + ", ".join(
-                f"{g} {got.get(g, 0):,} / {model.get(g, 0):,.0f}" for g in sorted(set(got) | set(model))),
-                file=out)
+                f"{g} {got.get(g, 0):,} / {model.get(g, 0):,.0f}" for g in GROUPS), file=out)
         if "latent_comm_hidden_share" in r:
             b = r["latent_blocked_ms"]
             print(f"  overlap: fwd+bwd speedup {r['overlap_speedup']:.2f}x over laga+qproj (same "
                   "work, gather not overlapped); latent gather + "
                   f"reduce-scatter blocked {b['without_overlap']:.2f} ms -> {b['with_overlap']:.2f} ms "
-                  f"({100 * r['latent_comm_hidden_share']:.0f}% hidden)", file=out)
+                  f"({hidden_share_text(r['latent_comm_hidden_share'])})", file=out)
+    if any("comm_wire_by_group" in r for r in rows):
+        degree = next(r["ulysses_degree"] for r in rows if "ulysses_degree" in r)
+        print(f"\ngroups: ulysses = the {degree} ranks that split heads (one node); ring = the ranks "
+              "with the same Ulysses rank (explicit gathers K/V here, across nodes); cp = every "
+              "rank (the latent forms gather the latent here)", file=out)
+
+
+# Hybrid CP's groups, in the order the tables list them (every row names all three).
+GROUPS = ("ulysses", "ring", "cp")
+
+
+def hidden_share_text(share: float) -> str:
+    """The overlap's hidden share; below zero the overlapped run blocked longer, which is
+    timing noise (the overlap adds no communication), not a negative amount hidden."""
+    if share >= 0:
+        return f"{100 * share:.0f}% hidden"
+    return (f"none hidden: {100 * share:.0f}% is timing noise, the overlapped run blocked "
+            "longer; rerun with more --repeat or longer --seq-lens")
 
 
 # ---------------------------------------------------------------- hybrid CP (spawned ranks)
@@ -349,7 +394,7 @@ def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmu
                                ulysses_group=group, cpu_peak=cpu_peak))
         if rank == 0:
             print(f"  [{i + 1}/{len(runs)}] {case.spec.name} S={case.shape.seq_len} hybrid U={degree}",
-                  flush=True)
+                  file=sys.stderr, flush=True)
     return out
 
 
@@ -385,11 +430,13 @@ def run(args) -> int:
     device_type = measure_device_type(args.backend) if torchrun else "cpu"
     check_kernel(args.kernel, device_type, torchrun)
     runs, models = build_runs(args, cp_size, device_type)
+    check_fits(runs, models, int(os.environ.get("LOCAL_WORLD_SIZE", cp_size)) if torchrun else cp_size)
     where = f"torchrun, world size {cp_size}" if torchrun else f"{cp_size} spawned gloo CPU ranks"
     s = runs[0].shape
+    out = sys.stderr if args.json == "-" else sys.stdout  # --json -: stdout is the JSON's
     print(f"bench: {where}; {len(runs)} runs ({args.warmup} warm-up + {args.repeat} timed each); "
           f"b={s.batch}, n={s.heads}, d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, "
-          f"d_c={s.kv_lora_rank}, {args.dtype}, kernel={args.kernel}", flush=True)
+          f"d_c={s.kv_lora_rank}, {args.dtype}, kernel={args.kernel}", file=out, flush=True)
     start = time.perf_counter()
     if torchrun:
         per_rank, rank = _run_torchrun(args, runs, args.repeat, args.warmup)
@@ -404,17 +451,17 @@ def run(args) -> int:
                                 timeout_s=RUN_TIMEOUT_S)
     rows = make_rows(runs, models, per_rank,
                      args.ulysses_degree if takes_ulysses_degree(args.cp_algo) else 1)
-    print_table(rows)
-    print_document_trend(rows)
+    print_table(rows, out)
+    print_document_trend(rows, out)
     print(f"\nbytes: rank 0's payload handed to the collectives (fwd, bwd) and bytes it sends "
           f"(wire); saved: activations autograd keeps in the attention call, each storage once, "
           f"kv_up_weight excluded (rank 0), beside the cost model; ms: slowest rank's median "
           f"fwd+bwd; err: worst output/grad error vs the float64 reference; attn GFLOP: the "
-          f"model's attention FLOPs (fwd+bwd, rank 0, as the kernels execute them).")
+          f"model's attention FLOPs (fwd+bwd, rank 0, as the kernels execute them).", file=out)
     reasons = [r["peak_reason"] for r in rows if r["peak_reason"]]
-    print(peak_note(device_type, reasons[0] if reasons else None)
-          + f" {time.perf_counter() - start:.1f} s.")
-    _write_outputs(args, rows, cp_size, where)
+    print(peak_note(device_type, reasons[0] if reasons else None), file=out)
+    print(f"wall time: {time.perf_counter() - start:.1f} s", file=out)
+    _write_outputs(args, rows, cp_size, where, out)
     return 0
 
 
@@ -466,7 +513,18 @@ def print_document_trend(rows: List[dict], out=None) -> None:
         print(f"\nlaga+blockwise S={seq_len} {algo}, attention vs documents: {cells}", file=out)
 
 
-def _write_outputs(args, rows, cp_size, where) -> None:
+def figure_title(args, rows: List[dict], cp_size: int, where: str) -> str:
+    """The configuration a plot was measured at, for its title."""
+    degree = next((r["ulysses_degree"] for r in rows if "ulysses_degree" in r), None)
+    hybrid = f", hybrid U={degree}" if degree else ""
+    docs = f", documents {args.doc_lens or args.num_docs}" if args.doc_lens or args.num_docs else ""
+    return (f"mindspeed-laga bench: CP={cp_size}{hybrid} ({where}), micro-batch {args.micro_batch}, "
+            f"heads {args.heads}, d_n={args.qk_head_dim}, d_r={args.qk_pos_emb_head_dim}, "
+            f"d_v={args.v_head_dim}, d_c={args.kv_lora_rank}{docs}\n{args.dtype}, kernel={args.kernel} "
+            f"(recompute variants: auto), {args.warmup} warm-up + {args.repeat} timed runs each")
+
+
+def _write_outputs(args, rows, cp_size, where, out) -> None:
     doc = {"cp_size": cp_size, "where": where, "dtype": args.dtype, "kernel": args.kernel,
            "doc_lens": args.doc_lens, "num_docs": args.num_docs, "layout": args.layout,
            "repeat": args.repeat, "warmup": args.warmup, "columns": [k for _, k, _ in COLUMNS],
@@ -474,10 +532,10 @@ def _write_outputs(args, rows, cp_size, where) -> None:
     if args.json and args.json != "-":
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)
-        print(f"JSON: {args.json}")
-    elif args.json == "-":
-        print(json.dumps(doc, indent=1, default=str))
+        print(f"JSON: {args.json}", file=out)
     if args.plot:
-        written = write_plot(rows, args.plot)
+        written = write_plot(rows, args.plot, figure_title(args, rows, cp_size, where))
         print(f"plot: {written}" if written else
-              "plot: skipped (matplotlib is not installed; pip install matplotlib)")
+              "plot: skipped (matplotlib is not installed; pip install matplotlib)", file=out)
+    if args.json == "-":
+        print(json.dumps(doc, indent=1, default=str), flush=True)

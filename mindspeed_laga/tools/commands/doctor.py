@@ -56,7 +56,8 @@ def add_parser(sub):
     p.add_argument("--no-bench", action="store_true", help="skip the bench")
     p.add_argument("--json", default=None, metavar="PATH", help="write the whole report as JSON")
     p.add_argument("--markdown", default=None, metavar="PATH",
-                   help="write the report as Markdown (what to paste back to us)")
+                   help="write the report as Markdown (attach it to an issue on the project's "
+                        "issue tracker)")
     p.add_argument("--backend", default=None,
                    help="torchrun only: process-group backend (default hccl on NPU, nccl on CUDA, gloo)")
 
@@ -282,7 +283,7 @@ def _run(args, ranks: Ranks) -> int:
         torch.npu.set_device(device)
     mine = exactness.run_all(exactness.plan(kernels, dtypes, npu_docs), device)
     exact = _merge_exactness(ranks.gather(mine))
-    _say(ranks, f"exactness: {sum(r['passed'] for r in exact or [])}/{len(exact or [])} checks pass")
+    _say(ranks, f"exactness: {len(exact or [])} checks done")  # the summary gives the passes
 
     cp_dtypes = ["float32"] + (["bfloat16"] if args.cp_device != "cpu" else [])
     cases = [c for d in cp_dtypes for c in cp_cases(args, d)]
@@ -342,4 +343,4 @@ def _write(args, doc) -> None:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(doctor_report.markdown(doc))
-        print(f"Markdown: {args.markdown} (paste it into your report to us)")
+        print(f"Markdown: {args.markdown} (attach it to an issue on the project's issue tracker)")

@@ -1,5 +1,6 @@
-"""``doctor``'s report: the printed summary and the Markdown a user pastes back to us
-(environment, LAGA paths, exactness, CP and bench tables), from the JSON document."""
+"""``doctor``'s report: the printed summary and the Markdown a user attaches to an issue on
+the project's issue tracker (environment, LAGA paths, exactness, CP and bench tables),
+from the JSON document."""
 from __future__ import annotations
 
 import sys
@@ -62,12 +63,19 @@ def bench_table(rows: List[dict]) -> List[str]:
          for r in rows])
 
 
-NOTES = ("bytes: rank 0's payload handed to the collectives, per direction (handshake "
-         "excluded); ms: slowest rank's median fwd+bwd; peak: max_memory_allocated during "
-         "fwd+bwd above the inputs, worst rank (on CPU the allocator's peak from the torch "
-         "profiler's memory events, one extra untimed pass); saved: activations autograd keeps "
-         "in the attention call, rank 0; max rel err: worst of the output and every grad, "
-         "max |got - ref| / max |ref|.")
+def notes(saved_column: bool) -> str:
+    """What the tables' columns are; ``saved_column``: the table has one (the Markdown's
+    bench table; the printed one does not)."""
+    saved = ("saved: activations autograd keeps in the attention call, rank 0; "
+             if saved_column else "")
+    return ("bytes: rank 0's payload handed to the collectives, per direction (handshake "
+            "excluded); ms: slowest rank's median fwd+bwd; peak: max_memory_allocated during "
+            "fwd+bwd above the inputs, worst rank (on CPU the allocator's peak from the torch "
+            "profiler's memory events, one extra untimed pass); " + saved + "max rel err: worst "
+            "of the output and every grad, max |got - ref| / max |ref|.")
+
+
+NOTES = notes(saved_column=True)
 
 
 def markdown(doc: dict) -> str:
@@ -123,7 +131,7 @@ def print_summary(doc: dict, out=None) -> None:
                   f"{r['forward_bytes']:>12,} {r['backward_bytes']:>12,}", file=out)
     for phase, text in doc.get("errors", {}).items():
         print(f"\nERROR in the {phase} runs:\n{text.strip()[-4000:]}", file=out)
-    print(f"\n{NOTES}", file=out)
+    print(f"\n{notes(saved_column=False)}", file=out)
     print("PASS: LAGA is exact on this node" if doc["passed"] else
           "FAIL: see the rows marked FAIL/error above", file=out)
 

@@ -8,13 +8,14 @@ and --num-layers: whether each form's attention activations fit. With the
 910B link/throughput defaults (or yours): an estimated per-layer time for
 every form and cp_algo, the fastest named. With --npus-per-node (or
 --ulysses-degree): hybrid CP beside allgather and ulysses on nodes with an
-intra-node and an inter-node link, the fastest (form, cp_algo, U) named.
-Nothing runs; see
-``mindspeed-laga bench`` for measurements.
+intra-node and an inter-node link, the fastest (form, cp_algo, U) named
+(--cp defaults to two nodes' worth there, so the inter-node link carries
+traffic). Nothing runs; see ``mindspeed-laga bench`` for measurements.
 """
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict, replace
 from typing import Dict, List
 
@@ -32,6 +33,15 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
 DIM_FLAGS = (("heads", "heads"), ("qk_head_dim", "qk_head_dim"), ("qk_pos_emb_head_dim", "rope_dim"),
              ("v_head_dim", "v_head_dim"), ("kv_lora_rank", "kv_lora_rank"),
              ("hidden_size", "hidden_size"), ("q_lora_rank", "q_lora_rank"))
+DIM_HELP = {"heads": "attention heads n (DeepSeek-V3: 128)",
+            "qk_head_dim": "per-head query/key width without RoPE, d_n (128)",
+            "qk_pos_emb_head_dim": "RoPE width shared by the heads, d_r (64)",
+            "v_head_dim": "per-head value width d_v (128)",
+            "kv_lora_rank": "latent width d_c (512); the gathered latent is d_c + d_r a token",
+            "hidden_size": "model width (7168); sizes the query projection LAGA's overlap hides behind",
+            "q_lora_rank": "query low-rank width (1536)"}
+DEFAULT_CP = 8
+WIDTH = 100  # every line of the tables fits a 100-column terminal
 
 
 def add_parser(sub):
@@ -43,11 +53,16 @@ def add_parser(sub):
                         "flags below override single values")
     g = p.add_argument_group("MLA dims (override the preset)")
     for flag, _ in DIM_FLAGS:
-        g.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=16384)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--cp", type=int, default=8, help="context-parallel size (default 8)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: heads per rank = n/TP")
+        g.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=DIM_HELP[flag])
+    p.add_argument("--seq-len", type=int, default=16384,
+                   help="full sequence length in tokens, before CP splits it (default 16384)")
+    p.add_argument("--micro-batch", type=int, default=1,
+                   help="sequences per micro-batch, b (default 1)")
+    p.add_argument("--cp", type=int, default=None,
+                   help=f"context-parallel size (default {DEFAULT_CP}; with the node table, two "
+                        "nodes: 2 x --npus-per-node, so traffic crosses nodes)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: each rank holds n/TP heads (default 1)")
     p.add_argument("--cp-algo", choices=CP_ALGOS + ("both", HYBRID), default="ulysses",
                    help="both = allgather and ulysses; hybrid needs --ulysses-degree")
     p.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
@@ -98,7 +113,22 @@ def dims_from_args(args) -> ModelDims:
     return replace(dims, **changes)
 
 
+def node_table_wanted(args) -> bool:
+    return (args.devices_per_node is not None or args.ulysses_degree is not None
+            or takes_ulysses_degree(args.cp_algo))
+
+
+def resolve_cp(args) -> None:
+    """--cp's default: 8, or with the node table two nodes' worth (16 on 8-device nodes):
+    inside one node nothing crosses the inter-node link, where hybrid CP gains."""
+    args.cp_defaulted = args.cp is None
+    if args.cp is None:
+        per_node = args.devices_per_node or cm.CLUSTERS["910b"].devices_per_node
+        args.cp = 2 * per_node if node_table_wanted(args) and per_node > 0 else DEFAULT_CP
+
+
 def configs_from_args(args) -> List[cm.Config]:
+    resolve_cp(args)
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r} is unknown; use bf16, fp16 or fp32")
     for flag in ("seq_len", "micro_batch", "cp", "tp", "kv_block_size", "num_layers", "ulysses_degree",
@@ -174,9 +204,11 @@ def build_plan(args) -> dict:
                                       "notes": trade_off_notes(per_kernel[kernels[-1]])}
         if args.device_memory is not None:
             plan["algos"][cfg.cp_algo]["fit"] = fit_check(per_kernel, args.device_memory, args.num_layers)
-    # The one-link estimates cover allgather and ulysses (U = 1); hybrid is in the node table.
-    plan["time"] = time_estimates(replace(configs[0], ulysses_degree=1), variants, machines_from_args(args))
-    if args.devices_per_node is not None or args.ulysses_degree is not None or takes_ulysses_degree(args.cp_algo):
+    # The one-link estimates: allgather, ulysses and, with --ulysses-degree, hybrid.
+    plan["time"] = time_estimates(replace(configs[0], ulysses_degree=1), variants, machines_from_args(args),
+                                  args.ulysses_degree)
+    plan["cp_defaulted"] = args.cp_defaulted
+    if node_table_wanted(args):
         plan["nodes"] = node_estimates(replace(configs[0], ulysses_degree=1), variants,
                                        cluster_from_args(args), args.ulysses_degree)
     return plan
@@ -236,24 +268,27 @@ def fit_check(per_kernel: Dict[str, Dict[str, dict]], device_gib: float, layers:
     return out
 
 
-def time_estimates(cfg: cm.Config, variants, machines) -> dict:
-    """Per-layer fwd+bwd seconds for every form and cp_algo (fused kernel), fastest named."""
+def time_estimates(cfg: cm.Config, variants, machines, degree=None) -> dict:
+    """Per-layer fwd+bwd seconds for every form and cp_algo (fused kernel; hybrid with
+    ``degree`` U), fastest named."""
     out = {}
+    settings = [(a, 1) for a in CP_ALGOS] + ([(HYBRID, degree)] if degree else [])
     for machine in machines:
         rows = {}
-        for algo in CP_ALGOS:
-            c = replace(cfg, cp_algo=algo, layout=None, kernel=cm.FUSED)
+        for name, u in settings:
+            c = replace(cfg, cp_algo=name, layout=None, kernel=cm.FUSED, ulysses_degree=u)
             try:
                 cm.validate(c)
             except ValueError as exc:
-                rows[algo] = {"error": str(exc)}
+                rows[name] = {"error": str(exc)}
                 continue
-            rows[algo] = {v.name: cm.estimate_seconds(c, cm.summarize(c, v), machine).as_dict()
+            rows[name] = {v.name: cm.estimate_seconds(c, cm.summarize(c, v), machine).as_dict()
                           for v in variants}
-        timed = [(t["total_s"], algo, name) for algo, r in rows.items() if "error" not in r
-                 for name, t in r.items()]
+        timed = [(t["total_s"], a, v) for a, r in rows.items() if "error" not in r
+                 for v, t in r.items()]
         best = min(timed) if timed else None
         out[machine.name] = {"link_gbps": machine.link_gbps, "tflops": machine.tflops, "rows": rows,
+                             "ulysses_degree": degree,
                              "fastest": {"cp_algo": best[1], "variant": best[2], "seconds": best[0]}
                              if best else None}
     return out
@@ -302,46 +337,30 @@ def node_estimates(cfg: cm.Config, variants, cluster: cm.Cluster, degree=None) -
 
 # ---------------------------------------------------------------- printing
 
+def _say(text: str, indent: str = "") -> None:
+    """A note wrapped to the tables' width."""
+    print(textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  "))
+
+
 def print_plan(plan: dict) -> None:
     c = plan["config"]
-    print(f"plan: n={c['heads']} d_n={c['qk_head_dim']} d_r={c['qk_pos_emb_head_dim']} "
-          f"d_v={c['v_head_dim']} d_c={c['kv_lora_rank']}, S={c['seq_len']}, b={c['micro_batch']}, "
-          f"CP={c['cp_size']}, TP={c['tp_size']}, {c['dtype']}; per layer and per CP rank (model)")
+    _say(f"plan: n={c['heads']} d_n={c['qk_head_dim']} d_r={c['qk_pos_emb_head_dim']} "
+         f"d_v={c['v_head_dim']} d_c={c['kv_lora_rank']}, S={c['seq_len']}, b={c['micro_batch']}, "
+         f"CP={c['cp_size']}, TP={c['tp_size']}, {c['dtype']}; per layer and per CP rank (model)")
+    if plan.get("cp_defaulted") and "nodes" in plan:
+        per_node = plan["nodes"]["cluster"]["devices_per_node"]
+        _say(f"CP={c['cp_size']}: the default with the node table, two nodes of {per_node}, so "
+             "traffic crosses the inter-node link (where hybrid CP gains); --cp sets it")
     if c.get("doc_lens"):
         lens = c["doc_lens"]
         shown = ",".join(map(str, lens)) if len(lens) <= 8 else f"{len(lens)} documents"
         print(f"documents: {shown} (a query sees only its own document)")
     for algo, entry in plan["algos"].items():
-        kernels = list(entry["kernels"])
-        rows = entry["kernels"][kernels[0]]
-        ex = rows["explicit"]
         hybrid = f", U={entry['ulysses_degree']}" if takes_ulysses_degree(algo) else ""
         print(f"\ncp_algo={algo} (layout {entry['layout']}{hybrid})")
-        head = (f"{'variant':<20} {'comm fwd+bwd':>13} {'explicit/':>9} {'wire fwd+bwd':>13} {'explicit/':>9}"
-                + "".join(f" {'saved ' + k:>14} {'form/expl':>9} {'peak ' + k:>14}" for k in kernels)
-                + f" {'attn TFLOP':>10} {'rebuild TFLOP':>13}")
-        print(head)
-        print(f"{'':<20} {'(design)':>13} {'form':>9} {'(sent)':>13} {'form':>9}"
-              + "".join(f" {'(worst rank)':>14} {'':>9} {'(worst rank)':>14}" for _ in kernels)
-              + f" {'fwd+bwd':>10} {'fwd+bwd':>13}")
-        print("-" * len(head))
-        ex_comm = ex["comm"]["forward"]["design"] + ex["comm"]["backward"]["design"]
-        ex_wire = ex["comm"]["forward"]["wire"] + ex["comm"]["backward"]["wire"]
-        for name, r in rows.items():
-            comm = r["comm"]["forward"]["design"] + r["comm"]["backward"]["design"]
-            wire = r["comm"]["forward"]["wire"] + r["comm"]["backward"]["wire"]
-            line = (f"{name:<20} {_fmt_bytes(comm):>13} {_ratio(ex_comm, comm):>9} "
-                    f"{_fmt_bytes(wire):>13} {_ratio(ex_wire, wire):>9}")
-            for k in kernels:
-                saved = entry["kernels"][k][name]["saved_bytes"]["worst"]
-                base = entry["kernels"][k]["explicit"]["saved_bytes"]["worst"]
-                peak = entry["kernels"][k][name]["peak_bytes"]["worst"]
-                line += f" {_fmt_bytes(saved):>14} {_ratio(saved, base):>9} {_fmt_bytes(peak):>14}"
-            f = entry["kernels"][kernels[-1]][name]["flops"]
-            attn = (f["attention_fwd"]["worst"] + f["attention_bwd"]["worst"]) / 1e12
-            reb = (f["rebuild_fwd"]["worst"] + f["rebuild_bwd"]["worst"]) / 1e12
-            line += f" {attn:>10.3f} {reb:>13.3f}"
-            print(line)
+        _print_comm_flops(entry, algo)
+        _print_memory(entry, algo)
+        kernels = list(entry["kernels"])
         _print_notes(entry["notes"], kernels[-1])
         if plan.get("show_terms"):
             _print_terms(entry["kernels"][kernels[-1]], kernels[-1])
@@ -350,12 +369,73 @@ def print_plan(plan: dict) -> None:
     _print_times(plan["time"])
     if "nodes" in plan:
         _print_nodes(plan["nodes"])
-    print("\nsaved: activation bytes autograd keeps inside the attention call, worst CP rank "
-          "(kv_up_weight excluded); peak: predicted peak memory of the call above its inputs (saved + "
-          "output + the largest transient: kernel workspace, backward buffers or the blockwise "
-          "block and accumulators; an estimate, `--terms` names them); FLOPs: the last kernel's, "
-          "attention as executed (masked keys of each segment's key window included); `--json` "
-          "has every term, rank averages included.")
+    print()
+    _say("saved: activation bytes autograd keeps inside the attention call, worst CP rank "
+         "(kv_up_weight excluded); peak: predicted peak memory of the call above its inputs (saved + "
+         "output + the largest transient: kernel workspace, backward buffers or the blockwise "
+         "block and accumulators; an estimate, `--terms` names them); FLOPs: the last kernel's, "
+         "attention as executed (masked keys of each segment's key window included), worst rank "
+         "unless 'rank avg'; `--json` has every term, rank averages included.")
+
+
+def _trimmed_of(name: str) -> str:
+    """The variant a '+trim' variant trims ('laga+blockwise+trim' -> 'laga+blockwise')."""
+    return name.replace("+trim", "")
+
+
+def _print_rows(cells: Dict[str, str], algo: str) -> None:
+    """One line per variant; a '+trim' variant equal to its untrimmed twin in every cell
+    says so instead of repeating the figures."""
+    for name, line in cells.items():
+        base = _trimmed_of(name)
+        if name != base and cells.get(base) == line:
+            why = "every rank sees every key" if algo == "ulysses" else "its worst rank sees every key"
+            print(f"{name:<20} = {base} in every column ({why})")
+        else:
+            print(f"{name:<20} {line}")
+
+
+def _print_comm_flops(entry: dict, algo: str) -> None:
+    kernels = list(entry["kernels"])
+    rows = entry["kernels"][kernels[0]]
+    ex = rows["explicit"]
+    print(f"{'bytes and FLOPs':<20} {'comm fwd+bwd':>12} {'explicit/':>9} {'wire fwd+bwd':>12} "
+          f"{'explicit/':>9} {'attn TFLOP':>10} {'rebuild':>10} {'rebuild':>10}")
+    print(f"{'':<20} {'(design)':>12} {'form':>9} {'(sent)':>12} {'form':>9} {'fwd+bwd':>10} "
+          f"{'TFLOP':>10} {'rank avg':>10}")
+    print("-" * 98)
+    ex_comm = ex["comm"]["forward"]["design"] + ex["comm"]["backward"]["design"]
+    ex_wire = ex["comm"]["forward"]["wire"] + ex["comm"]["backward"]["wire"]
+    cells = {}
+    for name, r in rows.items():
+        comm = r["comm"]["forward"]["design"] + r["comm"]["backward"]["design"]
+        wire = r["comm"]["forward"]["wire"] + r["comm"]["backward"]["wire"]
+        f = entry["kernels"][kernels[-1]][name]["flops"]
+        attn = (f["attention_fwd"]["worst"] + f["attention_bwd"]["worst"]) / 1e12
+        reb = (f["rebuild_fwd"]["worst"] + f["rebuild_bwd"]["worst"]) / 1e12
+        avg = (f["rebuild_fwd"]["average"] + f["rebuild_bwd"]["average"]) / 1e12
+        cells[name] = (f"{_fmt_bytes(comm):>12} {_ratio(ex_comm, comm):>9} {_fmt_bytes(wire):>12} "
+                       f"{_ratio(ex_wire, wire):>9} {attn:>10.3f} {reb:>10.3f} {avg:>10.3f}")
+    _print_rows(cells, algo)
+
+
+def _print_memory(entry: dict, algo: str) -> None:
+    kernels = list(entry["kernels"])
+    print()
+    print(f"{'memory':<20}" + "".join(f" {'saved ' + k:>12} {'form/expl':>9} {'peak ' + k:>12}"
+                                      for k in kernels))
+    print(f"{'':<20}" + "".join(f" {'(worst rank)':>12} {'':>9} {'(worst rank)':>12}" for _ in kernels))
+    print("-" * (20 + 36 * len(kernels)))
+    cells = {}
+    for name in entry["kernels"][kernels[0]]:
+        line = []
+        for k in kernels:
+            saved = entry["kernels"][k][name]["saved_bytes"]["worst"]
+            base = entry["kernels"][k]["explicit"]["saved_bytes"]["worst"]
+            peak = entry["kernels"][k][name]["peak_bytes"]["worst"]
+            line.append(f"{_fmt_bytes(saved):>12} {_ratio(saved, base):>9} {_fmt_bytes(peak):>12}")
+        cells[name] = " ".join(line)
+    _print_rows(cells, algo)
 
 
 def _x(value) -> str:
@@ -363,52 +443,58 @@ def _x(value) -> str:
 
 
 def _print_notes(n: dict, kernel: str) -> None:
-    print(f"  trade-offs ({kernel} kernel): comm explicit/LAGA {_x(n['comm_explicit_over_laga_design'])} "
-          f"(design), {_x(n['comm_explicit_over_laga_wire'])} (wire); saved absorbed/explicit "
-          f"{n['saved_absorbed_over_explicit']:.2f}x, LAGA/explicit {n['saved_laga_over_explicit']:.2f}x; "
-          f"absorbed attention FLOPs {n['attention_flops_absorbed_over_explicit']:.2f}x explicit; "
-          f"LAGA rebuild FLOPs {n['rebuild_flops_laga_over_explicit']:.2f}x explicit "
-          f"(extra = {100 * n['extra_rebuild_over_visible_attention']:.0f}% of causal attention FLOPs)")
+    _say(f"trade-offs ({kernel} kernel): comm explicit/LAGA {_x(n['comm_explicit_over_laga_design'])} "
+         f"(design), {_x(n['comm_explicit_over_laga_wire'])} (wire); saved absorbed/explicit "
+         f"{n['saved_absorbed_over_explicit']:.2f}x, LAGA/explicit {n['saved_laga_over_explicit']:.2f}x; "
+         f"absorbed attention FLOPs {n['attention_flops_absorbed_over_explicit']:.2f}x explicit; "
+         f"LAGA rebuild FLOPs {n['rebuild_flops_laga_over_explicit']:.2f}x explicit "
+         f"(extra = {100 * n['extra_rebuild_over_visible_attention']:.0f}% of causal attention FLOPs)",
+         "  ")
     if "rebuild_flops_laga_trim_over_explicit_average" in n:
-        print(f"  prefix trimming: rebuild {n['rebuild_flops_laga_trim_over_explicit_average']:.2f}x "
-              f"explicit on the rank average, {n['rebuild_flops_laga_trim_over_explicit_worst']:.2f}x "
-              "on the worst rank")
+        _say(f"prefix trimming: rebuild {n['rebuild_flops_laga_trim_over_explicit_average']:.2f}x "
+             f"explicit on the rank average, {n['rebuild_flops_laga_trim_over_explicit_worst']:.2f}x "
+             "on the worst rank", "  ")
     for name in ("laga+blockwise", "laga+recompute"):
         if f"saved_{name}_over_explicit" in n:
-            print(f"  {name}: saved {n[f'saved_{name}_over_explicit']:.2f}x explicit, "
-                  f"{n[f'saved_{name}_over_absorbed']:.2f}x absorbed; rebuild FLOPs (fwd+bwd) "
-                  f"{n[f'rebuild_flops_fwd_bwd_{name}_over_laga']:.2f}x LAGA's")
+            _say(f"{name}: saved {n[f'saved_{name}_over_explicit']:.2f}x explicit, "
+                 f"{n[f'saved_{name}_over_absorbed']:.2f}x absorbed; rebuild FLOPs (fwd+bwd) "
+                 f"{n[f'rebuild_flops_fwd_bwd_{name}_over_laga']:.2f}x LAGA's", "  ")
 
 
 def _print_terms(rows: Dict[str, dict], kernel: str) -> None:
     print(f"  saved tensors, rank 0, {kernel} kernel (MiB):")
     for name, r in rows.items():
         cells = "; ".join(f"{t['name']} {t['bytes'] / MiB:.1f}" for t in r["saved_terms_rank0"])
-        print(f"    {name}: {cells}")
+        _say(f"{name}: {cells}", "    ")
     print(f"  peak terms, rank 0, {kernel} kernel (MiB):")
     for name, r in rows.items():
         cells = " + ".join(f"{t['name']} {t['bytes'] / MiB:.1f}" for t in r["peak_terms_rank0"])
-        print(f"    {name}: {cells}")
+        _say(f"{name}: {cells}", "    ")
 
 
 def _print_fit(fit: dict) -> None:
     for kernel, rows in fit.items():
         cells = ", ".join(f"{name} {'fits' if r['fits'] else 'DOES NOT FIT'} ({100 * r['fraction']:.0f}%)"
                           for name, r in rows.items())
-        print(f"  fit ({kernel}): {cells}")
+        _say(f"fit ({kernel}): {cells}", "  ")
 
 
 def _print_times(times: dict) -> None:
     for name, m in times.items():
-        print(f"\nestimated per-layer fwd+bwd time, {name} (link {m['link_gbps']:g} GB/s per rank, "
-              f"{m['tflops']:g} TFLOPS effective, fused kernel, worst rank; serial compute + comm, "
-              "minus what the overlapped latent gather hides behind the query projection):")
-        for algo, rows in m["rows"].items():
-            if "error" in rows:
-                print(f"  {algo:<10} n/a: {rows['error']}")
-                continue
-            cells = "  ".join(f"{v} {1e3 * t['total_s']:.2f}" for v, t in rows.items())
-            print(f"  {algo:<10} ms: {cells}")
+        print()
+        _say(f"estimated per-layer fwd+bwd time in ms, {name} (link {m['link_gbps']:g} GB/s per rank, "
+             f"{m['tflops']:g} TFLOPS effective, fused kernel, worst rank; serial compute + comm, "
+             "minus what the overlapped latent gather hides behind the query projection):")
+        algos = list(m["rows"])
+        label = {a: f"hybrid U={m.get('ulysses_degree')}" if takes_ulysses_degree(a) else a for a in algos}
+        timed = [a for a in algos if "error" not in m["rows"][a]]
+        print(f"  {'variant':<20}" + "".join(f" {label[a]:>12}" for a in timed))
+        variants = list(dict.fromkeys(v for a in timed for v in m["rows"][a]))
+        for v in variants:
+            print(f"  {v:<20}" + "".join(f" {1e3 * m['rows'][a][v]['total_s']:>12.2f}" for a in timed))
+        for a in algos:
+            if a not in timed:
+                _say(f"{label[a]}: n/a: {m['rows'][a]['error']}", "  ")
         if m["fastest"]:
             f = m["fastest"]
             print(f"  fastest: {f['variant']} with cp_algo={f['cp_algo']} ({1e3 * f['seconds']:.2f} ms)")
@@ -420,26 +506,31 @@ def _algo_label(r: dict) -> str:
 
 def _print_nodes(nodes: dict) -> None:
     c = nodes["cluster"]
-    print(f"\nestimated per-layer fwd+bwd time on nodes of {c['devices_per_node']} devices ({c['name']}: "
-          f"intra-node {c['intra_gbps']:g} GB/s, inter-node {c['inter_gbps']:g} GB/s per rank, "
-          f"{c['tflops']:g} TFLOPS effective; fused kernel, worst rank; a group inside a node runs at the "
-          "intra-node link, an all-to-all across nodes sends to its node's peers intra-node and to the "
-          "rest inter-node, a gather across nodes runs at the inter-node link):")
+    print()
+    _say(f"estimated per-layer fwd+bwd time on nodes of {c['devices_per_node']} devices ({c['name']}: "
+         f"intra-node {c['intra_gbps']:g} GB/s, inter-node {c['inter_gbps']:g} GB/s per rank, "
+         f"{c['tflops']:g} TFLOPS effective; fused kernel, worst rank; a group inside a node runs at the "
+         "intra-node link, an all-to-all across nodes sends to its node's peers intra-node and to the "
+         "rest inter-node, a gather across nodes runs at the inter-node link):")
     head = (f"  {'cp_algo':<14} {'variant':<20} {'ms':>9} {'compute':>9} {'comm':>8} "
             f"{'intra GiB':>10} {'inter GiB':>10}")
     print(head)
     print("  " + "-" * (len(head) - 2))
     for r in nodes["rows"]:
         if "error" in r:
-            print(f"  {_algo_label(r):<14} n/a: {r['error']}")
+            _say(f"{_algo_label(r):<14} n/a: {r['error']}", "  ")
             continue
         print(f"  {_algo_label(r):<14} {r['variant']:<20} {1e3 * r['total_s']:>9.2f} "
               f"{1e3 * r['compute_s']:>9.2f} {1e3 * (r['comm_s'] - r['hidden_s']):>8.2f} "
               f"{r['intra_bytes'] / GiB:>10.3f} {r['inter_bytes'] / GiB:>10.3f}")
     spanning = sorted({r["ulysses_degree"] for r in nodes["rows"] if r.get("ulysses_spans_nodes")})
     for u in spanning:
-        print(f"  note: U={u} does not fit in a node of {c['devices_per_node']} devices: its all-to-alls "
-              "cross nodes (inter-node link for the remote peers)")
+        _say(f"note: U={u} does not fit in a node of {c['devices_per_node']} devices: its all-to-alls "
+             "cross nodes (inter-node link for the remote peers)", "  ")
+    timed = [r for r in nodes["rows"] if "error" not in r]
+    if timed and not any(r["inter_bytes"] for r in timed):
+        _say(f"note: every CP rank shares one node of {c['devices_per_node']}: nothing crosses the "
+             "inter-node link, where hybrid CP gains; a --cp over two nodes shows it", "  ")
     f = nodes["fastest"]
     if f:
         u = f", U={f['ulysses_degree']}" if takes_ulysses_degree(f["cp_algo"]) else ""

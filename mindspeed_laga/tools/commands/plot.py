@@ -1,27 +1,54 @@
-"""``bench``'s plot: bytes, saved activations, peak memory and time per variant.
+"""``bench``'s plot: each variant's collective bytes, saved activations, peak memory and
+time as a ratio to explicit's at the same setting.
 
-One column of panels per cp_algo, four rows: collective bytes (fwd+bwd),
-activations saved for backward, peak memory above the inputs, fwd+bwd time.
-The x axis is the sequence length; with several document counts (--num-docs
-1,4,...) it is the number of documents instead, one column per cp_algo and
-sequence length. A variant's line style (and marker) names its form, its
-colour the LAGA option, so nine variants stay apart; one legend for the figure.
+One column of panels per cp_algo (with several document counts, per cp_algo and
+sequence length), four rows: bytes (fwd+bwd), activations saved for backward,
+peak memory above the inputs, fwd+bwd time. Along x the settings (sequence
+lengths, or document counts), at each a bar per variant, explicit's at 1 by
+definition; a panel's title gives explicit's own figure with its unit. Time
+bars carry the spread of the timed runs (fastest to slowest run, each run
+timed by its slowest rank); peak bars carry the cost model's prediction as a
+black tick. Each variant has its own colour; one legend below the panels; the
+configuration (CP, dims, dtype, kernel, U) is the figure's title.
 """
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
-PANELS = (  # (title, unit, value of a row or None)
-    ("collective bytes per rank (fwd+bwd)", "bytes",
-     lambda r: r["comm_forward_bytes"] + r["comm_backward_bytes"]),
-    ("activations saved for backward per rank", "bytes", lambda r: r["saved_bytes"]),
-    ("peak memory above the inputs (worst rank)", "bytes", lambda r: r.get("peak_bytes")),
-    ("fwd+bwd time (slowest rank, median)", "ms", lambda r: r["ms"]),
+from .output import MiB
+
+KiB = 1024
+
+
+class Panel(NamedTuple):
+    title: str
+    value: Callable[[dict], Optional[float]]          # a row's measured figure
+    unit: Callable[[float], str]                      # explicit's figure, with its unit
+    spread: Optional[Callable[[dict], Tuple[float, float]]] = None  # (low, high) of the figure
+    model: Optional[Callable[[dict], Optional[float]]] = None       # the cost model's figure
+
+
+def _bytes(n: float) -> str:
+    if n >= MiB:
+        return f"{n / MiB:,.2f} MiB"
+    return f"{n / KiB:,.1f} KiB" if n >= KiB else f"{n:,.0f} B"
+
+
+PANELS = (
+    Panel("collective bytes per rank, fwd+bwd (counted)",
+          lambda r: r["comm_forward_bytes"] + r["comm_backward_bytes"], _bytes),
+    Panel("activations saved for backward per rank (counted)", lambda r: r["saved_bytes"], _bytes),
+    Panel("peak memory above the inputs, worst rank (one run; tick: cost model)",
+          lambda r: r.get("peak_bytes"), _bytes, model=lambda r: r.get("model_peak_bytes")),
+    Panel("fwd+bwd time, slowest rank (median; whisker: fastest-slowest run)",
+          lambda r: r["ms"], lambda ms: f"{ms:,.2f} ms",
+          spread=lambda r: (r.get("ms_min", r["ms"]), r.get("ms_max", r["ms"]))),
 )
-FORM_STYLE = {"explicit": ("-", "o"), "absorbed": ("--", "s"), "laga": (":", "^")}
-COLOURS = ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+# explicit (the baseline) grey, absorbed blue, LAGA orange, LAGA's options after them
+COLOURS = ("tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
            "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+BASE_FORMS = ("explicit", "absorbed", "laga")
 
 
 def check_plot_path(path: Optional[str]) -> None:
@@ -41,14 +68,13 @@ def check_plot_path(path: Optional[str]) -> None:
                          "name the file .png (or another of those)")
 
 
-def option_of(variant: str) -> str:
-    """The LAGA option a variant adds to its form ('' for a plain form)."""
-    return variant.split("+", 1)[1] if "+" in variant else ""
-
-
-def _colours(rows: List[dict]) -> Dict[str, str]:
-    options = list(dict.fromkeys(option_of(r["variant"]) for r in rows))
-    return {o: COLOURS[i % len(COLOURS)] for i, o in enumerate(options)}
+def colours(rows: List[dict]) -> Dict[str, str]:
+    """A colour per variant: the three forms always the same three, options after them."""
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    ordered = [v for v in BASE_FORMS if v in variants] + [v for v in variants if v not in BASE_FORMS]
+    fixed = {v: COLOURS[i] for i, v in enumerate(BASE_FORMS)}
+    extra = iter(COLOURS[len(BASE_FORMS):] * 2)
+    return {v: fixed.get(v) or next(extra) for v in ordered}
 
 
 def _columns(rows: List[dict]) -> Tuple[List[tuple], str]:
@@ -60,7 +86,7 @@ def _columns(rows: List[dict]) -> Tuple[List[tuple], str]:
     return [(a, None) for a in algos], "seq_len"
 
 
-def write_plot(rows: List[dict], path: str) -> Optional[str]:
+def write_plot(rows: List[dict], path: str, title: Optional[str] = None) -> Optional[str]:
     """The figure at ``path``; None if matplotlib is not installed."""
     try:
         import matplotlib
@@ -68,51 +94,107 @@ def write_plot(rows: List[dict], path: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig = build_figure(rows)
-    fig.savefig(path)
+    fig = build_figure(rows, title)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": the legend is never cut off
     plt.close(fig)
     return path
 
 
-def build_figure(rows: List[dict]):
+def build_figure(rows: List[dict], title: Optional[str] = None):
     """The matplotlib figure of ``rows`` (matplotlib must be installed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     columns, x_key = _columns(rows)
-    colours = _colours(rows)
-    fig, axes = plt.subplots(len(PANELS), len(columns), figsize=(5.5 * len(columns), 14),
-                             squeeze=False)
+    palette = colours(rows)
+    variants = list(palette)
+    xs = sorted({r.get(x_key, 1) for r in rows})
+    width = max(7.0, 1.2 + 0.3 * len(variants) * len(xs))
+    fig, axes = plt.subplots(len(PANELS), len(columns), figsize=(width * len(columns), 3.4 * len(PANELS)),
+                             squeeze=False, layout="constrained")
     for col, (algo, seq_len) in enumerate(columns):
         mine = [r for r in rows if r["cp_algo"] == algo and seq_len in (None, r["seq_len"])]
-        for row, (title, unit, value) in enumerate(PANELS):
-            ax = axes[row][col]
-            _draw(ax, mine, x_key, value, colours)
-            where = algo if seq_len is None else f"{algo}, S={seq_len}"
-            ax.set_title(f"{where}: {title}", fontsize=9)
-            ax.set_xlabel("documents per sequence" if x_key == "documents" else "sequence length")
-            ax.set_ylabel(unit)
-    handles = {}
-    for ax in axes.flat:
-        for line in ax.get_lines():
-            handles.setdefault(line.get_label(), line)
-    fig.legend(list(handles.values()), list(handles), loc="lower center",
-               ncol=min(len(handles), 5), fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+        where = algo if seq_len is None else f"{algo}, S={seq_len}"
+        for row, panel in enumerate(PANELS):
+            _draw(axes[row][col], mine, x_key, panel, palette, where)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=palette[v]) for v in variants]
+    labels = list(variants)
+    if any(r.get("model_peak_bytes") for r in rows):
+        handles.append(plt.Line2D([], [], color="black", marker="_", linestyle="", markersize=14,
+                                  markeredgewidth=2))
+        labels.append("cost model's peak")
+    ncol = max(1, min(len(labels), int(width * len(columns) // 1.9)))
+    fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
     return fig
 
 
-def _draw(ax, rows: List[dict], x_key: str, value, colours: Dict[str, str]) -> None:
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        pts = sorted((r[x_key] if x_key == "seq_len" else r.get("documents", 1), value(r))
-                     for r in rows if r["variant"] == variant and value(r) is not None)
-        if not pts:
-            continue
-        form = next(r["form"] for r in rows if r["variant"] == variant)
-        style, marker = FORM_STYLE.get(form, ("-.", "x"))
-        ax.plot([x for x, _ in pts], [y for _, y in pts], linestyle=style, marker=marker,
-                color=colours[option_of(variant)], label=variant, linewidth=1.4, markersize=5)
-    ax.set_xscale("log", base=2)
-    ys = [y for line in ax.get_lines() for y in line.get_ydata()]
-    if ys and all(y > 0 for y in ys):
-        ax.set_yscale("log")  # no CP: zero bytes would break a log axis
+def _groups(rows: List[dict], x_key: str) -> Dict[float, Dict[str, dict]]:
+    out: Dict[float, Dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault(r.get(x_key, 1), {})[r["variant"]] = r
+    return dict(sorted(out.items()))
+
+
+def _draw(ax, rows: List[dict], x_key: str, panel: Panel, palette: Dict[str, str], where: str) -> None:
+    groups = _groups(rows, x_key)
+    variants = [v for v in palette if any(v in g for g in groups.values())]
+    bar = 0.8 / max(len(variants), 1)
+    ratios = []
+    for i, (x, group) in enumerate(groups.items()):
+        base = group.get("explicit")
+        ex = panel.value(base) if base else None
+        for j, v in enumerate(variants):
+            r = group.get(v)
+            got = panel.value(r) if r else None
+            if not ex or got is None:
+                continue
+            pos = i - 0.4 + bar * (j + 0.5)
+            ratio = got / ex
+            err = None
+            if panel.spread:
+                lo, hi = panel.spread(r)
+                ex_lo, ex_hi = panel.spread(base)
+                # the ratio's range over every pairing of a run of each
+                err = [[max(ratio - lo / ex_hi, 0)], [max(hi / ex_lo - ratio, 0)]]
+            bars = ax.bar(pos, ratio, bar, color=palette[v], yerr=err, capsize=2, ecolor="black",
+                          error_kw={"linewidth": 0.8}, label=v)
+            if len(groups) == 1:  # one setting: room to print each ratio on its bar
+                ax.bar_label(bars, labels=[f"{ratio:.2f}x"], fontsize=7, label_type="center")
+            ratios.append(ratio)
+            model_ex = panel.model(base) if panel.model else None
+            model = panel.model(r) if panel.model else None
+            if model and model_ex:
+                ax.plot([pos], [model / model_ex], marker="_", color="black", markersize=max(4, 60 * bar),
+                        markeredgewidth=2, linestyle="")
+                ratios.append(model / model_ex)
+    ax.axhline(1.0, color="tab:gray", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([_setting(x, x_key) for x in groups])
+    ax.set_xlim(-0.5, len(groups) - 0.5)
+    ax.set_xlabel("sequence length" if x_key == "seq_len" else "documents per sequence")
+    ax.set_ylabel("ratio to explicit")
+    positive = [q for q in ratios if q > 0]
+    if positive and max(positive) / min(positive) > 20:
+        ax.set_yscale("log")
+    ax.set_title(f"{where}: {panel.title}\n{_explicit_note(groups, x_key, panel)}", fontsize=9)
+
+
+def _explicit_note(groups, x_key: str, panel: Panel) -> str:
+    """Explicit's own figure at the largest setting: the unit the ratios are taken of."""
+    for x, group in reversed(list(groups.items())):
+        base = group.get("explicit")
+        value = panel.value(base) if base else None
+        if value is not None:
+            at = _setting(x, x_key)
+            if not value:
+                return f"explicit: {panel.unit(value)} at {at} (no ratios: nothing to divide by)"
+            return f"explicit: {panel.unit(value)} at {at}"
+    return "explicit: not measured"
+
+
+def _setting(x, x_key: str) -> str:
+    if x_key == "seq_len":
+        return f"S={x}"
+    return f"{x} doc" if x == 1 else f"{x} docs"

@@ -27,13 +27,20 @@ def add_shape_args(parser: argparse.ArgumentParser, default: MLAShape = CPU_DEFA
     (bench's --seq-lens)."""
     g = parser.add_argument_group("MLA shape (defaults: DeepSeek-V3 dims / 8, 16 heads)")
     if seq_len:
-        g.add_argument("--seq-len", type=positive_int, default=default.seq_len)
-    g.add_argument("--micro-batch", type=positive_int, default=default.batch)
-    g.add_argument("--heads", type=positive_int, default=default.heads)
-    g.add_argument("--qk-head-dim", type=positive_int, default=default.qk_head_dim)
-    g.add_argument("--qk-pos-emb-head-dim", type=positive_int, default=default.rope_dim)
-    g.add_argument("--v-head-dim", type=positive_int, default=default.v_head_dim)
-    g.add_argument("--kv-lora-rank", type=positive_int, default=default.kv_lora_rank)
+        g.add_argument("--seq-len", type=positive_int, default=default.seq_len,
+                       help=f"full sequence length in tokens (default {default.seq_len})")
+    g.add_argument("--micro-batch", type=positive_int, default=default.batch,
+                   help=f"sequences per micro-batch (default {default.batch})")
+    g.add_argument("--heads", type=positive_int, default=default.heads,
+                   help=f"attention heads n (default {default.heads})")
+    g.add_argument("--qk-head-dim", type=positive_int, default=default.qk_head_dim,
+                   help=f"per-head query/key width without RoPE, d_n (default {default.qk_head_dim})")
+    g.add_argument("--qk-pos-emb-head-dim", type=positive_int, default=default.rope_dim,
+                   help=f"RoPE width shared by the heads, d_r (default {default.rope_dim})")
+    g.add_argument("--v-head-dim", type=positive_int, default=default.v_head_dim,
+                   help=f"per-head value width d_v (default {default.v_head_dim})")
+    g.add_argument("--kv-lora-rank", type=positive_int, default=default.kv_lora_rank,
+                   help=f"latent width d_c (default {default.kv_lora_rank})")
 
 
 def shape_from_args(args, seq_len=None) -> MLAShape:
