@@ -25,7 +25,7 @@ from typing import Optional
 
 from ..kernels import attend
 from ..vocab.attn_setup import AttnSetup
-from .common import (flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
+from .common import (empty_fill_latent, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
                      up_project, up_weight_rows)
 from .laga_blockwise import BlockPlan, BlockwiseLAGA
 from .latent_source import SyncLatent
@@ -51,12 +51,14 @@ def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup, *,
 def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix):
     """The paper's LAGA: rebuild K/V for every (visible) key; autograd keeps them."""
     ranges = setup.key_ranges() if trim_causal_prefix else None
+    fill = None if setup.key_padding is None else empty_fill_latent(kv_all, kv_up_weight, setup)
     if ranges:
         kv_all, k_pe_all = take_ranges(kv_all, ranges), take_ranges(k_pe_all, ranges)
     key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents, key_ranges=ranges, pad_v=setup.pad_v, own_kv=True)
+                 documents=setup.documents, key_ranges=ranges, pad_v=setup.pad_v, own_kv=True,
+                 key_padding=setup.key_padding, empty_fill=fill)
     return from_bnsd(out)
 
 
