@@ -34,8 +34,8 @@ padding's pad rows, a sample of padding only) returns ``empty_rows``:
 what a softmax over a row masked with one finite value gives (Megatron's
 unfused softmax, Hugging Face's eager attention, hence MindSpeed-LLM without
 flash attention), or "zero" (flash kernels, torch SDPA); either way it passes
-no gradient to the queries and keys. Not with ``cu_seqlens`` or
-``recompute_kv`` (refused by name). None: the plain causal path, unchanged.
+no gradient to the queries and keys. Not with ``cu_seqlens`` (refused by
+name). None: the plain causal path, unchanged.
 ``qk_head_dim``/``v_head_dim``: the MLA config's head dims (the patches pass
 them); without them the tensors must read unambiguously (d_n == d_v).
 ``check_ranks`` (default None: exchange unless the group skips): exchange

@@ -332,7 +332,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
         documents = _documents(o.cu_seqlens, query, cp_size, o.layout, degree)
         kernel = resolve_kernel(o.kernel, query.device, o.blockwise, query.dtype)
         check_empty_rows(o.empty_rows)
-        check_key_padding(o.key_padding_mask, query, cp_size, documents, o.blockwise)
+        check_key_padding(o.key_padding_mask, query, cp_size, documents)
         if o.form == "laga":
             _check_laga_options(o, kv_latent, k_pos_emb, cp_size)
     except Exception as exc:  # noqa: BLE001 -- whatever failed, the peers must hear of it

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..kernels import attend
+import torch
+
+from ..kernels import attend, held_keys
+from ..vocab.key_padding import empty_rows
 from ..vocab.attn_setup import AttnSetup
 from .common import (empty_fill_latent, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
                      up_project, up_weight_rows)
@@ -66,6 +69,10 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
     """K/V rebuilt per block in forward and again in backward; only the latent is kept."""
     d = setup.dims
     ranges = setup.key_ranges() if trim_causal_prefix else None
+    padding = setup.key_padding
+    fill = None
+    if padding is not None:
+        fill = empty_fill_latent(latent[..., :d.kv_lora_rank], kv_up_weight, setup)
     if ranges:
         latent = take_ranges(latent, ranges)
     weight = up_weight_rows(kv_up_weight, setup)
@@ -73,5 +80,11 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
                      kv_lora_rank=d.kv_lora_rank, scale=setup.softmax_scale, causal=setup.causal,
                      segments=tuple(setup.query_segments()), block_size=kv_block_size,
                      kernel=setup.kernel, pad_v=setup.pad_v, documents=setup.documents,
-                     key_ranges=tuple(ranges) if ranges else None)
-    return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))
+                     key_ranges=tuple(ranges) if ranges else None,
+                     key_padding=None if padding is None else held_keys(padding, ranges))
+    out = BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan)
+    if padding is not None:  # rows that see no key came out zero (and pass no gradient)
+        empty = empty_rows(padding, plan.segments, setup.causal)
+        out = torch.where(empty, torch.zeros((), dtype=out.dtype) if fill is None
+                          else fill.to(out.dtype), out)
+    return from_bnsd(out)

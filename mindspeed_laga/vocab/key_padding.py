@@ -17,7 +17,7 @@ import torch
 EMPTY_ROWS = ("mean", "zero")
 
 
-def check_key_padding(mask, query, cp_size: int, documents, recompute_kv: bool) -> None:
+def check_key_padding(mask, query, cp_size: int, documents) -> None:
     """ValueError naming the fix unless ``mask`` is None or a [b, S] bool tensor on query's device."""
     if mask is None:
         return
@@ -36,9 +36,6 @@ def check_key_padding(mask, query, cp_size: int, documents, recompute_kv: bool) 
     if documents is not None:
         raise ValueError("key_padding_mask with cu_seqlens (packed documents) is not supported: "
                          "a packed sequence has no padding keys to mask; pass one or the other")
-    if recompute_kv:
-        raise ValueError("key_padding_mask with recompute_kv=True (--mla-laga-recompute-kv) is "
-                         "not supported: drop recompute_kv (the paper's LAGA honours the mask)")
 
 
 def check_empty_rows(value) -> None:
@@ -55,3 +52,15 @@ def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"a {x.dtype} tensor of shape {list(x.shape)}"
     return type(x).__name__
+
+
+def empty_rows(key_padding, segments, causal: bool):
+    """[b, 1, s_q, 1] bool: the query rows (of ``segments``, in order) that see no key:
+    under the causal mask every key up to their position is padding, else every key."""
+    valid = (~key_padding).cumsum(dim=1)  # [b, S]: non-padding keys up to each position
+    if not causal:
+        seen = valid[:, -1:].expand(-1, sum(n for _, n, _ in segments))
+    else:
+        positions = torch.cat([torch.arange(g, g + n) for _, n, g in segments])
+        seen = valid[:, positions.to(valid.device)]
+    return (seen == 0)[:, None, :, None]

@@ -12,10 +12,12 @@ import torch
 
 from mindspeed_laga import count_bytes
 from mindspeed_laga.tools.spawn import run_on_ranks
-from support.documents import FORMS
-from support.key_padding import SCALE, assemble, full_inputs, local_inputs, padding_mask, reference
+from support.key_padding import FORMS_BY_NAME as FORMS
+from support.key_padding import (SCALE, assemble, full_inputs, local_inputs, padding_mask,
+                                 reference, run_case, worker)
 
-LAGA_OPTIONS = [{}, {"trim_causal_prefix": True}]
+LAGA_OPTIONS = [{}, {"trim_causal_prefix": True},
+                {"recompute_kv": True, "kv_block_size": 5, "trim_causal_prefix": True}]
 
 
 def cases_for(cp):
@@ -32,48 +34,16 @@ def cases_for(cp):
                             causal=True, empty_rows="mean", options=opts))
     # empty rows "zero", causal=False, the overlapped gather: one sweep over the forms each
     for form in FORMS:
-        out.append(dict(form=form, cp_algo="ulysses", layout="contiguous", side="left",
-                        kernel="sdpa", causal=True, empty_rows="zero", options={}))
-        out.append(dict(form=form, cp_algo="allgather", layout="zigzag", side="right",
-                        kernel="eager", causal=False, empty_rows="mean", options={}))
+        for opts in LAGA_OPTIONS[::2] if form == "laga" else [{}]:
+            out.append(dict(form=form, cp_algo="ulysses", layout="contiguous", side="left",
+                            kernel="sdpa", causal=True, empty_rows="zero", options=opts))
+            out.append(dict(form=form, cp_algo="allgather", layout="zigzag", side="right",
+                            kernel="eager", causal=False, empty_rows="mean", options=opts))
     if cp > 1:
         out.append(dict(form="laga", cp_algo="allgather", layout="zigzag", side="left",
                         kernel="sdpa", causal=True, empty_rows="mean",
                         options={"overlap": True, "trim_causal_prefix": True}))
     return out
-
-
-def run_case(rank, cp, case, group):
-    x = full_inputs()
-    degree = 2 if case["cp_algo"] == "hybrid" else 1
-    inputs, local = local_inputs(x, case["layout"], cp, rank, degree)
-    weight = x["kv_up_weight"].clone().requires_grad_()
-    opts = dict(case["options"])
-    extra = {}
-    if degree > 1:
-        import torch.distributed as dist
-        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        extra["ulysses_group"] = groups[rank // 2]
-    if opts.pop("overlap", False):
-        from mindspeed_laga import start_latent_gather
-        extra["latent_gather"] = start_latent_gather(inputs["kv_latent"], inputs["k_pos_emb"],
-                                                     cp_group=group)
-    with count_bytes() as counter:
-        out = FORMS[case["form"]](inputs["query"], inputs["kv_latent"], inputs["k_pos_emb"],
-                                  weight, softmax_scale=SCALE, cp_group=group,
-                                  cp_algo=case["cp_algo"], layout=case["layout"],
-                                  causal=case["causal"], kernel=case["kernel"],
-                                  key_padding_mask=padding_mask(case["side"]),
-                                  empty_rows=case["empty_rows"], **opts, **extra)
-        out.backward(local(x["grad_out"]))
-    grads = {k: v.grad for k, v in inputs.items()}
-    grads["kv_up_weight"] = weight.grad
-    return {"out": out.detach(), "grads": grads, "bytes": counter.bytes()}
-
-
-def worker(rank, cp, cases):
-    import torch.distributed as dist
-    return [run_case(rank, cp, case, dist.group.WORLD) for case in cases]
 
 
 _RESULTS = {}

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from mindspeed_laga import absorbed_attention, count_bytes, explicit_attention, laga_attention
 from mindspeed_laga import layout as layouts
+
+FORMS_BY_NAME = {"explicit": explicit_attention, "absorbed": absorbed_attention,
+                 "laga": laga_attention}
 
 S, B, HEADS, D_N, D_R, D_V, D_C = 32, 2, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
@@ -84,3 +88,39 @@ def assemble(per_rank, lay, cp, ulysses_degree=1):
     grads = {k: full([r["grads"][k] for r in per_rank]) for k in ("query", "kv_latent", "k_pos_emb")}
     grads["kv_up_weight"] = sum(r["grads"]["kv_up_weight"] for r in per_rank)
     return full([r["out"] for r in per_rank]), grads
+
+
+def run_case(rank, cp, case, group):
+    x = {k: v.to(case.get("dtype", torch.float64)) for k, v in full_inputs().items()}
+    degree = 2 if case["cp_algo"] == "hybrid" else 1
+    inputs, local = local_inputs(x, case["layout"], cp, rank, degree)
+    weight = x["kv_up_weight"].clone().requires_grad_()
+    opts = dict(case["options"])
+    extra = {}
+    if degree > 1:
+        import torch.distributed as dist
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        extra["ulysses_group"] = groups[rank // 2]
+    if opts.pop("overlap", False):
+        from mindspeed_laga import start_latent_gather
+        extra["latent_gather"] = start_latent_gather(inputs["kv_latent"], inputs["k_pos_emb"],
+                                                     cp_group=group)
+    with count_bytes() as counter:
+        out = FORMS_BY_NAME[case["form"]](inputs["query"], inputs["kv_latent"], inputs["k_pos_emb"],
+                                  weight, softmax_scale=SCALE, cp_group=group,
+                                  cp_algo=case["cp_algo"], layout=case["layout"],
+                                  causal=case["causal"], kernel=case["kernel"],
+                                  key_padding_mask=padding_mask(case["side"]),
+                                  empty_rows=case["empty_rows"], **opts, **extra)
+        out.backward(local(x["grad_out"]))
+    grads = {k: v.grad for k, v in inputs.items()}
+    grads["kv_up_weight"] = weight.grad
+    return {"out": out.detach(), "grads": grads, "bytes": counter.bytes()}
+
+
+def worker(rank, cp, cases):
+    import torch.distributed as dist
+    if any(case["kernel"] == "npu" for case in cases):
+        from support import fake_torch_npu
+        fake_torch_npu.install()
+    return [run_case(rank, cp, case, dist.group.WORLD) for case in cases]
