@@ -41,7 +41,8 @@ def full_inputs(seed=0, batch=B):
             "grad_out": randn(S, batch, HEADS * D_V)}
 
 
-def reference(mask: torch.Tensor, causal: bool = True, empty_rows: str = "mean", seed=0):
+def reference(mask: torch.Tensor, causal: bool = True, empty_rows: str = "mean", seed=0,
+              quiet_empty_rows: bool = False):
     """Float64 attention of the full sequence: key j visible to query i of sample b iff
     (j <= i or not causal) and not mask[b, j]. A row with no visible key: "mean" = a
     softmax over a constant row (every value of the sequence weighted alike, no score
@@ -67,8 +68,27 @@ def reference(mask: torch.Tensor, causal: bool = True, empty_rows: str = "mean",
     if empty_rows == "zero":
         probs = probs.masked_fill(empty, 0)
     out = torch.einsum("bnqk,kbnv->qbnv", probs, value).reshape(seq, b, HEADS * D_V)
-    out.backward(x["grad_out"])
+    out.backward(grad_out(x, dict(side=_side_of(mask), quiet_empty_rows=quiet_empty_rows)))
     return out.detach(), {k: v.grad for k, v in inputs.items()}
+
+
+def _side_of(mask):
+    return next(side for side in PAD if torch.equal(padding_mask(side), mask))
+
+
+def rows_seeing_no_key(mask: torch.Tensor) -> torch.Tensor:
+    """[S, b] bool: causal query rows whose every visible key is padding."""
+    return ((~mask).cumsum(dim=1) == 0).t()
+
+
+def grad_out(x, case):
+    """The output gradient of a case; ``quiet_empty_rows``: zero on rows that see no key
+    (what a comparison with an additive-mask softmax needs, whose grads there are the
+    derivative of a rounded-away term)."""
+    g = x["grad_out"]
+    if case.get("quiet_empty_rows"):
+        g = g.masked_fill(rows_seeing_no_key(padding_mask(case["side"]))[..., None], 0)
+    return g
 
 
 def local_inputs(x, lay, cp, rank, ulysses_degree=1):
@@ -112,7 +132,7 @@ def run_case(rank, cp, case, group):
                                   causal=case["causal"], kernel=case["kernel"],
                                   key_padding_mask=padding_mask(case["side"]),
                                   empty_rows=case["empty_rows"], **opts, **extra)
-        out.backward(local(x["grad_out"]))
+        out.backward(local(grad_out(x, case)))
     grads = {k: v.grad for k, v in inputs.items()}
     grads["kv_up_weight"] = weight.grad
     return {"out": out.detach(), "grads": grads, "bytes": counter.bytes()}
