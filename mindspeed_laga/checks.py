@@ -20,11 +20,11 @@ import torch
 
 from . import comm, handshake
 from .options import AttnOptions
-from .vocab.names import ATTN_CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS
+from .vocab.names import ATTN_CP_ALGOS, EMPTY_ROWS, FORMS, HYBRID, KERNELS, LAYOUTS
 from .vocab.attn_setup import AttnSetup, heads_split
 from .vocab.dims import MLADims
 from .vocab.documents import resolve_documents
-from .vocab.key_padding import EMPTY_ROWS, check_empty_rows, check_key_padding, padding_counts
+from .key_padding import check_empty_rows, check_key_padding, padding_counts
 from .vocab.segments import seq_multiple
 
 

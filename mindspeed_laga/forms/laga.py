@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..kernels import attend, held_keys
-from ..vocab.key_padding import empty_rows
+from ..key_padding import empty_rows
 from ..vocab.attn_setup import AttnSetup
 from .common import (empty_fill_latent, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
                      up_project, up_weight_rows)

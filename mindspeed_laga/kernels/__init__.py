@@ -90,10 +90,8 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
             fill = out.new_zeros(()) if empty_fill is None else empty_fill.to(out.dtype)
             out = torch.where(empty, fill, out)
         out = out if epilogue is None else epilogue(out)
-        poison = nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces, out.dtype)
-        if empty is not None:  # such a row sees no key, so none of its keys' NaNs
-            poison = poison.masked_fill(empty, 0)
-        outs.append(out + poison)
+        outs.append(out + nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces,
+                                               out.dtype))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 

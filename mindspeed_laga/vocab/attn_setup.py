@@ -40,7 +40,7 @@ class AttnSetup:
     ulysses_group: object = None
     ulysses_degree: int = 1
     # key_padding_mask [b, S] bool (True = padding key, position order) or None, and what a
-    # row that sees no key returns ("mean" | "zero"; vocab/key_padding.py)
+    # row that sees no key returns (``names.EMPTY_ROWS``; mindspeed_laga/key_padding.py)
     key_padding: object = None
     empty_rows: str = "mean"
 
