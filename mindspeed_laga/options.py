@@ -44,6 +44,8 @@ class AttnOptions:
     cu_seqlens: Optional[object] = None           # a 1-D integer tensor or a list of ints
     pad_v: bool = False
     ulysses_group: Optional[object] = None        # hybrid only: a ProcessGroup
+    key_padding_mask: Optional[object] = None     # bool [b, S], True = padding key
+    empty_rows: str = "mean"                      # a name of vocab.names.EMPTY_ROWS
     # laga_attention only
     trim_causal_prefix: bool = False
     recompute_kv: bool = False

@@ -21,10 +21,13 @@ autograd for backward. Options:
 """
 from __future__ import annotations
 
+import torch
+
 from ..kernels import attend
+from ..key_padding import empty_rows
 from ..options import LagaOptions
 from ..vocab.attn_setup import AttnSetup
-from .common import (flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
+from .common import (empty_fill_latent, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
                      up_project, up_weight_rows)
 from .laga_blockwise import BlockPlan, BlockwiseLAGA
 from .latent_source import SyncLatent
@@ -50,20 +53,31 @@ def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup,
 def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix):
     """The paper's LAGA: rebuild K/V for every (visible) key; autograd keeps them."""
     ranges = setup.key_ranges() if trim_causal_prefix else None
+    fill = None if setup.key_padding is None else empty_fill_latent(kv_all, kv_up_weight, setup)
     if ranges:
         kv_all, k_pe_all = take_ranges(kv_all, ranges), take_ranges(k_pe_all, ranges)
     key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents, key_ranges=ranges, own_kv=True)
+                 documents=setup.documents, key_ranges=ranges, own_kv=True,
+                 key_padding=setup.key_padding, empty_fill=fill)
     return from_bnsd(out)
 
 
 def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv_block_size):
     """K/V rebuilt per block in forward and again in backward; only the latent is kept."""
     ranges = setup.key_ranges() if trim_causal_prefix else None
+    padding = setup.key_padding
+    fill = None
+    if padding is not None:  # from every position's latent, before trimming
+        fill = empty_fill_latent(latent[..., :setup.dims.kv_lora_rank], kv_up_weight, setup)
     if ranges:
         latent = take_ranges(latent, ranges)
     weight = up_weight_rows(kv_up_weight, setup)
     plan = BlockPlan.from_setup(setup, kv_block_size, ranges)
-    return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))
+    out = BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan)
+    if padding is not None:  # rows that see no key came out zero (and pass no gradient)
+        empty = empty_rows(padding, plan.segments, setup.causal)
+        out = torch.where(empty, torch.zeros((), dtype=out.dtype) if fill is None
+                          else fill.to(out.dtype), out)
+    return from_bnsd(out)

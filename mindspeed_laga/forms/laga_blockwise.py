@@ -27,13 +27,13 @@ same way. Accumulation is float32 for half-precision inputs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..double_backward import once_differentiable
-from ..kernels import KeyIndex, nonfinite, poison_rows
+from ..kernels import KeyIndex, held_keys, nonfinite, poison_rows
 from ..kernels.base import Kernel
 from ..kernels.eager import Eager
 from ..kernels.merge import merge_into
@@ -59,13 +59,17 @@ class BlockPlan:
     kernel: Kernel = Eager()     # the setup's kernel (its block kernel runs the tiles)
     documents: Documents = None  # cu_seqlens: a query sees only its own document
     key_ranges: Optional[Tuple[Tuple[int, int], ...]] = None  # positions the latent holds
+    # key padding of the keys the latent holds, [b, K] bool (True = padding), or None
+    key_padding: Optional[torch.Tensor] = field(default=None, compare=False)
 
     @classmethod
     def from_setup(cls, setup: AttnSetup, block_size: Optional[int], key_ranges=None) -> "BlockPlan":
+        padding = setup.key_padding
         return cls(dims=setup.dims, scale=setup.softmax_scale, causal=setup.causal,
                    segments=tuple(setup.query_segments()), block_size=block_size,
                    kernel=setup.kernel, documents=setup.documents,
-                   key_ranges=tuple(key_ranges) if key_ranges else None)
+                   key_ranges=tuple(key_ranges) if key_ranges else None,
+                   key_padding=None if padding is None else held_keys(padding, key_ranges))
 
 
 class Run(NamedTuple):
@@ -171,6 +175,30 @@ def walk(plan: BlockPlan, num_keys: int) -> List[Tuple[Segment, List[Tile]]]:
     return [(rows, tiles(plan, rows, num_keys)) for rows in row_blocks(plan)]
 
 
+def tile_padding(plan: BlockPlan, tile):
+    """The tile's key padding [b, k1 - k0], or None without padding."""
+    return None if plan.key_padding is None else plan.key_padding[:, tile.k0:tile.k1]
+
+
+def forward_runs(kernel, q, key, value, runs, scale, pad=None):
+    """[(out, lse)] of one segment's runs against a block; with key padding ``pad`` [b, B]
+    (never with documents) one call per run with its keys' padding, else the kernel's
+    (packed) entry."""
+    if pad is None:
+        return kernel.forward_runs(q, key, value, runs, scale)
+    return [kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
+                           pad=pad[:, ks]) for rows, ks, offset in runs]
+
+
+def backward_runs(kernel, q, key, value, runs, scale, d_out, out, lse, pad=None):
+    """[(dq, dk, dv)] of one segment's runs, as :func:`forward_runs` calls them."""
+    if pad is None:
+        return kernel.backward_runs(q, key, value, runs, scale, d_out, out, lse)
+    return [kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
+                            d_out[:, :, rows], out[:, :, rows], lse[:, :, rows], pad=pad[:, ks])
+            for rows, ks, offset in runs]
+
+
 def _shift(rows: slice, by: int) -> slice:
     return slice(rows.start - by, rows.stop - by)
 
@@ -215,9 +243,11 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad, over
             key, value, tile_bad = rebuild_finite(latent_block(latent, bad, tile), kv_up_weight,
                                                   plan)
             overflow[:, :, tile.k0:tile.k1] |= tile_bad
+            pad = tile_padding(plan, tile)  # [b, k1 - k0] or None
             for (r, _, _), (block_out, block_lse) in zip(
-                    tile.runs, kernel.forward_runs(q, key, value, tile.runs, plan.scale)):
-                merge_into(acc_out, acc_lse, _shift(r, r0), block_out, block_lse)
+                    tile.runs, forward_runs(kernel, q, key, value, tile.runs, plan.scale, pad)):
+                merge_into(acc_out, acc_lse, _shift(r, r0), block_out, block_lse,
+                           may_be_empty=pad is not None)
         out[:, :, r0:r0 + n] = acc_out
     return out, lse
 
@@ -235,8 +265,9 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
         dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)  # [b, h, n, d_qk]
         for tile in row_tiles:
             block = latent_block(latent, bad, tile)  # [k1 - k0, b, d_c + d_r]
-            key, value, _ = rebuild_finite(block, kv_up_weight, plan)  # as forward
-            grads = kernel.backward_runs(q, key, value, tile.runs, plan.scale, d_out, out, lse)
+            key, value, _ = rebuild_finite(block, kv_up_weight, plan)  # [b, h, k1 - k0, .], as forward
+            grads = backward_runs(kernel, q, key, value, tile.runs, plan.scale, d_out, out, lse,
+                                  tile_padding(plan, tile))
             for (r, _, _), (dq_b, _, _) in zip(tile.runs, grads):
                 dq_rows[:, :, _shift(r, r0)] += dq_b
             d_key, d_value = _tile_grads(key, value, tile.runs, grads)
@@ -297,11 +328,14 @@ class BlockwiseLAGA(torch.autograd.Function):
         bad = nonfinite.bad_positions(latent)  # [S, b]; kept as is (S*b bools), not saved
         steps = walk(plan, latent.shape[0])
         overflow = torch.zeros(q.shape[0], q.shape[1], latent.shape[0], dtype=torch.bool,
-                               device=q.device)
+                               device=q.device)  # [b, h, S]: rebuilt keys that overflowed
         out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps, bad, overflow)
-        out.add_(poison_rows(bad.t()[:, None] | overflow, segments=list(plan.segments),
-                             causal=plan.causal, documents=plan.documents,
-                             key_ranges=plan.key_ranges, dtype=out.dtype))
+        seen = bad.t()[:, None] | overflow  # [b, h, S]
+        if plan.key_padding is not None:  # a padding key is seen by no row: it poisons none
+            seen = seen & ~plan.key_padding[:, None]
+        out.add_(poison_rows(seen, segments=list(plan.segments), causal=plan.causal,
+                             documents=plan.documents, key_ranges=plan.key_ranges,
+                             dtype=out.dtype))
         ctx.save_for_backward(q, latent, kv_up_weight, out, lse)
         ctx.plan, ctx.steps, ctx.bad = plan, steps, bad
         return out

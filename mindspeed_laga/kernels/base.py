@@ -50,8 +50,10 @@ class Kernel:
 
     # ---- running
 
-    def attend_segment(self, q, k, v, *, scale: float, causal: bool, pieces=None):
-        """One query segment against its key window (kernels/__init__.py: ``attend``)."""
+    def attend_segment(self, q, k, v, *, scale: float, causal: bool, pieces=None, keep=None):
+        """One query segment against its key window (kernels/__init__.py: ``attend``);
+        ``keep`` [b, 1, rows, W] bool, with key padding: every row's visibility (it replaces
+        ``causal`` and ``pieces``; no row of it is empty, ``masks.padded_keep_mask``)."""
         raise NotImplementedError
 
     @property

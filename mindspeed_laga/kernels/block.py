@@ -40,6 +40,11 @@ inputs, the input dtype (float32, float64) otherwise.
   as ``forward``/``backward`` would for ``q[:, :, rows]``, ``key[:, :, ks]``,
   so the walk merges and accumulates them the same way. Kernels without it
   (eager, fused) get one ``forward``/``backward`` call per run.
+- Key padding (optional keyword ``pad`` of ``forward``/``backward``, [b, keys] bool,
+  True = padding key of the slice handed over): those keys are invisible too. A row
+  may then see no key of the block: its ``out`` is zero and its ``lse`` ``-inf``
+  (the merge skips it), and its grads are zero; a row that sees no key at all has a
+  final ``lse`` of ``-inf``. The walk never uses the packed entry with padding.
 - Kernels are stateless classes called as ``Kernel.forward(...)`` (static or
   class methods) and never see the sequence length. The walk picks one with
   the kernel object the setup resolved (``Kernel.block``, ``kernels/base.py``):

@@ -9,7 +9,7 @@ import torch
 
 from ..vocab.blocks import SCORE_CHUNK_ELEMENTS
 from .base import BlockKernel, Kernel
-from .masks import bottom_right, keep_mask, pieces_keep_mask
+from .masks import block_keep, bottom_right, keep_mask, pieces_keep_mask
 from .precision import acc_dtype
 
 
@@ -18,11 +18,15 @@ def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.expand(x.shape[0], heads, *x.shape[2:])
 
 
-def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None):
+def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None, keep=None):
+    """``keep`` [b, 1, s_q, W] bool (key padding, ``masks.padded_keep_mask``): the
+    visibility of every row, replacing ``causal`` and ``pieces``."""
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     compute = acc_dtype(q.dtype)
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
-    if pieces is not None:
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    elif pieces is not None:
         keep = pieces_keep_mask(pieces, q.shape[2], k.shape[2], causal, q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
     elif causal:
@@ -40,6 +44,13 @@ def _scores(q, key, keep, scale):
     return s if keep is None else s.masked_fill(~keep, float("-inf"))
 
 
+def _probs(s, lse, keep):
+    """exp(s - lse); with key padding, exactly zero where masked (a row whose every key
+    is masked has lse = -inf, and -inf - -inf would be NaN)."""
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return p if keep is None else torch.where(keep, p, torch.zeros((), dtype=p.dtype))
+
+
 def _head_chunks(q, key):
     b, h, rows, _ = q.shape
     per_head = max(1, b * rows * key.shape[2])
@@ -55,29 +66,30 @@ class EagerBlock(BlockKernel):
     """Plain torch math; one block's scores exist at a time, a few heads at a time."""
 
     @staticmethod
-    def forward(q, key, value, offset, scale):
-        keep = keep_mask(q.shape[2], key.shape[2], offset, q.device)
+    def forward(q, key, value, offset, scale, pad=None):
+        keep = block_keep(q.shape[2], key.shape[2], offset, pad, q.device)
         acc = acc_dtype(q.dtype)
         outs, lses = [], []
         for heads in _head_chunks(q, key):
             s = _scores(q[:, heads], key[:, heads], keep, scale)
             lse = torch.logsumexp(s, dim=-1)
-            outs.append(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), value[:, heads].to(acc)))
+            probs = _probs(s, lse, keep if pad is not None else None)
+            outs.append(torch.matmul(probs, value[:, heads].to(acc)))
             lses.append(lse)
         return _cat(outs), _cat(lses)
 
     @staticmethod
-    def backward(q, key, value, offset, scale, d_out, out, lse):
-        keep = keep_mask(q.shape[2], key.shape[2], offset, q.device)
+    def backward(q, key, value, offset, scale, d_out, out, lse, pad=None):
+        keep = block_keep(q.shape[2], key.shape[2], offset, pad, q.device)
         grads = [EagerBlock._backward_heads(q[:, h], key[:, h], value[:, h], keep, scale,
-                                            d_out[:, h], out[:, h], lse[:, h])
+                                            d_out[:, h], out[:, h], lse[:, h], pad is not None)
                  for h in _head_chunks(q, key)]
         return tuple(_cat(parts) for parts in zip(*grads))
 
     @staticmethod
-    def _backward_heads(q, key, value, keep, scale, d_out, out, lse):
+    def _backward_heads(q, key, value, keep, scale, d_out, out, lse, padded=False):
         acc = acc_dtype(q.dtype)
-        p = torch.exp(_scores(q, key, keep, scale) - lse.unsqueeze(-1))
+        p = _probs(_scores(q, key, keep, scale), lse, keep if padded else None)
         do = d_out.to(acc)
         delta = (do * out.to(acc)).sum(dim=-1, keepdim=True)
         ds = p * (torch.matmul(do, value.to(acc).transpose(-1, -2)) - delta)
@@ -98,5 +110,5 @@ class Eager(Kernel):
     def picks_auto(cls, device, dtype, blockwise):
         return True
 
-    def attend_segment(self, q, k, v, *, scale, causal, pieces=None):
-        return attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces)
+    def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
+        return attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces, keep=keep)

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import BlockKernel, Kernel
+from .masks import block_keep
 
 COMPRESSED_MASK_SIZE = 2048
 _MASK_CACHE = {}
@@ -92,14 +93,23 @@ def pad_value(value: torch.Tensor, head_dim: int) -> torch.Tensor:
     return value if extra <= 0 else F.pad(value, (0, extra))
 
 
-def attend_segment(q, k, v, *, scale: float, causal: bool, pad_v: bool = False, pieces=None):
+def attend_segment(q, k, v, *, scale: float, causal: bool, pad_v: bool = False, pieces=None,
+                   keep=None):
     """One ``npu_fusion_attention`` call for the segment; with ``pieces`` (documents)
-    the pieces are packed as varlen sequences (:func:`attend_pieces`)."""
+    the pieces are packed as varlen sequences (:func:`attend_pieces`).
+
+    ``keep`` [b, 1, s_q, W] bool (key padding): the op's own dense mask, ``atten_mask``
+    = ``~keep`` (B1SS, True = masked) in ``sparse_mode=0``, as MindSpeed-LLM passes the
+    SFT mask. No row of it is fully masked (``masks.padded_keep_mask``)."""
     torch_npu = require_torch_npu()
     d_v = v.shape[-1]
     if pad_v:
         v = pad_value(v, k.shape[-1])
-    if pieces is not None:
+    if keep is not None:
+        out = torch_npu.npu_fusion_attention(q, k, v, q.shape[1], input_layout="BNSD",
+                                             scale=scale, keep_prob=1.0, atten_mask=~keep,
+                                             sparse_mode=0)[0]
+    elif pieces is not None:
         out = attend_pieces(torch_npu, q, k, v, scale=scale, causal=causal, pieces=pieces)
     else:
         kwargs = dict(input_layout="BNSD", scale=scale, keep_prob=1.0)
@@ -190,28 +200,30 @@ class NpuBlock(BlockKernel):
     PAD_V = False  # zero-pad V to the q/k head dim for the op (``NpuBlockPadV``)
 
     @classmethod
-    def forward(cls, q, key, value, offset, scale):
+    def forward(cls, q, key, value, offset, scale, pad=None):
         torch_npu = require_torch_npu()
         d_v = value.shape[-1]
         if cls.PAD_V:
             value = pad_value(value, key.shape[-1])
         res = torch_npu.npu_fusion_attention(q, key, value, q.shape[1], input_layout="BNSD",
                                              scale=scale, keep_prob=1.0,
-                                             **_mask_kwargs(q, key, offset))
+                                             **_mask_kwargs(q, key, offset, pad))
         out, row_max, row_sum = res[0][..., :d_v], res[1][..., 0], res[2][..., 0]
         return out.float(), row_max.float() + torch.log(row_sum.float())
 
     @classmethod
-    def backward(cls, q, key, value, offset, scale, d_out, out, lse):
+    def backward(cls, q, key, value, offset, scale, d_out, out, lse, pad=None):
         torch_npu = require_torch_npu()
         d_v = value.shape[-1]
         if cls.PAD_V:  # zero columns of V, dy and the output leave dq, dk and dv[:d_v] exact
             value, d_out, out = (pad_value(x, key.shape[-1]) for x in (value, d_out, out))
+        if pad is not None:  # a row that sees no key anywhere (lse -inf): any finite statistic
+            lse = torch.where(torch.isinf(lse), torch.zeros((), dtype=lse.dtype), lse)
         stats = lse.unsqueeze(-1).expand(*lse.shape, 8).contiguous()
         dq, dk, dv = torch_npu.npu_fusion_attention_grad(
             q, key, value, d_out.to(q.dtype), q.shape[1], "BNSD", softmax_max=stats,
             softmax_sum=torch.ones_like(stats), attention_in=out.to(q.dtype), scale_value=scale,
-            keep_prob=1.0, **_mask_kwargs(q, key, offset))[:3]
+            keep_prob=1.0, **_mask_kwargs(q, key, offset, pad))[:3]
         return dq, dk, dv[..., :d_v]
 
 
@@ -325,7 +337,14 @@ class NpuBlockPadV(NpuBlock):
     PAD_V = True
 
 
-def _mask_kwargs(q, key, offset):
+def _mask_kwargs(q, key, offset, pad=None):
+    if pad is not None:
+        # key padding: the op's dense mask (B1SS, True = masked) in mode 0. A row may see
+        # no key of this block: inner_precise=2 is the op's documented switch for such
+        # "invalid rows" (zero output, lse -inf, zero grads; unspecified without it)
+        keep = block_keep(q.shape[2], key.shape[2], offset, pad, q.device)
+        keep = keep.expand(pad.shape[0], 1, q.shape[2], key.shape[2])  # B1SS, as the op takes it
+        return dict(sparse_mode=0, atten_mask=~keep, inner_precise=2)
     if offset is None:
         return dict(sparse_mode=0)
     return causal_kwargs(q.shape[2], key.shape[2], offset, q.device)
@@ -347,8 +366,9 @@ class Npu(Kernel):
     def check(cls, device, dtype, blockwise):
         require_torch_npu()
 
-    def attend_segment(self, q, k, v, *, scale, causal, pieces=None):
-        return attend_segment(q, k, v, scale=scale, causal=causal, pad_v=self.pad_v, pieces=pieces)
+    def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
+        return attend_segment(q, k, v, scale=scale, causal=causal, pad_v=self.pad_v, pieces=pieces,
+                              keep=keep)
 
     @property
     def block(self):

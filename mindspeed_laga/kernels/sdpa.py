@@ -158,7 +158,11 @@ class FusedSegment(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None
 
 
-def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None):
+def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None, keep=None):
+    """``keep`` [b, 1, s_q, W] bool (key padding): SDPA with that mask."""
+    if keep is not None:
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
     if q.device.type == "cpu" and pieces is None:
         # keys - queries: the bottom-right causal diagonal of a segment ending at the prefix end
         offset = bottom_right(q.shape[2], k.shape[2]) if causal else None
@@ -212,13 +216,19 @@ class FusedBlock(BlockKernel):
     """
 
     @staticmethod
-    def forward(q, key, value, offset, scale):
+    def forward(q, key, value, offset, scale, pad=None):
+        if pad is not None:  # the fused ops take no per-sample mask: one block's eager math
+            from .eager import EagerBlock
+            return EagerBlock.forward(q, key, value, offset, scale, pad)
         out, lse = fused_forward(backend_for(q.device), q, key, value, offset, scale)
         acc = acc_dtype(q.dtype)
         return out.to(acc), lse.to(acc)
 
     @staticmethod
-    def backward(q, key, value, offset, scale, d_out, out, lse):
+    def backward(q, key, value, offset, scale, d_out, out, lse, pad=None):
+        if pad is not None:
+            from .eager import EagerBlock
+            return EagerBlock.backward(q, key, value, offset, scale, d_out, out, lse, pad)
         return fused_backward(backend_for(q.device), q, key, value, offset, scale,
                               d_out.to(q.dtype), out.to(q.dtype), lse)
 
@@ -249,5 +259,5 @@ class Sdpa(Kernel):
                 f"CUDA tensors other than float64, not {device.type} {dtype}; use kernel='eager' "
                 "(or 'auto', which picks it)")
 
-    def attend_segment(self, q, k, v, *, scale, causal, pieces=None):
-        return attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces)
+    def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
+        return attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces, keep=keep)

@@ -39,6 +39,10 @@ class AttnSetup(SplitView):  # algo, heads_split, split_size: asked of the CP al
     # U also names the hybrid layout (docs/DESIGN.md "Hybrid CP"); 1 everywhere else.
     ulysses_group: object = None
     ulysses_degree: int = 1
+    # key_padding_mask [b, S] bool (True = padding key, position order) or None, and what a
+    # row that sees no key returns (``names.EMPTY_ROWS``; mindspeed_laga/key_padding.py)
+    key_padding: object = None
+    empty_rows: str = "mean"
 
     @property
     def split_group(self):

@@ -15,5 +15,11 @@ LAYOUTS = ("zigzag", "contiguous", "doc_zigzag")
 # The layouts of one unbroken sequence (doc_zigzag needs document boundaries).
 SEQUENCE_LAYOUTS = ("zigzag", "contiguous")
 KERNELS = ("auto", "eager", "sdpa", "npu")
+# What a query row that sees no key at all returns (left padding's pad rows under the causal
+# mask, or a sample that is all padding): "mean" = the mean of every value of its sequence,
+# what a softmax over a row filled with one finite mask value gives (Megatron's unfused
+# softmax, -10000; Hugging Face's eager attention, the dtype's minimum); "zero" = zero, what
+# flash kernels give (torch SDPA, the NPU op with its invalid-row handling).
+EMPTY_ROWS = ("mean", "zero")
 # The split each algorithm's host data pipeline produces when a caller names none.
 DEFAULT_LAYOUT = {name: a.default_layout for name, a in ALGOS.items()}
