@@ -29,10 +29,12 @@ def upstream_flags(parser):
     add("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     add("--fp8-format", default=None, choices=["e4m3", "hybrid"], dest="fp8")
     add("--recompute-granularity", default=None, choices=["full", "selective"])
+    add("--lora-target-modules", nargs="+", type=str, default=[])
+    add("--lu-lora-final-layer-index", type=int, default=None)
     for flag in ("--enable-mla-absorb", "--use-sparse-flash-attn", "--enable-dsa-indexer",
                  "--reset-attention-mask", "--reset-position-ids", "--neat-pack", "--tp-2d",
                  "--mla-up-proj-tp-overlap", "--recompute-mla-up-proj", "--mla-zero-memory",
-                 "--mla-swap-core-attn-out", "--add-qkv-bias"):
+                 "--mla-swap-core-attn-out", "--add-qkv-bias", "--qlora"):
         add(flag, action="store_true")
 
 
