@@ -8,18 +8,18 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm, layout as layouts
-from ..vocab.names import HYBRID
+from ..cp_algos import AllGather
 from ..vocab.attn_setup import AttnSetup
 
 
 def all_heads(setup: AttnSetup) -> AttnSetup:
     """The same setup seen from a rank that keeps every head (before a ulysses all-to-all)."""
-    return replace(setup, cp_algo="allgather")
+    return replace(setup, cp_algo=AllGather.name)
 
 
 def split_label(setup: AttnSetup) -> str:
     """The byte counter's name of the group heads are split over."""
-    return "ulysses" if setup.cp_algo == HYBRID else "cp"
+    return setup.algo.split_label
 
 
 def seq_to_heads(x: torch.Tensor, setup: AttnSetup, tag: str) -> torch.Tensor:
