@@ -4,7 +4,7 @@ peft's ``LoraParallelLinear`` wraps megatron-core's local-spec ``ColumnParallelL
 as it wraps MindSpeed-LLM's (``LoraConfig(megatron_config=..., megatron_core=
 "megatron.core")``; the TE spec's fused ``TELayerNormColumnParallelLinear`` is no
 megatron ``ColumnParallelLinear``, so peft refuses to wrap it and LAGA never meets
-it). The tiny MLA GPT of tests/support/megatron_cpu.py gets adapters on
+it). The tiny MLA GPT of mindspeed_laga/tools/megatron_cpu.py gets adapters on
 ``linear_kv_up_proj`` and ``linear_q_up_proj`` with non-zero ``lora_B``, every weight
 trainable, and trains 3 SGD steps: LAGA at CP = 2 (allgather on zigzag batches,
 ulysses on contiguous ones) against megatron's own forward at CP = 1, and at
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-from support import megatron_cpu as mc  # noqa: E402
+from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 from support.thirdparty import in_ci  # noqa: E402
 
 from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks  # noqa: E402
