@@ -14,7 +14,8 @@ only as THD, no attention mask, nothing from :func:`uncovered_reason`) does:
 3. with ``overlap_latent_gather``, the latent all-gather starts before the
    query projection (which then hides it);
 4. the core (``laga_attention`` or ``explicit_attention``) with
-   ``linear_kv_up_proj.weight`` (this TP rank's heads) and the CP group;
+   ``linear_kv_up_proj.weight`` (this TP rank's heads; under a LoRA adapter the weight
+   its forward applies, patches/lora.py) and the CP group;
 5. the module's own ``linear_proj``.
 
 THD calls (``packed_seq_params``) pass the documents and megatron's
@@ -45,6 +46,7 @@ from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, FORMS, KERNELS, LAYOUTS
 
 from . import releases
 from ..common import check_weight_once, first_call, start_gather
+from ..lora import base_layer, effective_weight
 from .hybrid import check_hybrid_shape
 from .thd import PackedBatch, is_thd, packed_batch, packed_rope_positions
 
@@ -162,7 +164,7 @@ def _kv_norm(module, kv_compressed):
     *after* the norm and the up-projection weight separately.
     """
     kv = module.kv_layernorm(kv_compressed)
-    fused = module.linear_kv_up_proj
+    fused = base_layer(module.linear_kv_up_proj)  # (under a LoRA wrapper, if any)
     weight = getattr(fused, "layer_norm_weight", None)
     if weight is None:
         return kv
@@ -267,7 +269,7 @@ def check_first_call(module, settings: MegatronPatchSettings, cp_group) -> bool:
     never build. Returns whether this is the module's first call."""
     first = first_call(module)
     check = first and settings.core_options.get("check_ranks", True) is not False
-    check_weight_once(check, module.linear_kv_up_proj.weight, cp_group, {
+    check_weight_once(check, kv_up_weight_of(module), cp_group, {
         "patch_megatron_mla(form=)": (settings.form, FORMS),
         "patch_megatron_mla(cp_algo=)": (settings.cp_algo, ATTN_CP_ALGOS),
         "patch_megatron_mla(ulysses_degree=)": (settings.ulysses_degree, None),
@@ -276,6 +278,12 @@ def check_first_call(module, settings: MegatronPatchSettings, cp_group) -> bool:
         "patch_megatron_mla(overlap_latent_gather=)": (settings.overlap_latent_gather,
                                                        (False, True))})
     return first
+
+
+def kv_up_weight_of(module):
+    """linear_kv_up_proj's weight, or under a LoRA adapter (peft) the weight its forward
+    applies: base plus delta (patches/lora.py); an adapter LAGA cannot read raises."""
+    return effective_weight(module.linear_kv_up_proj, "linear_kv_up_proj")
 
 
 def check_attention_dropout(module) -> None:
@@ -298,6 +306,7 @@ def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings,
     first call (:func:`check_first_call`).
     """
     cfg = module.config
+    kv_up_weight = kv_up_weight_of(module)  # first: an adapter it cannot read raises here
     q_compressed, kv_compressed, k_pos_emb = _down_project(module, hidden_states)
     if cfg.q_lora_rank is not None:
         q_compressed = module.q_layernorm(q_compressed)
@@ -316,7 +325,7 @@ def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings,
     query = _query_heads(module, q_compressed)
     q_nope, q_pe = torch.split(query, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
     query = torch.cat([q_nope, _apply_rope(module, q_pe, table, mscale)], dim=-1)
-    out = settings.core(query, kv_latent, k_pos_emb, module.linear_kv_up_proj.weight,
+    out = settings.core(query, kv_latent, k_pos_emb, kv_up_weight,
                         softmax_scale=module.softmax_scale, cp_group=cp_group,
                         cp_algo=settings.cp_algo, causal=_causal(module),
                         kernel=settings.kernel, qk_head_dim=cfg.qk_head_dim,
