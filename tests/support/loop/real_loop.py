@@ -262,8 +262,9 @@ def _free_port() -> int:
 
 
 def run_loop(sources: dict, workdir: Path, nproc: int, argv: List[str],
-             timeout_s: float = 600) -> LoopRun:
-    """torchrun ... -m mindspeed_laga.launch pretrain_gpt.py argv, on gloo CPU ranks."""
+             timeout_s: float = 600, script: str = "pretrain_gpt.py") -> LoopRun:
+    """torchrun ... -m mindspeed_laga.launch pretrain_gpt.py argv, on gloo CPU ranks
+    (``script``: another entry point of the host, e.g. posttrain_gpt.py)."""
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / "record"
     shutil.rmtree(record, ignore_errors=True)
@@ -277,7 +278,7 @@ def run_loop(sources: dict, workdir: Path, nproc: int, argv: List[str],
     env.pop("TRAINING_BACKEND", None)  # MindSpeed-LLM's default (mcore) applies its patches
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               "-m", "mindspeed_laga.launch", str(llm / "pretrain_gpt.py"), *argv]
+               "-m", "mindspeed_laga.launch", str(llm / script), *argv]
     start = time.monotonic()
     log_path = workdir / "log.txt"
     with open(log_path, "w") as log:
