@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 from argparse import Namespace
 
+from mindspeed_laga.vocab.segments import seq_multiple
+
 from .laga_args import (CP_ALGO_MAP, DEFAULT_CP_ALGO, DOCUMENT_CP_ALGO_MAP, FLAG,
                         cp_algo_and_layout)
 
@@ -67,6 +69,7 @@ def check_laga_args(args: Namespace) -> bool:
     _check_documents(args)
     cp_algo, layout = _check_cp_algo(args)
     _check_split(args, cp_size, cp_algo, layout)
+    _check_padded_lengths(args, cp_size, cp_algo, layout)
     _check_kernel(args)
     _check_options(args)
     return True
@@ -157,6 +160,32 @@ def _check_split(args: Namespace, cp_size: int, cp_algo: str, layout: str) -> No
             f"{FLAG} with --context-parallel-algo {_algo(args)} cuts the sequence into {what} "
             f"= {chunks} equal chunks: --seq-length {seq_length} is not divisible by {chunks}; "
             f"pad --seq-length to a multiple of {chunks}")
+
+
+def sequence_multiple(args: Namespace, cp_size: int, cp_algo: str, layout: str) -> int:
+    """Every full sequence length LAGA meets must be a multiple of this."""
+    degree = int(getattr(args, "ulysses_degree_in_cp", None) or 1) if cp_algo == "hybrid" else 1
+    return seq_multiple(layout, cp_size, degree)
+
+
+def padded_length_error(length: int, multiple: int, flag: str) -> str:
+    """What --no-pad-to-seq-lengths with a --pad-to-multiple-of LAGA cannot split says."""
+    return (f"{FLAG} with --no-pad-to-seq-lengths and {flag}: each batch is padded to a "
+            f"multiple of --pad-to-multiple-of, here {length}, which the CP split needs to be a "
+            f"multiple of {multiple}; pass --pad-to-multiple-of with a multiple of {multiple} "
+            "(or drop --no-pad-to-seq-lengths to pad every batch to --seq-length)")
+
+
+def _check_padded_lengths(args: Namespace, cp_size: int, cp_algo: str, layout: str) -> None:
+    """--no-pad-to-seq-lengths: each SFT batch gets its own length, a multiple of
+    --pad-to-multiple-of (default 8), which the check on --seq-length never sees."""
+    if not getattr(args, "no_pad_to_seq_lengths", False) or _documents(args):
+        return
+    multiple = sequence_multiple(args, cp_size, cp_algo, layout)
+    pad_to = int(getattr(args, "pad_to_multiple_of", None) or 1)
+    if pad_to % multiple:
+        raise ValueError(padded_length_error(pad_to, multiple,
+                                             f"--pad-to-multiple-of {pad_to}"))
 
 
 def _check_hybrid(args: Namespace, heads: int, tp_size: int, cp_size: int) -> None:

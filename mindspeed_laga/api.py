@@ -23,6 +23,19 @@ length x CP) in position order, the same on every rank (micro-batch 1): a
 query sees only keys of its own document at positions <= its own (causal)
 or its whole document (``causal=False``). ``layout="doc_zigzag"`` splits
 every document into 2P chunks (rank r holds chunks r and 2P-1-r of each).
+``key_padding_mask``: None, or a bool tensor [b, S] (S = local length x CP)
+in global position order, True = a padding key, the same on every CP rank
+(exchanged in the handshake), on the inputs' device: a query sees the keys
+``causal`` lets it see, minus the padding keys (right or left padding, any
+pattern, per sample). Only the latent crosses the wire as before; no dense
+mask is passed or gathered. A query row that then sees no key at all (left
+padding's pad rows, a sample of padding only) returns ``empty_rows``:
+"mean" (default), the mean of the values of every position of its sequence,
+what a softmax over a row masked with one finite value gives (Megatron's
+unfused softmax, Hugging Face's eager attention, hence MindSpeed-LLM without
+flash attention), or "zero" (flash kernels, torch SDPA); either way it passes
+no gradient to the queries and keys. Not with ``cu_seqlens`` (refused by
+name). None: the plain causal path, unchanged.
 ``qk_head_dim``/``v_head_dim``: the MLA config's head dims (the patches pass
 them); without them the tensors must read unambiguously (d_n == d_v).
 ``check_ranks`` (default None: exchange unless the group skips): exchange
@@ -95,7 +108,7 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
                    recompute_kv: bool = False, kv_block_size: Optional[int] = None,
                    latent_gather=None, qk_head_dim: Optional[int] = None,
                    v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False,
-                   ulysses_group=None):
+                   ulysses_group=None, key_padding_mask=None, empty_rows: str = "mean"):
     """LAGA: gather the latent (d_c + d_r per token), rebuild K/V locally, attend.
 
     Options beyond the paper (all exact; see docs/BEYOND.md):
@@ -117,7 +130,8 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
         form="laga", softmax_scale=softmax_scale, cp_group=cp_group, cp_algo=cp_algo,
         layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
-        ulysses_group=ulysses_group, trim_causal_prefix=trim_causal_prefix,
+        ulysses_group=ulysses_group, key_padding_mask=key_padding_mask, empty_rows=empty_rows,
+        trim_causal_prefix=trim_causal_prefix,
         recompute_kv=recompute_kv, kv_block_size=kv_block_size, latent_gather=latent_gather)
     return _run(laga_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options,
                 trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
@@ -129,13 +143,13 @@ def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_sca
                        kernel="auto", check_ranks: Optional[bool] = None,
                        qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
                        cu_seqlens=None, pad_v: bool = False,
-                       ulysses_group=None):
+                       ulysses_group=None, key_padding_mask=None, empty_rows: str = "mean"):
     """Explicit MLA: per-head K/V (allgather) or Q/K/V/O (ulysses) cross the wire."""
     options = AttnOptions(
         form="explicit", softmax_scale=softmax_scale, cp_group=cp_group, cp_algo=cp_algo,
         layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
-        ulysses_group=ulysses_group)
+        ulysses_group=ulysses_group, key_padding_mask=key_padding_mask, empty_rows=empty_rows)
     return _run(explicit_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options)
 
 
@@ -144,13 +158,13 @@ def absorbed_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_sca
                        kernel="auto", check_ranks: Optional[bool] = None,
                        qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
                        cu_seqlens=None, pad_v: bool = False,
-                       ulysses_group=None):
+                       ulysses_group=None, key_padding_mask=None, empty_rows: str = "mean"):
     """Absorbed MLA: latent-space attention with q . W_UK and o . W_UV^T (the memory trap)."""
     options = AttnOptions(
         form="absorbed", softmax_scale=softmax_scale, cp_group=cp_group, cp_algo=cp_algo,
         layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
         qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
-        ulysses_group=ulysses_group)
+        ulysses_group=ulysses_group, key_padding_mask=key_padding_mask, empty_rows=empty_rows)
     return _run(absorbed_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options)
 
 

@@ -24,6 +24,7 @@ from .vocab.names import ATTN_CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS
 from .vocab.attn_setup import AttnSetup, heads_split
 from .vocab.dims import MLADims
 from .vocab.documents import resolve_documents
+from .vocab.key_padding import EMPTY_ROWS, check_empty_rows, check_key_padding, padding_counts
 from .vocab.segments import seq_multiple
 
 
@@ -330,6 +331,8 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
         _check_split(dims, query.shape[0], cp_size, o.cp_algo, o.layout, degree)
         documents = _documents(o.cu_seqlens, query, cp_size, o.layout, degree)
         kernel = resolve_kernel(o.kernel, query.device, o.blockwise, query.dtype)
+        check_empty_rows(o.empty_rows)
+        check_key_padding(o.key_padding_mask, query, cp_size, documents)
         if o.form == "laga":
             _check_laga_options(o, kv_latent, k_pos_emb, cp_size)
     except Exception as exc:  # noqa: BLE001 -- whatever failed, the peers must hear of it
@@ -342,7 +345,8 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
                      cp_algo=o.cp_algo, layout=o.layout, causal=o.causal, kernel=kernel,
                      softmax_scale=float(o.softmax_scale), documents=documents, pad_v=o.pad_v,
                      ulysses_group=o.ulysses_group if o.cp_algo == HYBRID else None,
-                     ulysses_degree=degree)
+                     ulysses_degree=degree, key_padding=o.key_padding_mask,
+                     empty_rows=o.empty_rows)
 
 
 def _exchange(o: AttnOptions, tensors, dims, documents, failure) -> None:
@@ -354,16 +358,21 @@ def _exchange(o: AttnOptions, tensors, dims, documents, failure) -> None:
         return
     values = _agreed_values(o, tensors, dims)
     values["ulysses_degree"] = _ulysses_degree_value(o.cp_algo, o.ulysses_group)
+    details = None
     if failure is None:
         values["documents"] = documents_code(documents)
+        mask = o.key_padding_mask
+        values["key_padding"] = 0 if mask is None else (
+            handshake.weight_checksum(mask.to(torch.uint8)) or 1)
+        details = {"documents": list(documents or ()),
+                   "key_padding": [] if mask is None else padding_counts(mask)}
     query = tensors[0]
     device = query.device if isinstance(query, torch.Tensor) else "cpu"
-    details = {"documents": list(documents or ())} if failure is None else None
     handshake.agree(values, failure, o.cp_group, device, names=_NAMES, force=force,
                     details=details)
 
 
-_NAMES = {"form": FORMS, "cp_algo": ATTN_CP_ALGOS, "layout": LAYOUTS, "stage": handshake.STAGES}
+_NAMES = {"empty_rows": EMPTY_ROWS, "form": FORMS, "cp_algo": ATTN_CP_ALGOS, "layout": LAYOUTS, "stage": handshake.STAGES}
 
 
 def _code(choices, value) -> int:
@@ -381,7 +390,7 @@ def _agreed_values(o: AttnOptions, tensors, dims: Optional[MLADims]) -> Dict[str
     query = tensors[0]
     values = {"stage": 0, "check_ranks": int(o.check_ranks is not False),
               "form": _code(FORMS, o.form), "cp_algo": _code(ATTN_CP_ALGOS, o.cp_algo),
-              "layout": _code(LAYOUTS, o.layout)}
+              "layout": _code(LAYOUTS, o.layout), "empty_rows": _code(EMPTY_ROWS, o.empty_rows)}
     if isinstance(o.causal, bool):
         values["causal"] = int(o.causal)
     if (isinstance(o.softmax_scale, numbers.Real) and not isinstance(o.softmax_scale, bool)

@@ -42,7 +42,8 @@ from . import comm
 FIELDS = ("rejected", "stage", "check_ranks", "form", "cp_algo", "layout", "causal",
           "softmax_scale", "local_len", "micro_batch", "heads", "qk_head_dim", "rope_dim",
           "v_head_dim", "kv_lora_rank", "dtype", "requires_grad", "recompute_kv",
-          "kv_block_size", "trim_causal_prefix", "latent_gather", "documents", "ulysses_degree")
+          "kv_block_size", "trim_causal_prefix", "latent_gather", "documents", "ulysses_degree", "key_padding",
+          "empty_rows")
 STAGES = ("attention", "start_latent_gather")
 # How a difference is named in the message (arguments by their keyword).
 LABELS = {"local_len": "the local sequence length", "micro_batch": "the micro-batch",
@@ -50,7 +51,8 @@ LABELS = {"local_len": "the local sequence length", "micro_batch": "the micro-ba
           "qk_head_dim": "the qk_head_dim", "v_head_dim": "the v_head_dim",
           "kv_lora_rank": "the kv_lora_rank", "dtype": "the dtype",
           "requires_grad": "which inputs need grads (requires_grad under grad mode)",
-          "ulysses_degree": "the size of ulysses_group", "documents": "documents (cu_seqlens)"}
+          "ulysses_degree": "the size of ulysses_group", "documents": "documents (cu_seqlens)",
+          "key_padding": "key_padding_mask (padding keys per sample)"}
 UNKNOWN = -1
 # The dtypes the forms run (float8 and the rest are refused by name), as handshake codes.
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)

@@ -33,6 +33,8 @@ class AttnOptions:
     cu_seqlens: Any = None
     pad_v: Any = False
     ulysses_group: Any = None
+    key_padding_mask: Any = None
+    empty_rows: Any = "mean"
     # laga_attention only
     trim_causal_prefix: Any = False
     recompute_kv: Any = False

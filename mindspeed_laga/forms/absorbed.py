@@ -19,7 +19,7 @@ import torch
 
 from ..kernels import attend, nonfinite
 from ..vocab.attn_setup import AttnSetup
-from .common import (all_heads, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads,
+from .common import (all_heads, empty_fill, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads,
                      split_latent, split_up_weight, to_bnsd)
 from .latent_source import SyncLatent
 
@@ -43,6 +43,9 @@ def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
                  documents=setup.documents, pad_v=setup.pad_v,
                  bad=bad,  # with CP: found and zeroed in the gathered latent
+                 key_padding=setup.key_padding,
+                 empty_fill=None if setup.key_padding is None else empty_fill(value, setup,
+                                                                            heads_dim=2),
                  epilogue=lambda o_latent: torch.einsum("bnsc,nvc->bnsv", o_latent, w_uv))
     out = from_bnsd(out)
     if not full:

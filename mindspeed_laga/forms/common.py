@@ -72,6 +72,25 @@ def up_project(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, kv_up_weight: t
     return key, value.contiguous()
 
 
+def empty_fill(value: torch.Tensor, setup: AttnSetup, heads_dim: int = 2):
+    """What a query row that sees no key returns (``setup.empty_rows``), [b, h, 1, d_v] from
+    the position-ordered values [S, b, h, d_v] of every position: their mean ("mean", a
+    softmax over one constant) or None (zero)."""
+    if setup.empty_rows != "mean":
+        return None
+    return value.mean(dim=0).unsqueeze(heads_dim)  # [b, h, d_v] -> [b, h, 1, d_v]
+
+
+def empty_fill_latent(kv_all: torch.Tensor, kv_up_weight: torch.Tensor, setup: AttnSetup):
+    """:func:`empty_fill` from the gathered latent [S, b, d_c]: the mean of the values is
+    the up-projection of the mean latent (linear), so no value outside the rebuilt keys is
+    ever built."""
+    if setup.empty_rows != "mean":
+        return None
+    _, w_uv = split_up_weight(kv_up_weight, setup)  # [h, d_v, d_c]
+    return torch.einsum("bc,nvc->bnv", kv_all.mean(dim=0), w_uv).unsqueeze(2)
+
+
 def take_ranges(x: torch.Tensor, ranges) -> torch.Tensor:
     """The rows of position ranges [(lo, hi), ...] of a position-ordered tensor, in order
     (a view when there is one range)."""

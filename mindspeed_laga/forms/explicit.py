@@ -14,7 +14,7 @@ from .. import comm
 from ..kernels import attend
 from ..vocab.names import HYBRID
 from ..vocab.attn_setup import AttnSetup
-from .common import (all_heads, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, to_bnsd,
+from .common import (all_heads, empty_fill, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, to_bnsd,
                      to_position_order, up_project)
 
 
@@ -32,9 +32,11 @@ def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
         key = to_position_order(_every_token(seq_to_heads(key, setup, "key"), setup, "key"), setup)
         value = to_position_order(_every_token(seq_to_heads(value, setup, "value"), setup,
                                                "value"), setup)
+    fill = None if setup.key_padding is None else empty_fill(value, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents, pad_v=setup.pad_v, own_kv=True)
+                 documents=setup.documents, pad_v=setup.pad_v, own_kv=True,
+                 key_padding=setup.key_padding, empty_fill=fill)
     out = from_bnsd(out)
     if not full:
         out = heads_to_seq(out, setup, "output")

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..kernels import attend
+import torch
+
+from ..kernels import attend, held_keys
+from ..vocab.key_padding import empty_rows
 from ..vocab.attn_setup import AttnSetup
-from .common import (flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
+from .common import (empty_fill_latent, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
                      up_project, up_weight_rows)
 from .laga_blockwise import BlockPlan, BlockwiseLAGA
 from .latent_source import SyncLatent
@@ -51,12 +54,14 @@ def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup, *,
 def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix):
     """The paper's LAGA: rebuild K/V for every (visible) key; autograd keeps them."""
     ranges = setup.key_ranges() if trim_causal_prefix else None
+    fill = None if setup.key_padding is None else empty_fill_latent(kv_all, kv_up_weight, setup)
     if ranges:
         kv_all, k_pe_all = take_ranges(kv_all, ranges), take_ranges(k_pe_all, ranges)
     key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents, key_ranges=ranges, pad_v=setup.pad_v, own_kv=True)
+                 documents=setup.documents, key_ranges=ranges, pad_v=setup.pad_v, own_kv=True,
+                 key_padding=setup.key_padding, empty_fill=fill)
     return from_bnsd(out)
 
 
@@ -64,6 +69,10 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
     """K/V rebuilt per block in forward and again in backward; only the latent is kept."""
     d = setup.dims
     ranges = setup.key_ranges() if trim_causal_prefix else None
+    padding = setup.key_padding
+    fill = None
+    if padding is not None:
+        fill = empty_fill_latent(latent[..., :d.kv_lora_rank], kv_up_weight, setup)
     if ranges:
         latent = take_ranges(latent, ranges)
     weight = up_weight_rows(kv_up_weight, setup)
@@ -71,5 +80,11 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
                      kv_lora_rank=d.kv_lora_rank, scale=setup.softmax_scale, causal=setup.causal,
                      segments=tuple(setup.query_segments()), block_size=kv_block_size,
                      kernel=setup.kernel, pad_v=setup.pad_v, documents=setup.documents,
-                     key_ranges=tuple(ranges) if ranges else None)
-    return from_bnsd(BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan))
+                     key_ranges=tuple(ranges) if ranges else None,
+                     key_padding=None if padding is None else held_keys(padding, ranges))
+    out = BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan)
+    if padding is not None:  # rows that see no key came out zero (and pass no gradient)
+        empty = empty_rows(padding, plan.segments, setup.causal)
+        out = torch.where(empty, torch.zeros((), dtype=out.dtype) if fill is None
+                          else fill.to(out.dtype), out)
+    return from_bnsd(out)

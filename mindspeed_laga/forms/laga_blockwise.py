@@ -27,7 +27,7 @@ same way. Accumulation is float32 for half-precision inputs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Tuple
 
 import torch
@@ -57,6 +57,8 @@ class BlockPlan:
     pad_v: bool = False          # kernel "npu": V zero-padded to the q/k head dim for the op
     documents: Documents = None  # cu_seqlens: a query sees only its own document
     key_ranges: Optional[Tuple[Tuple[int, int], ...]] = None  # positions the latent holds
+    # key padding of the keys the latent holds, [b, K] bool (True = padding), or None
+    key_padding: Optional[torch.Tensor] = field(default=None, compare=False)
 
 
 def visible_rows(plan: BlockPlan, k0: int, k1: int):
@@ -104,17 +106,25 @@ def _run(plan: BlockPlan, piece, keys, total: int, k0: int, k1: int):
     return slice(local + first, local + n), slice(a - k0, e - k0), offset
 
 
-def forward_runs(kernel, q, key, value, runs, scale):
+def forward_runs(kernel, q, key, value, runs, scale, pad=None):
     """[(out, lse)] of one segment's runs against a block: the kernel's packed entry when
-    it has one (one call for all of a segment's documents), else one call per run."""
+    it has one (one call for all of a segment's documents), else one call per run.
+    ``pad``: the block's key padding [b, B] (never with documents), per run its key slice."""
+    if pad is not None:
+        return [kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
+                               pad=pad[:, ks]) for rows, ks, offset in runs]
     if hasattr(kernel, "forward_runs"):
         return kernel.forward_runs(q, key, value, runs, scale)
     return [kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale)
             for rows, ks, offset in runs]
 
 
-def backward_runs(kernel, q, key, value, runs, scale, d_out, out, lse):
+def backward_runs(kernel, q, key, value, runs, scale, d_out, out, lse, pad=None):
     """[(dq, dk, dv)] of one segment's runs, shaped like q[rows] and key/value[ks]."""
+    if pad is not None:
+        return [kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
+                                d_out[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                                pad=pad[:, ks]) for rows, ks, offset in runs]
     if hasattr(kernel, "backward_runs"):
         return kernel.backward_runs(q, key, value, runs, scale, d_out, out, lse)
     return [kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
@@ -170,6 +180,11 @@ def walk(plan: BlockPlan, num_keys: int) -> List[Tuple[Segment, List[Tile]]]:
     return [(rows, tiles(plan, rows, num_keys)) for rows in row_blocks(plan)]
 
 
+def tile_padding(plan: BlockPlan, tile):
+    """The tile's key padding [b, k1 - k0], or None without padding."""
+    return None if plan.key_padding is None else plan.key_padding[:, tile.k0:tile.k1]
+
+
 def _shift(rows: slice, by: int) -> slice:
     return slice(rows.start - by, rows.stop - by)
 
@@ -197,9 +212,11 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad):
         acc_lse = lse[:, :, r0:r0 + n]
         for tile in row_tiles:
             key, value = rebuild(latent_block(latent, bad, tile), kv_up_weight, plan)
+            pad = tile_padding(plan, tile)
             for (r, _, _), (block_out, block_lse) in zip(
-                    tile.runs, forward_runs(kernel, q, key, value, tile.runs, plan.scale)):
-                merge_into(acc_out, acc_lse, _shift(r, r0), block_out, block_lse)
+                    tile.runs, forward_runs(kernel, q, key, value, tile.runs, plan.scale, pad)):
+                merge_into(acc_out, acc_lse, _shift(r, r0), block_out, block_lse,
+                           may_be_empty=pad is not None)
         out[:, :, r0:r0 + n] = acc_out
     return out, lse
 
@@ -218,7 +235,8 @@ def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan
         for tile in row_tiles:
             block = latent_block(latent, bad, tile)
             key, value = rebuild(block, kv_up_weight, plan)
-            grads = backward_runs(kernel, q, key, value, tile.runs, plan.scale, d_out, out, lse)
+            grads = backward_runs(kernel, q, key, value, tile.runs, plan.scale, d_out, out, lse,
+                                  tile_padding(plan, tile))
             for (r, _, _), (dq_b, _, _) in zip(tile.runs, grads):
                 dq_rows[:, :, _shift(r, r0)] += dq_b
             d_key, d_value = _tile_grads(key, value, tile.runs, grads)
@@ -277,7 +295,8 @@ class BlockwiseLAGA(torch.autograd.Function):
         bad = nonfinite.bad_positions(latent)  # [S, b]; kept as is (S*b bools), not saved
         steps = walk(plan, latent.shape[0])
         out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps, bad)
-        out.add_(poison_rows(bad.t()[:, None], segments=list(plan.segments), causal=plan.causal,
+        seen = bad.t() if plan.key_padding is None else bad.t() & ~plan.key_padding
+        out.add_(poison_rows(seen[:, None], segments=list(plan.segments), causal=plan.causal,
                              documents=plan.documents, key_ranges=plan.key_ranges,
                              dtype=out.dtype))
         ctx.save_for_backward(q, latent, kv_up_weight, out, lse)

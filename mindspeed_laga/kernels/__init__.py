@@ -21,6 +21,14 @@ document it crosses: query rows and their key range, causal within the piece
 bottom-right aligned). Eager and SDPA turn the pieces into a mask of the
 segment; the NPU kernel packs them as varlen sequences (layout TND).
 
+With key padding (``key_padding`` [b, S], True = padding key, position order)
+each segment's visibility is its causal/document visibility minus the padding
+keys of its window, one [b, 1, rows, W] bool mask per segment handed to the
+kernel (``masks.padded_keep_mask``). A row that sees no key at all (left
+padding's pad rows) returns ``empty_fill`` (zero when None) and passes no
+gradient to the keys: the kernel runs it with its window visible and its
+output is replaced.
+
 A non-finite key or value reaches only the rows that see it, whatever the
 kernel (``nonfinite.py``): such positions are zeroed before the kernel runs
 and the rows that see them set to NaN after.
@@ -36,7 +44,7 @@ from ..vocab.documents import doc_pieces, document_of
 from ..vocab.keys import key_window
 from ..vocab.segments import Documents, Segment
 from . import eager, nonfinite, npu, sdpa
-from .masks import Piece
+from .masks import Piece, padded_keep_mask
 
 _KERNELS = {"eager": eager.attend_segment, "sdpa": sdpa.attend_segment, "npu": npu.attend_segment}
 
@@ -44,7 +52,8 @@ _KERNELS = {"eager": eager.attend_segment, "sdpa": sdpa.attend_segment, "npu": n
 def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel: str,
            epilogue: Optional[Callable] = None, documents: Documents = None,
            key_ranges: Optional[Sequence[Tuple[int, int]]] = None, pad_v: bool = False,
-           own_kv: bool = False, bad: Optional[torch.Tensor] = None):
+           own_kv: bool = False, bad: Optional[torch.Tensor] = None,
+           key_padding: Optional[torch.Tensor] = None, empty_fill: Optional[torch.Tensor] = None):
     """``epilogue`` maps each segment's output before the segments are concatenated
     (so an op that keeps its input for backward keeps the kernel's own output).
 
@@ -54,6 +63,8 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
     ``own_kv``: ``k`` and ``v`` were made by the caller for this call (nothing else
     reads them), so non-finite positions are zeroed in place instead of in a copy.
     ``bad``: [b, n_k, S], True = non-finite, when the caller found and zeroed them itself.
+    ``key_padding``: [b, S] bool over every position 0 ... S (True = padding key);
+    ``empty_fill``: [b, n|1, 1, d_v], what a row seeing no key returns (None: zero).
     """
     fn = _KERNELS[kernel]
     if kernel == "npu":
@@ -62,16 +73,36 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
         bad = nonfinite.bad_positions(k) | nonfinite.bad_positions(v)  # [b, n_k, S]
         k = nonfinite.zero_bad_positions(k, bad, own_kv)
         v = nonfinite.zero_bad_positions(v, bad, own_kv)
+    pad = None if key_padding is None else held_keys(key_padding, key_ranges)  # [b, K]
+    if pad is not None:  # an invisible padding key poisons no row
+        bad = bad & ~pad[:, None, :]
     outs = []
     for (local_start, length, _), lo_i, hi_i, pieces in _windows(segments, key_ranges, k.shape[2],
                                                                  causal, documents):
         extra = {} if pieces is None else {"pieces": pieces}
+        empty = None
+        if pad is not None:
+            keep, empty = padded_keep_mask(length, pad[:, lo_i:hi_i], causal, pieces)
+            extra = {"keep": keep}
         out = fn(q[:, :, local_start:local_start + length], k[:, :, lo_i:hi_i], v[:, :, lo_i:hi_i],
                  scale=scale, causal=causal, **extra)
+        if empty is not None:
+            fill = out.new_zeros(()) if empty_fill is None else empty_fill.to(out.dtype)
+            out = torch.where(empty, fill, out)
         out = out if epilogue is None else epilogue(out)
-        outs.append(out + nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces,
-                                               out.dtype))
+        poison = nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces, out.dtype)
+        if empty is not None:  # such a row sees no key, so none of its keys' NaNs
+            poison = poison.masked_fill(empty, 0)
+        outs.append(out + poison)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def held_keys(key_padding: torch.Tensor, key_ranges) -> torch.Tensor:
+    """[b, S] padding over every position -> [b, K] over the positions a key tensor
+    holding ``key_ranges`` holds (all of them when None)."""
+    if not key_ranges:
+        return key_padding
+    return torch.cat([key_padding[:, lo:hi] for lo, hi in key_ranges], dim=1)
 
 
 def _windows(segments, key_ranges, num_keys: int, causal: bool, documents):

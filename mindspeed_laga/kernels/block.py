@@ -40,6 +40,11 @@ inputs, the input dtype (float32, float64) otherwise.
   as ``forward``/``backward`` would for ``q[:, :, rows]``, ``key[:, :, ks]``,
   so the walk merges and accumulates them the same way. Kernels without it
   (eager, fused) get one ``forward``/``backward`` call per run.
+- Key padding (optional keyword ``pad`` of ``forward``/``backward``, [b, keys] bool,
+  True = padding key of the slice handed over): those keys are invisible too. A row
+  may then see no key of the block: its ``out`` is zero and its ``lse`` ``-inf``
+  (the merge skips it), and its grads are zero; a row that sees no key at all has a
+  final ``lse`` of ``-inf``. The walk never uses the packed entry with padding.
 - Kernels are stateless classes called as ``Kernel.forward(...)`` (static or
   class methods) and never see the sequence length. The walk picks one with
   :func:`block_kernel` (``BlockPlan.kernel`` and ``BlockPlan.pad_v``); a new
@@ -59,6 +64,22 @@ def _scores(q, key, keep, scale):
     acc = acc_dtype(q.dtype)
     s = torch.matmul(q.to(acc), key.to(acc).transpose(-1, -2)) * scale
     return s if keep is None else s.masked_fill(~keep, float("-inf"))
+
+
+def block_keep(rows: int, keys: int, offset, pad, device):
+    """The visibility a block kernel applies: the causal offset's [rows, keys] mask, and
+    with key padding ([b, keys]) that mask minus the padding keys, [b, 1, rows, keys]."""
+    keep = keep_mask(rows, keys, offset, device)
+    if pad is None:
+        return keep
+    return (~pad[:, None, None, :]) if keep is None else keep & ~pad[:, None, None, :]
+
+
+def _probs(s, lse, keep):
+    """exp(s - lse); with a mask, exactly zero where masked (a row whose every key is
+    masked has lse = -inf, and -inf - -inf would be NaN)."""
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return p if keep is None else torch.where(keep, p, torch.zeros((), dtype=p.dtype))
 
 
 # Eager scores of one block are float32 [b, heads, rows, B]; heads are taken a few
@@ -81,20 +102,21 @@ class EagerBlock:
     """Plain torch math; one block's scores exist at a time, a few heads at a time."""
 
     @staticmethod
-    def forward(q, key, value, offset, scale):
-        keep = keep_mask(q.shape[2], key.shape[2], offset, q.device)
+    def forward(q, key, value, offset, scale, pad=None):
+        keep = block_keep(q.shape[2], key.shape[2], offset, pad, q.device)
         acc = acc_dtype(q.dtype)
         outs, lses = [], []
         for heads in _head_chunks(q, key):
             s = _scores(q[:, heads], key[:, heads], keep, scale)
             lse = torch.logsumexp(s, dim=-1)
-            outs.append(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), value[:, heads].to(acc)))
+            probs = torch.exp(s - lse.unsqueeze(-1)) if pad is None else _probs(s, lse, keep)
+            outs.append(torch.matmul(probs, value[:, heads].to(acc)))
             lses.append(lse)
         return _cat(outs), _cat(lses)
 
     @staticmethod
-    def backward(q, key, value, offset, scale, d_out, out, lse):
-        keep = keep_mask(q.shape[2], key.shape[2], offset, q.device)
+    def backward(q, key, value, offset, scale, d_out, out, lse, pad=None):
+        keep = block_keep(q.shape[2], key.shape[2], offset, pad, q.device)
         grads = [EagerBlock._backward_heads(q[:, h], key[:, h], value[:, h], keep, scale,
                                             d_out[:, h], out[:, h], lse[:, h])
                  for h in _head_chunks(q, key)]
@@ -103,7 +125,8 @@ class EagerBlock:
     @staticmethod
     def _backward_heads(q, key, value, keep, scale, d_out, out, lse):
         acc = acc_dtype(q.dtype)
-        p = torch.exp(_scores(q, key, keep, scale) - lse.unsqueeze(-1))
+        p = _probs(_scores(q, key, keep, scale), lse, keep if keep is not None and keep.dim() == 4
+                   else None)
         do = d_out.to(acc)
         delta = (do * out.to(acc)).sum(dim=-1, keepdim=True)
         ds = p * (torch.matmul(do, value.to(acc).transpose(-1, -2)) - delta)
@@ -140,28 +163,30 @@ class NpuBlock:
     PAD_V = False  # zero-pad V to the q/k head dim for the op (``NpuBlockPadV``)
 
     @classmethod
-    def forward(cls, q, key, value, offset, scale):
+    def forward(cls, q, key, value, offset, scale, pad=None):
         torch_npu = require_torch_npu()
         d_v = value.shape[-1]
         if cls.PAD_V:
             value = pad_value(value, key.shape[-1])
         res = torch_npu.npu_fusion_attention(q, key, value, q.shape[1], input_layout="BNSD",
                                              scale=scale, keep_prob=1.0,
-                                             **_mask_kwargs(q, key, offset))
+                                             **_mask_kwargs(q, key, offset, pad))
         out, row_max, row_sum = res[0][..., :d_v], res[1][..., 0], res[2][..., 0]
         return out.float(), row_max.float() + torch.log(row_sum.float())
 
     @classmethod
-    def backward(cls, q, key, value, offset, scale, d_out, out, lse):
+    def backward(cls, q, key, value, offset, scale, d_out, out, lse, pad=None):
         torch_npu = require_torch_npu()
         d_v = value.shape[-1]
         if cls.PAD_V:  # zero columns of V, dy and the output leave dq, dk and dv[:d_v] exact
             value, d_out, out = (pad_value(x, key.shape[-1]) for x in (value, d_out, out))
+        if pad is not None:  # a row that sees no key anywhere (lse -inf): any finite statistic
+            lse = torch.where(torch.isinf(lse), torch.zeros((), dtype=lse.dtype), lse)
         stats = lse.unsqueeze(-1).expand(*lse.shape, 8).contiguous()
         dq, dk, dv = torch_npu.npu_fusion_attention_grad(
             q, key, value, d_out.to(q.dtype), q.shape[1], "BNSD", softmax_max=stats,
             softmax_sum=torch.ones_like(stats), attention_in=out.to(q.dtype), scale_value=scale,
-            keep_prob=1.0, **_mask_kwargs(q, key, offset))[:3]
+            keep_prob=1.0, **_mask_kwargs(q, key, offset, pad))[:3]
         return dq, dk, dv[..., :d_v]
 
 
@@ -275,7 +300,14 @@ class NpuBlockPadV(NpuBlock):
     PAD_V = True
 
 
-def _mask_kwargs(q, key, offset):
+def _mask_kwargs(q, key, offset, pad=None):
+    if pad is not None:
+        # key padding: the op's dense mask (B1SS, True = masked) in mode 0. A row may see
+        # no key of this block: inner_precise=2 is the op's documented switch for such
+        # "invalid rows" (zero output, lse -inf, zero grads; unspecified without it)
+        keep = block_keep(q.shape[2], key.shape[2], offset, pad, q.device)
+        keep = keep.expand(pad.shape[0], 1, q.shape[2], key.shape[2])  # B1SS, as the op takes it
+        return dict(sparse_mode=0, atten_mask=~keep, inner_precise=2)
     if offset is None:
         return dict(sparse_mode=0)
     return causal_kwargs(q.shape[2], key.shape[2], offset, q.device)
@@ -314,13 +346,17 @@ class FusedBlock:
     """
 
     @staticmethod
-    def forward(q, key, value, offset, scale):
+    def forward(q, key, value, offset, scale, pad=None):
+        if pad is not None:  # the fused ops take no per-sample mask: one block's eager math
+            return EagerBlock.forward(q, key, value, offset, scale, pad)
         out, lse = fused_forward(backend_for(q.device), q, key, value, offset, scale)
         acc = acc_dtype(q.dtype)
         return out.to(acc), lse.to(acc)
 
     @staticmethod
-    def backward(q, key, value, offset, scale, d_out, out, lse):
+    def backward(q, key, value, offset, scale, d_out, out, lse, pad=None):
+        if pad is not None:
+            return EagerBlock.backward(q, key, value, offset, scale, d_out, out, lse, pad)
         return fused_backward(backend_for(q.device), q, key, value, offset, scale,
                               d_out.to(q.dtype), out.to(q.dtype), lse)
 

@@ -16,11 +16,15 @@ def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.expand(x.shape[0], heads, *x.shape[2:])
 
 
-def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None):
+def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None, keep=None):
+    """``keep`` [b, 1, s_q, W] bool (key padding, ``masks.padded_keep_mask``): the
+    visibility of every row, replacing ``causal`` and ``pieces``."""
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     compute = acc_dtype(q.dtype)
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
-    if pieces is not None:
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    elif pieces is not None:
         keep = pieces_keep_mask(pieces, q.shape[2], k.shape[2], causal, q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
     elif causal:

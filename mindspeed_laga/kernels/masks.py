@@ -41,3 +41,24 @@ def pieces_keep_mask(pieces: Sequence[Piece], q_len: int, k_len: int, causal: bo
         if causal:
             block.copy_(keep_mask(n, k1 - k0, bottom_right(n, k1 - k0), device))
     return keep
+
+
+def padded_keep_mask(rows: int, key_pad: torch.Tensor, causal: bool, pieces=None):
+    """([b, 1, rows, W] bool, True = visible; [b, 1, rows, 1] bool, True = the row sees no key).
+
+    ``key_pad`` [b, W]: True = padding key, for the W keys of the segment's window.
+    Visibility is the segment's own (causal bottom-right aligned, or its document
+    pieces) minus the padding keys. A row that sees no key is handed to the kernel
+    with its whole window visible (so no kernel meets a fully masked row, whose
+    output fused ops leave unspecified); the caller overwrites its output.
+    """
+    keys, device = key_pad.shape[-1], key_pad.device
+    if pieces is not None:
+        base = pieces_keep_mask(pieces, rows, keys, causal, device)
+    elif causal:
+        base = keep_mask(rows, keys, bottom_right(rows, keys), device)
+    else:
+        base = torch.ones(rows, keys, dtype=torch.bool, device=device)
+    keep = base & ~key_pad[:, None, None, :]
+    empty = ~keep.any(dim=-1, keepdim=True)
+    return keep | empty, empty

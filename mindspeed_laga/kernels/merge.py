@@ -11,9 +11,14 @@ from __future__ import annotations
 import torch
 
 
-def _weights(lse, part_lse):
+def _weights(lse, part_lse, may_be_empty: bool = False):
     new = torch.logaddexp(lse, part_lse)
-    return new, torch.exp(lse - new).unsqueeze(-1), torch.exp(part_lse - new).unsqueeze(-1)
+    keep, add = torch.exp(lse - new), torch.exp(part_lse - new)
+    if may_be_empty:  # rows that have seen no key yet (both -inf): keep zero, add nothing
+        empty = torch.isinf(new)
+        zero = torch.zeros((), dtype=keep.dtype, device=keep.device)
+        keep, add = torch.where(empty, zero, keep), torch.where(empty, zero, add)
+    return new, keep.unsqueeze(-1), add.unsqueeze(-1)
 
 
 def merge_lse(parts):
@@ -25,9 +30,10 @@ def merge_lse(parts):
     return out, lse
 
 
-def merge_into(out, lse, rows, part_out, part_lse):
+def merge_into(out, lse, rows, part_out, part_lse, may_be_empty: bool = False):
     """Fold one part's (out, lse) of ``rows`` into the running ``out``/``lse`` in place
-    (no copy of the running output: the blockwise walk's accumulators)."""
-    new, keep, add = _weights(lse[:, :, rows], part_lse)
+    (no copy of the running output: the blockwise walk's accumulators). ``may_be_empty``:
+    key padding, so a row may have seen no key in either (lse -inf in both)."""
+    new, keep, add = _weights(lse[:, :, rows], part_lse, may_be_empty)
     out[:, :, rows].mul_(keep).add_(part_out * add)
     lse[:, :, rows] = new

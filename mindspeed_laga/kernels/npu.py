@@ -90,14 +90,23 @@ def pad_value(value: torch.Tensor, head_dim: int) -> torch.Tensor:
     return value if extra <= 0 else F.pad(value, (0, extra))
 
 
-def attend_segment(q, k, v, *, scale: float, causal: bool, pad_v: bool = False, pieces=None):
+def attend_segment(q, k, v, *, scale: float, causal: bool, pad_v: bool = False, pieces=None,
+                   keep=None):
     """One ``npu_fusion_attention`` call for the segment; with ``pieces`` (documents)
-    the pieces are packed as varlen sequences (:func:`attend_pieces`)."""
+    the pieces are packed as varlen sequences (:func:`attend_pieces`).
+
+    ``keep`` [b, 1, s_q, W] bool (key padding): the op's own dense mask, ``atten_mask``
+    = ``~keep`` (B1SS, True = masked) in ``sparse_mode=0``, as MindSpeed-LLM passes the
+    SFT mask. No row of it is fully masked (``masks.padded_keep_mask``)."""
     torch_npu = require_torch_npu()
     d_v = v.shape[-1]
     if pad_v:
         v = pad_value(v, k.shape[-1])
-    if pieces is not None:
+    if keep is not None:
+        out = torch_npu.npu_fusion_attention(q, k, v, q.shape[1], input_layout="BNSD",
+                                             scale=scale, keep_prob=1.0, atten_mask=~keep,
+                                             sparse_mode=0)[0]
+    elif pieces is not None:
         out = attend_pieces(torch_npu, q, k, v, scale=scale, causal=causal, pieces=pieces)
     else:
         kwargs = dict(input_layout="BNSD", scale=scale, keep_prob=1.0)

@@ -154,7 +154,11 @@ class FusedSegment(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None
 
 
-def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None):
+def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None, keep=None):
+    """``keep`` [b, 1, s_q, W] bool (key padding): SDPA with that mask."""
+    if keep is not None:
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
     if q.device.type == "cpu" and pieces is None:
         # keys - queries: the bottom-right causal diagonal of a segment ending at the prefix end
         offset = bottom_right(q.shape[2], k.shape[2]) if causal else None

@@ -39,6 +39,10 @@ class AttnSetup:
     # U also names the hybrid layout (docs/DESIGN.md "Hybrid CP"); 1 everywhere else.
     ulysses_group: object = None
     ulysses_degree: int = 1
+    # key_padding_mask [b, S] bool (True = padding key, position order) or None, and what a
+    # row that sees no key returns ("mean" | "zero"; vocab/key_padding.py)
+    key_padding: object = None
+    empty_rows: str = "mean"
 
     @property
     def heads_split(self) -> bool:

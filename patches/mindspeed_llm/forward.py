@@ -34,7 +34,9 @@ import torch
 
 from mindspeed_laga.api import laga_attention
 from mindspeed_laga.features.laga_args import laga_settings
+from mindspeed_laga.features.laga_checks import padded_length_error, sequence_multiple
 
+from ..attention_mask import key_padding_from_mask
 from ..common import check_weight_once, first_call, start_gather
 from .host import check_mindspeed_llm_forward, check_mindspeed_llm_module, release_of_module
 from .releases import deinterleave_rope_dims
@@ -65,7 +67,7 @@ def laga_mla_forward_wrapper(forward, release=None):
         return laga_self_attention(self, call["hidden_states"], call.get("rotary_pos_emb"),
                                    cp_group, megatron_args,
                                    packed_seq_params=call.get("packed_seq_params"),
-                                   release=release)
+                                   release=release, attention_mask=call.get("attention_mask"))
 
     return forward_with_laga
 
@@ -90,14 +92,21 @@ def _laga_cp_group(self, call, megatron_args):
 
 
 def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
-                        packed_seq_params=None, release=None):
+                        packed_seq_params=None, release=None, attention_mask=None):
     """MLA self-attention with LAGA as the core; returns ``linear_proj``'s (output, bias).
 
     ``release``: the MindSpeed-LLM release of ``self``'s class (by default read from
-    the module defining the class)."""
+    the module defining the class). ``attention_mask``: the host's, as the layer got it
+    (the SFT trainer's causal + key padding mask, whole under every mapped algorithm;
+    patches/attention_mask.py turns it into the core's key padding or refuses it)."""
     release = release or release_of_module(self)
     check_mindspeed_llm_module(self, release)
     settings = laga_settings(megatron_args)
+    key_padding = None
+    if not settings.documents:  # packed documents: the boundaries carry the mask
+        key_padding = key_padding_from_mask(
+            attention_mask, _full_length(self, hidden_states, cp_group), hidden_states.shape[1],
+            cp_group, _length_error(settings, megatron_args, cp_group))
     overlap = settings.overlap and torch.distributed.get_world_size(cp_group) > 1
     check_ranks = first_call(self)
     check_weight_once(check_ranks, _kv_up_weight(self), cp_group)
@@ -118,12 +127,31 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                               check_ranks=check_ranks, latent_gather=gather,
                               qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim,
                               cu_seqlens=cu_seqlens, ulysses_group=_ulysses_group(settings),
+                              key_padding_mask=key_padding,
                               **settings.core_options())  # pad_v = not --mla-fa-without-pad
     if hooked and core_out.requires_grad:
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
             launch_async_all2all_hook)
         core_out.register_hook(launch_async_all2all_hook)
     return self.linear_proj(core_out)
+
+
+def _full_length(self, hidden_states, cp_group) -> int:
+    """The full sequence length: this rank's tokens (x TP under sequence parallelism) x CP."""
+    s = hidden_states.shape[0]
+    if self.config.sequence_parallel:
+        from megatron.core import parallel_state
+        s *= parallel_state.get_tensor_model_parallel_world_size()
+    return s * torch.distributed.get_world_size(cp_group)
+
+
+def _length_error(settings, megatron_args, cp_group):
+    """length -> the message for a padded batch length the CP split cannot take, or None."""
+    cp_size = torch.distributed.get_world_size(cp_group)
+    multiple = sequence_multiple(megatron_args, cp_size, settings.cp_algo, settings.layout)
+    flag = "--pad-to-multiple-of " + str(getattr(megatron_args, "pad_to_multiple_of", None))
+    return lambda length: (padded_length_error(length, multiple, flag) if length % multiple
+                           else None)
 
 
 def document_boundaries(mtp_depth: int = 0):

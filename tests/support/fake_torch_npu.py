@@ -61,7 +61,10 @@ mask from a test; this is the one place the stand-in is stricter than the
 op. Modes 2/3/4 accept
 only the exact 2048x2048 ``triu(diagonal=1)`` bool/uint8 mask. Rows whose
 keys are all masked give zero output and zero gradients (the kernel's
-"invalid line" handling). Argument errors raise ``FakeNpuError``, a
+"invalid line" handling); with a user mask (modes 0/1) such a row needs
+``inner_precise=2``, the documented switch for it (Ascend PyTorch 6.0.0
+reference: "2 enables invalid-row computation ... to avoid the precision loss of
+whole masked rows"), or the call raises. Argument errors raise ``FakeNpuError``, a
 RuntimeError like the real op's.
 
 Arguments after ``input_layout`` are keyword-only here: the API reference
@@ -449,6 +452,19 @@ def _row_stats(s: torch.Tensor):
     return row_max, row_sum
 
 
+def _check_invalid_rows(keep, atten_mask, sparse_mode: int, inner_precise: int):
+    """A user mask (modes 0/1) that masks a whole query row: the reference documents
+    ``inner_precise=2`` as the switch that computes such "invalid rows" (without it their
+    result is not specified: "precision loss"); the op detects them itself only for its own
+    modes (e.g. mode 3 with Sq > Skv). The stand-in gives them zero output and grads, and
+    refuses them without the switch."""
+    if atten_mask is None or sparse_mode not in (0, 1) or keep is None or inner_precise == 2:
+        return
+    if bool((~keep.any(dim=-1)).any()):
+        raise FakeNpuError("atten_mask masks every key of some query row; pass inner_precise=2 "
+                           "(invalid-row computation) or the op's result for it is unspecified")
+
+
 def _record(name: str, **info):
     module = sys.modules.get("torch_npu")
     if getattr(module, "IS_FAKE", False):
@@ -490,6 +506,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, *, pse=None,
     q, k, v = _bnsd_inputs(query, key, value, head_num, input_layout)
     (b, n, sq, _), skv = q.shape, k.shape[2]
     keep = visible(atten_mask, sparse_mode, pre_tockens, next_tockens, b, n, sq, skv, q.device)
+    _check_invalid_rows(keep, atten_mask, sparse_mode, inner_precise)
     _record("npu_fusion_attention", **_call_info(query, key, value, head_num, input_layout,
                                                  atten_mask, scale, pre_tockens, next_tockens,
                                                  sparse_mode))
@@ -525,6 +542,7 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
     q, k, v = _bnsd_inputs(query, key, value, head_num, input_layout)
     (b, n, sq, _), (kv_heads, skv) = q.shape, k.shape[1:3]
     keep = visible(atten_mask, sparse_mode, pre_tockens, next_tockens, b, n, sq, skv, q.device)
+    _check_invalid_rows(keep, atten_mask, sparse_mode, inner_precise)
     _record("npu_fusion_attention_grad", **_call_info(query, key, value, head_num, input_layout,
                                                       atten_mask, scale_value, pre_tockens,
                                                       next_tockens, sparse_mode))

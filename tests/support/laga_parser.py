@@ -29,6 +29,8 @@ def upstream_flags(parser):
     add("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     add("--fp8-format", default=None, choices=["e4m3", "hybrid"], dest="fp8")
     add("--recompute-granularity", default=None, choices=["full", "selective"])
+    add("--pad-to-multiple-of", type=int, default=8)  # MindSpeed-LLM's dataset feature
+    add("--no-pad-to-seq-lengths", action="store_true")  # its finetune feature
     for flag in ("--enable-mla-absorb", "--use-sparse-flash-attn", "--enable-dsa-indexer",
                  "--reset-attention-mask", "--reset-position-ids", "--neat-pack", "--tp-2d",
                  "--mla-up-proj-tp-overlap", "--recompute-mla-up-proj", "--mla-zero-memory",

@@ -98,6 +98,19 @@ DOC_CASES = {
                               "kvallgather_cp_algo"] + DOCUMENTS,
     "documents-megatron": ["--context-parallel-algo", "megatron_cp_algo"] + DOCUMENTS,
 }
+# SFT without packing: the trainer's causal + key-padding mask (get_tune_attention_mask,
+# whole under every mapped algorithm), micro-batch 2 with a different pad length per sample;
+# left padding leaves query rows that see no key (the host's softmax averages every value)
+SFT_PADS = {"right": (3, 6), "left": (5, 2)}
+SFT_CASES = {
+    "sft-right-ulysses": ["--q-lora-rank", "24", "--qk-layernorm", "--context-parallel-algo",
+                          "ulysses_cp_algo"],
+    "sft-left-ulysses": ["--context-parallel-algo", "ulysses_cp_algo"],
+    "sft-left-kvallgather": ["--q-lora-rank", "24", "--mla-mm-split", "--context-parallel-algo",
+                             "kvallgather_cp_algo"],
+    "sft-right-megatron": ["--context-parallel-algo", "megatron_cp_algo"],
+    "sft-left-megatron": ["--q-lora-rank", "24", "--context-parallel-algo", "megatron_cp_algo"],
+}
 # hybrid_cp_algo: CP = 4 = ring 2 x Ulysses 2, at TP = 1
 HYBRID = ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"]
 HYBRID_CASES = {"hybrid-u2": ["--q-lora-rank", "24", "--qk-layernorm"] + HYBRID}
@@ -230,14 +243,14 @@ def release_cases(release):
     latent scales go, and 2.3.0 adds plm rope (de-interleaved like yarn in its forward).
     2.2.0 refuses packed documents (check_documents_refused)."""
     if release.name not in OLD_RELEASES:
-        return CASES, TP_CASES, DOC_CASES, HYBRID_CASES
+        return {**CASES, **SFT_CASES}, TP_CASES, DOC_CASES, HYBRID_CASES
 
     def old(argv):
         argv = ["megatron_cp_algo" if a == "kvallgather_cp_algo" else a for a in argv]
         return [a for a in argv if not a.startswith("--enable-mla-scale")]
 
     cases = {name.replace("kvallgather", "megatron-fused"): old(argv)
-             for name, argv in CASES.items()}
+             for name, argv in {**CASES, **SFT_CASES}.items()}
     if "plm" in release.rope_deinterleave:
         cases["qlora-fused-ulysses-plm"] = [
             "--q-lora-rank", "24", "--qk-layernorm", "--context-parallel-algo", "ulysses_cp_algo",
@@ -414,18 +427,36 @@ def worker(rank, world_size, tp_size, sequence_parallel, cases):
                 assert torch.equal(tokens, local(torch.arange(SEQ))), tokens
             inputs = (local(hidden), layouts.shard(_rope_table(SEQ, 8), layout, cp_size, cp_rank,
                                                    dim=0, ulysses_degree=degree), local(grad_out))
+            mask = sft_mask(args, name)  # None but for the SFT cases: the whole mask, every rank
             if cp_size == 1:
-                res["original"] = _run(module, lambda h, r: module(h, None, rotary_pos_emb=r),
+                res["original"] = _run(module, lambda h, r: module(h, mask, rotary_pos_emb=r),
                                        *inputs)
                 res["laga"] = _run(module, lambda h, r: laga_self_attention(
-                    module, h, r, cp_group, args), *inputs)
+                    module, h, r, cp_group, args, attention_mask=mask), *inputs)
             else:
                 patched = laga_mla_forward_wrapper(type(module).forward)
-                res["laga"] = _run(module, lambda h, r: patched(module, h, None, rotary_pos_emb=r),
+                res["laga"] = _run(module, lambda h, r: patched(module, h, mask, rotary_pos_emb=r),
                                    *inputs)
         finally:
             parallel_state.destroy_model_parallel()
     return results
+
+
+def sft_mask(args, name):
+    """For an ``sft-<side>-*`` case: the SFT trainer's mask, built by MindSpeed-LLM's own
+    ``get_tune_attention_mask`` from the tokenizer's 1-D attention mask (1 = token) with
+    ``SFT_PADS[side]`` padding tokens per sample; None for the other cases."""
+    if not name.startswith("sft-"):
+        return None
+    from mindspeed_llm.training.utils import get_tune_attention_mask
+
+    side = name.split("-")[1]
+    mask_1d = torch.ones(BATCH, SEQ, dtype=torch.long)
+    for i, n in enumerate(SFT_PADS[side]):
+        mask_1d[i, SEQ - n:] = 0 if side == "right" else 1
+        mask_1d[i, :n] = 0 if side == "left" else 1
+    args.stage, args.tokenizer_padding_side = "sft", side
+    return get_tune_attention_mask(mask_1d)
 
 
 def worker_jobs(rank, world_size, jobs):

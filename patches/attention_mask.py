@@ -1,0 +1,118 @@
+"""The host's attention mask as LAGA's key padding, exactly or not at all.
+
+MindSpeed-LLM's SFT trainer (``get_tune_attention_mask``) hands every layer a
+bool [b, 1, S, S] mask, True = masked, that is ``~(causal & key_valid)``:
+the causal mask plus padding keys (right, or left with
+``--tokenizer-padding-side left``); every mapped CP algorithm keeps it whole
+(S = the full sequence). LAGA takes the padding as ``key_padding_mask`` [b, S]
+(the mask's last row: the last query sees every key that is not padding) and
+checks that the mask *is* that: rebuilt from the padding it must equal the
+given one element for element. Anything else (a band, a document mask, a
+mask split by CP) is refused by name on every CP rank before any data
+collective: LAGA never runs a different mask than the host's. A plain causal
+mask (no padding) gives None: the fast path.
+
+The check costs one comparison of the mask per distinct mask object: the
+verdict is kept (a weak reference and the tensor's version), so the layers of
+one forward, and its recompute, check it once.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from mindspeed_laga import handshake
+
+COMPRESSED_MASK_SIZE = 2048  # MindSpeed's compressed causal mask (flash attention, sparse mode 2/3)
+
+
+class MaskVerdict:
+    """The last mask seen and what it means: (key padding or None, error message or None)."""
+
+    def __init__(self):
+        self.ref, self.version, self.result = None, None, None
+
+    def lookup(self, mask):
+        if self.ref is not None and self.ref() is mask and self.version == mask._version:
+            return self.result
+        return None
+
+    def keep(self, mask, result):
+        self.ref, self.version, self.result = weakref.ref(mask), mask._version, result
+
+
+_VERDICT = MaskVerdict()
+
+
+def key_padding_from_mask(mask, seq_len: int, micro_batch: int, cp_group,
+                          length_error=None) -> Optional[torch.Tensor]:
+    """The host's ``attention_mask`` -> ``key_padding_mask`` [b, S] or None (causal only).
+
+    ``length_error(S)``: the message for a full length the CP split cannot take, or None
+    (the mask's S is the batch's padded length, which --no-pad-to-seq-lengths varies).
+    Raises ValueError on every CP rank alike when any rank's mask is not causal + key
+    padding over the full sequence, or the ranks' masks differ (the verdict and a
+    checksum of the padding are exchanged before any data moves)."""
+    if mask is None:
+        return None
+    result = _VERDICT.lookup(mask)
+    if result is None:
+        try:
+            length = mask.shape[-1] if mask.dim() else 0
+            if length_error is not None and length_error(length):
+                raise ValueError(length_error(length))
+            result = (_key_padding(mask, seq_len, micro_batch), None)
+        except ValueError as exc:
+            result = (None, exc)
+        # every rank meets here on a new mask (the same batch reaches every CP rank)
+        if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
+            padding = result[0]
+            code = 0 if padding is None else handshake.weight_checksum(padding.to(torch.uint8)) or 1
+            try:
+                handshake.agree({"key_padding": code}, result[1], cp_group, mask.device,
+                                force=True)
+            except ValueError as exc:
+                result = (None, exc)
+        _VERDICT.keep(mask, result)
+    padding, failure = result
+    if failure is not None:
+        raise failure
+    return padding
+
+
+def _key_padding(mask: torch.Tensor, seq_len: int, micro_batch: int) -> Optional[torch.Tensor]:
+    if mask.dtype != torch.bool:
+        raise ValueError(_refused(f"a {mask.dtype} attention mask (LAGA reads bool masks, True = "
+                                  "masked, as get_tune_attention_mask builds them)"))
+    if tuple(mask.shape) == (COMPRESSED_MASK_SIZE,) * 2 and seq_len != COMPRESSED_MASK_SIZE:
+        if torch.equal(mask, _causal(COMPRESSED_MASK_SIZE, mask.device)):
+            return None  # the compressed causal mask: plain causal attention
+        raise ValueError(_refused("a 2048x2048 mask that is not the compressed causal mask"))
+    full = mask.reshape(-1, *mask.shape[-2:]) if mask.dim() >= 2 else mask
+    if mask.dim() not in (2, 4) or tuple(full.shape[-2:]) != (seq_len, seq_len) \
+            or full.shape[0] not in (1, micro_batch) or (mask.dim() == 4 and mask.shape[1] != 1):
+        raise ValueError(_refused(
+            f"an attention mask of shape {list(mask.shape)}; LAGA reads [b, 1, S, S] or [S, S] "
+            f"over the full sequence (S = {seq_len}, micro-batch {micro_batch}), as MindSpeed-LLM "
+            "keeps it with --attention-mask-type causal"))
+    padding = full[:, -1, :]  # the last query sees every key but the padding
+    if not torch.equal(full, _causal(seq_len, mask.device) | padding[:, None, :]):
+        raise ValueError(_refused("an attention mask that is not the causal mask plus key "
+                                  "padding (e.g. a band from --pre-tockens/--next-tockens, or "
+                                  "documents without --reset-attention-mask)"))
+    if not bool(padding.any()):
+        return None
+    return padding.expand(micro_batch, seq_len).contiguous()
+
+
+def _causal(size: int, device) -> torch.Tensor:
+    """True = masked: the keys after each query."""
+    return torch.ones(size, size, dtype=torch.bool, device=device).triu(diagonal=1)
+
+
+def _refused(what: str) -> str:
+    return (f"--mla-latent-all-gather got {what}: LAGA computes causal attention with key "
+            "padding (MindSpeed-LLM's SFT mask, right or left padding) and nothing else; drop "
+            "--mla-latent-all-gather for this mask")
