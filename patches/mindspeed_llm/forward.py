@@ -38,6 +38,7 @@ from mindspeed_laga.features.laga_checks import padded_length_error, sequence_mu
 
 from ..attention_mask import key_padding_from_mask
 from ..common import check_weight_once, first_call, start_gather
+from ..lora import effective_weight
 from .host import check_mindspeed_llm_forward, check_mindspeed_llm_module, release_of_module
 from .releases import deinterleave_rope_dims
 
@@ -108,8 +109,9 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
             attention_mask, _full_length(self, hidden_states, cp_group), hidden_states.shape[1],
             cp_group, _length_error(settings, megatron_args, cp_group))
     overlap = settings.overlap and torch.distributed.get_world_size(cp_group) > 1
+    kv_up_weight = _kv_up_weight(self)  # (a LoRA-wrapped module it cannot read raises here)
     check_ranks = first_call(self)
-    check_weight_once(check_ranks, _kv_up_weight(self), cp_group)
+    check_weight_once(check_ranks, kv_up_weight, cp_group)
     rope_input = _rope_input(release, megatron_args)
     query, kv_latent, k_pos_emb, gather = _mla_inputs(self, hidden_states, rotary_pos_emb,
                                                       cp_group if overlap else None, check_ranks,
@@ -122,7 +124,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
             launch_async_all2all)
         launch_async_all2all()
-    core_out = laga_attention(query, kv_latent, k_pos_emb, _kv_up_weight(self),
+    core_out = laga_attention(query, kv_latent, k_pos_emb, kv_up_weight,
                               softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
                               check_ranks=check_ranks, latent_gather=gather,
                               qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim,
@@ -299,13 +301,17 @@ def _kv_up_weight(self):
     """[n*(d_n+d_v), d_c]: per head, its d_n key rows then its d_v value rows.
 
     With ``--mla-mm-split`` the two halves live in linear_kv_nope and linear_v;
-    interleaving them per head is differentiable, so both weights get grads.
+    interleaving them per head is differentiable, so both weights get grads. A module
+    wrapped by LoRA (``--lora-target-modules``) contributes the weight its forward
+    applies, base plus delta (patches/lora.py), so its adapter trains as without LAGA.
     """
     if not self.mla_mm_split:
-        return self.linear_kv_up_proj.weight
+        return effective_weight(self.linear_kv_up_proj, "linear_kv_up_proj")
     n = self.num_attention_heads_per_partition
-    key_rows = self.linear_kv_nope.weight.view(n, self.qk_head_dim, self.kv_lora_rank)
-    value_rows = self.linear_v.weight.view(n, self.v_head_dim, self.kv_lora_rank)
+    key_rows = effective_weight(self.linear_kv_nope, "linear_kv_nope").reshape(
+        n, self.qk_head_dim, self.kv_lora_rank)
+    value_rows = effective_weight(self.linear_v, "linear_v").reshape(
+        n, self.v_head_dim, self.kv_lora_rank)
     return torch.cat([key_rows, value_rows], dim=1).view(-1, self.kv_lora_rank)
 
 
