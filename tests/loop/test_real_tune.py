@@ -57,15 +57,15 @@ def _missing():
 
 
 @pytest.fixture(scope="session")
-def tune_data_dir(tmp_path_factory):
-    """The tokenizer and datasets, built once per session with master's preprocess_data.py
-    (the indexed format is the same in every release)."""
-    return tmp_path_factory.mktemp("tune-data")
+def tune_data():
+    """The tokenizer and datasets, built once with master's preprocess_data.py and kept in
+    the test cache (the indexed format is the same in every release)."""
+    from support.thirdparty import find_host_sources
+    _skip_without_modules()
+    return tune_loop.prepare_data(find_host_sources("master"))
 
 
-def _runner(sources, workdir, data_dir):
-    """run(name, cp, algo, laga, **recipe): one loop of the scaled-down tune recipe on these
-    host sources, each name run once."""
+def _skip_without_modules():
     missing = _missing()
     if missing:  # as host_sources does: skip naming them, fail under CI=true
         from support.thirdparty import in_ci
@@ -73,9 +73,12 @@ def _runner(sources, workdir, data_dir):
         if in_ci():
             pytest.fail(f"CI=true and {message}", pytrace=False)
         pytest.skip(message)
-    from support.thirdparty import find_host_sources
-    ready = tune_loop.prepare(sources, workdir, data=tune_loop.prepare_data(
-        find_host_sources("master"), data_dir))
+
+
+def _runner(sources, workdir, data):
+    """run(name, cp, algo, laga, **recipe): one loop of the scaled-down tune recipe on these
+    host sources, each name run once."""
+    ready = tune_loop.prepare(sources, data)
     runs = {}
 
     def run(name, cp, algo="ulysses_cp_algo", laga=True, **recipe):
@@ -104,9 +107,9 @@ def _resolve(recipe, workdir):
 
 
 @pytest.fixture(scope="module")
-def tune(host_sources, tmp_path_factory, tune_data_dir):
+def tune(host_sources, tmp_path_factory, tune_data):
     """The master pair's runner, shared by every master case of this module."""
-    return _runner(host_sources, tmp_path_factory.mktemp("real-tune"), tune_data_dir)
+    return _runner(host_sources, tmp_path_factory.mktemp("real-tune"), tune_data)
 
 
 def reference(tune, **recipe):
@@ -190,14 +193,14 @@ RELEASES = [r for r in RELEASE_NAMES if r != "master"]
 
 
 @pytest.fixture(scope="module")
-def release_tune(tmp_path_factory, tune_data_dir):
+def release_tune(tmp_path_factory, tune_data):
     runners = {}
 
     def get(release):
         if release not in runners:
             runners[release] = _runner(release_sources(release),
                                        tmp_path_factory.mktemp(f"real-tune-{release}"),
-                                       tune_data_dir)
+                                       tune_data)
         return runners[release]
 
     return get

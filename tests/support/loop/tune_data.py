@@ -13,11 +13,14 @@
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import List
 
@@ -138,32 +141,58 @@ def preprocess(sources: dict, tokenizer: Path, data_json: Path, prefix: Path,
 
 
 def build(sources: dict, folder: Path, seq_length: int, cp_size: int = 2) -> dict:
-    """The tokenizer directory and both datasets' prefixes (the host appends
-    ``_packed`` to an instruction dataset's prefix), checked for CP = ``cp_size``
-    (check_labels); built once per folder."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """The tokenizer directory, its vocabulary size and both datasets' prefixes (the host
+    appends ``_packed`` to an instruction dataset's prefix), checked for CP = ``cp_size``
+    (check_labels); built once per folder (staged beside it and renamed into place, so
+    concurrent builders never see half a dataset)."""
     done = folder / "built.json"
-    if done.is_file():
-        return json.loads(done.read_text())
+    if not done.is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=folder.parent))
+        try:
+            _build_into(sources, staging, seq_length, cp_size)
+            try:
+                staging.rename(folder)
+            except OSError:  # a concurrent builder won
+                if not done.is_file():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    built = json.loads(done.read_text())
+    return dict(built, **{key: str(folder / built[key]) for key in ("tokenizer", "padded", "packed")})
+
+
+def _build_into(sources: dict, folder: Path, seq_length: int, cp_size: int) -> None:
     tokenizer = build_tokenizer(folder / "tokenizer")
     data_json = folder / "alpaca.json"
     data_json.write_text(json.dumps(alpaca_records(), indent=1))
-    (folder / "padded").mkdir(exist_ok=True)
-    (folder / "packed").mkdir(exist_ok=True)
+    (folder / "padded").mkdir()
+    (folder / "packed").mkdir()
     preprocess(sources, tokenizer, data_json, folder / "padded" / "alpaca")
-    preprocess(sources, tokenizer, data_json, folder / "packed" / "alpaca",
-               pack_to=seq_length)
+    preprocess(sources, tokenizer, data_json, folder / "packed" / "alpaca", pack_to=seq_length)
+    for cache in folder.glob("*/hf-cache"):
+        shutil.rmtree(cache)
     from transformers import AutoTokenizer
-    built = dict(tokenizer=str(tokenizer), vocab=len(AutoTokenizer.from_pretrained(str(tokenizer))),
-                 padded=str(folder / "padded" / "alpaca"), packed=str(folder / "packed" / "alpaca"))
+    built = dict(tokenizer="tokenizer", vocab=len(AutoTokenizer.from_pretrained(str(tokenizer))),
+                 padded="padded/alpaca", packed="packed/alpaca")
     code = ("import json, sys\nfrom support.loop.tune_data import check_labels\n"
             "check_labels(json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))\n")
     tests = Path(__file__).resolve().parents[2]
-    checked = subprocess.run([sys.executable, "-c", code, json.dumps(built), str(seq_length),
+    paths = {key: str(folder / built[key]) for key in ("padded", "packed")}
+    checked = subprocess.run([sys.executable, "-c", code, json.dumps(paths), str(seq_length),
                               str(cp_size)], capture_output=True, text=True, timeout=120,
                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                                  [str(tests), sources["MEGATRON_SRC"]])))
     if checked.returncode != 0:
         raise RuntimeError(checked.stderr[-3000:])
-    done.write_text(json.dumps(built))
-    return built
+    (folder / "built.json").write_text(json.dumps(built))
+
+
+def cached_folder(sources: dict) -> Path:
+    """Where the data of this generator and these host sources is kept across runs (the
+    test cache, keyed by this file's text and the MindSpeed-LLM source)."""
+    from support.thirdparty import cache_dir
+
+    key = hashlib.sha256(Path(__file__).read_bytes() + str(
+        Path(sources["MINDSPEED_LLM_SRC"]).resolve()).encode()).hexdigest()[:16]
+    return cache_dir().parent / "loop" / f"tune-data-{key}"

@@ -47,8 +47,11 @@ SCALED = dict({flag: value for flag, value in real_loop.SCALED.items()
                  "--train-iters": str(ITERATIONS), "--global-batch-size": str(MICRO_BATCHES),
                  "--lr": "1e-2", "--min-lr": "1e-3"})
 # flags of the tune recipe dropped here, and why (the pretrain loop's reasons, plus ...)
+# (--moe-router-enable-expert-bias stays: measured CP-invariant in the host on its own,
+# unlike --seq-aux, which real_loop.HOST_CP_VARIANT describes)
 DROPPED = (real_loop.DROPPED - {"--tokenizer-name-or-path", "--recompute-method",
-                                "--recompute-granularity", "--recompute-num-layers"}) | {
+                                "--recompute-granularity", "--recompute-num-layers",
+                                "--moe-router-enable-expert-bias"}) | {
     # NPU-only overlap of the MoE all-to-all (EP is 1 here)
     "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm",
     # keeps a bf16 copy of the fp32 master weights: the run is fp32
@@ -104,16 +107,16 @@ def writable(sources: dict) -> dict:
     return dict(sources, MEGATRON_SRC=str(real_loop.writable_megatron(Path(sources["MEGATRON_SRC"]))))
 
 
-def prepare_data(sources: dict, folder: Path) -> dict:
+def prepare_data(sources: dict) -> dict:
     """The tokenizer and both datasets, built with these host sources' preprocess_data.py
-    (once per folder)."""
-    return tune_data.build(writable(sources), folder, SEQ_LENGTH)
+    (once: kept in the test cache, tune_data.cached_folder)."""
+    return tune_data.build(writable(sources), tune_data.cached_folder(sources), SEQ_LENGTH)
 
 
-def prepare(sources: dict, workdir: Path, data: Optional[dict] = None) -> dict:
+def prepare(sources: dict, data: Optional[dict] = None) -> dict:
     """Writable sources and the data (``data``: already built, e.g. by another release's
     preprocess_data.py; the indexed format is the same)."""
-    return dict(sources=writable(sources), data=data or prepare_data(sources, workdir / "data"))
+    return dict(sources=writable(sources), data=data or prepare_data(sources))
 
 
 def run(ready: dict, workdir: Path, cp: int, argv: List[str], timeout_s: float = 600):
@@ -136,7 +139,7 @@ def main():
     from support.thirdparty import find_host_sources
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="laga-tune-"))
-    ready = prepare(find_host_sources(args.release), workdir)
+    ready = prepare(find_host_sources(args.release))
     argv = tune_recipe(Path(ready["sources"]["MINDSPEED_LLM_SRC"]), args.cp, args.algo,
                        args.laga, ready["data"], packed=args.packed, targets=args.lora_targets,
                        extra=[a for a in args.extra if a != "--"], without=args.without)
