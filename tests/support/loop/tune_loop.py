@@ -120,8 +120,19 @@ def prepare(sources: dict, data: Optional[dict] = None) -> dict:
 
 
 def run(ready: dict, workdir: Path, cp: int, argv: List[str], timeout_s: float = 600):
+    """posttrain_gpt.py argv on ``cp`` gloo CPU ranks.
+
+    With left padding a pad query sees no key (its own and every earlier key are padding),
+    and ``npu_fusion_attention`` called without ``inner_precise=2``, as the host calls it,
+    leaves such rows unspecified: the stand-in computes them as zero there instead of
+    refusing. They reach nothing that trains unless the router counts them
+    (--moe-router-enable-expert-bias), which the left-padded case leaves out."""
+    extra_env = {}
+    if "--tokenizer-padding-side" in argv and argv[argv.index("--tokenizer-padding-side") + 1] == "left":
+        from support.loop.bootstrap.loop_recorder import UNSPECIFIED_ROWS_ENV
+        extra_env[UNSPECIFIED_ROWS_ENV] = "zero"
     return real_loop.run_loop(ready["sources"], workdir, cp, argv, timeout_s=timeout_s,
-                              script=SCRIPT)
+                              script=SCRIPT, extra_env=extra_env)
 
 
 def main():
