@@ -89,13 +89,13 @@ def _runner(sources, workdir, data):
             runs[name] = tune_loop.run(ready, workdir / name, cp, argv, timeout_s=RUN_TIMEOUT_S)
         return runs[name]
 
-    run.workdir = workdir
     return run
 
 
 def _resolve(recipe, workdir):
-    """``load_from``: the run whose checkpoint this one loads (--load and --lora-load);
-    ``save``: this run saves its final checkpoint."""
+    """``save``: this run saves its final checkpoint (the runner's one checkpoint folder);
+    ``load_from``: the case whose CP = 1 run saved it, which this run loads with --load and
+    --lora-load (base and adapters)."""
     recipe = dict(recipe)
     extra = list(recipe.pop("extra", []))
     if recipe.pop("save", False):
