@@ -12,8 +12,8 @@ mask split by CP) is refused by name on every CP rank before any data
 collective: LAGA never runs a different mask than the host's. A plain causal
 mask (no padding) gives None: the fast path.
 
-The check costs one comparison of the mask per distinct mask object: the
-verdict is kept (a weak reference and the tensor's version), so the layers of
+The check costs one comparison of the mask per distinct mask object (a block
+of rows at a time, so nothing of [S, S] is allocated): the verdict is kept (a weak reference and the tensor's version), so the layers of
 one forward, and its recompute, check it once.
 """
 from __future__ import annotations
@@ -98,13 +98,29 @@ def _key_padding(mask: torch.Tensor, seq_len: int, micro_batch: int) -> Optional
             f"over the full sequence (S = {seq_len}, micro-batch {micro_batch}), as MindSpeed-LLM "
             "keeps it with --attention-mask-type causal"))
     padding = full[:, -1, :]  # the last query sees every key but the padding
-    if not torch.equal(full, _causal(seq_len, mask.device) | padding[:, None, :]):
+    if not _is_causal_plus(full, padding):
         raise ValueError(_refused("an attention mask that is not the causal mask plus key "
                                   "padding (e.g. a band from --pre-tockens/--next-tockens, or "
                                   "documents without --reset-attention-mask)"))
     if not bool(padding.any()):
         return None
     return padding.expand(micro_batch, seq_len).contiguous()
+
+
+ROWS_PER_CHECK = 1024  # rows of the mask rebuilt at a time: [b, 1024, S] bools, never [S, S]
+
+
+def _is_causal_plus(full: torch.Tensor, padding: torch.Tensor) -> bool:
+    """Whether ``full`` [b|1, S, S] equals the causal mask | ``padding`` [b|1, S] (keys),
+    compared a block of rows at a time."""
+    seq_len = full.shape[-1]
+    cols = torch.arange(seq_len, device=full.device)
+    for r0 in range(0, seq_len, ROWS_PER_CHECK):
+        rows = torch.arange(r0, min(r0 + ROWS_PER_CHECK, seq_len), device=full.device)
+        expected = (cols[None, :] > rows[:, None])[None] | padding[:, None, :]
+        if not torch.equal(full[:, r0:r0 + len(rows)], expected):
+            return False
+    return True
 
 
 def _causal(size: int, device) -> torch.Tensor:

@@ -20,6 +20,13 @@ pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 S, B = 16, 2
 
 
+@pytest.fixture(autouse=True)
+def rows_in_blocks(monkeypatch):
+    """The mask is compared a block of rows at a time: blocks of 5 rows cut these 16."""
+    from mindspeed_laga.patches import attention_mask
+    monkeypatch.setattr(attention_mask, "ROWS_PER_CHECK", 5)
+
+
 def tune_mask(valid_1d: torch.Tensor) -> torch.Tensor:
     """get_tune_attention_mask's result for a [b, S] 1/0 token mask: [b, 1, S, S]."""
     causal = torch.ones(S, S, dtype=torch.bool).tril()

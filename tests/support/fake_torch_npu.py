@@ -459,17 +459,18 @@ def _row_stats(s: torch.Tensor):
 UNSPECIFIED_ROWS = "raise"
 
 
-def _check_invalid_rows(keep, atten_mask, sparse_mode: int, inner_precise: int):
+def _check_invalid_rows(atten_mask, sparse_mode: int, inner_precise: int, b, n, sq, skv):
     """A user mask (modes 0/1) that masks a whole query row: the reference documents
     ``inner_precise=2`` as the switch that computes such "invalid rows" (without it their
-    result is not specified: "precision loss"); the op detects them itself only for its own
-    modes (e.g. mode 3 with Sq > Skv). The stand-in gives them zero output and grads, and
-    refuses them without the switch."""
-    if atten_mask is None or sparse_mode not in (0, 1) or keep is None or inner_precise == 2:
+    result is not specified: "precision loss"); the op detects them itself only from its
+    sparse parameters (e.g. mode 3 with Sq > Skv, a pre/next band), not inside a mask it is
+    handed. The stand-in gives them zero output and grads, and refuses a row the mask
+    itself masks wholly without the switch."""
+    if atten_mask is None or sparse_mode not in (0, 1) or inner_precise == 2:
         return
     if UNSPECIFIED_ROWS == "zero":
         return
-    if bool((~keep.any(dim=-1)).any()):
+    if bool(_full_mask(atten_mask, b, n, sq, skv).all(dim=-1).any()):
         raise FakeNpuError("atten_mask masks every key of some query row; pass inner_precise=2 "
                            "(invalid-row computation) or the op's result for it is unspecified")
 
@@ -515,7 +516,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, *, pse=None,
     q, k, v = _bnsd_inputs(query, key, value, head_num, input_layout)
     (b, n, sq, _), skv = q.shape, k.shape[2]
     keep = visible(atten_mask, sparse_mode, pre_tockens, next_tockens, b, n, sq, skv, q.device)
-    _check_invalid_rows(keep, atten_mask, sparse_mode, inner_precise)
+    _check_invalid_rows(atten_mask, sparse_mode, inner_precise, b, n, sq, skv)
     _record("npu_fusion_attention", **_call_info(query, key, value, head_num, input_layout,
                                                  atten_mask, scale, pre_tockens, next_tockens,
                                                  sparse_mode))
@@ -551,7 +552,7 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
     q, k, v = _bnsd_inputs(query, key, value, head_num, input_layout)
     (b, n, sq, _), (kv_heads, skv) = q.shape, k.shape[1:3]
     keep = visible(atten_mask, sparse_mode, pre_tockens, next_tockens, b, n, sq, skv, q.device)
-    _check_invalid_rows(keep, atten_mask, sparse_mode, inner_precise)
+    _check_invalid_rows(atten_mask, sparse_mode, inner_precise, b, n, sq, skv)
     _record("npu_fusion_attention_grad", **_call_info(query, key, value, head_num, input_layout,
                                                       atten_mask, scale_value, pre_tockens,
                                                       next_tockens, sparse_mode))

@@ -47,6 +47,12 @@ What it checks (exit status 0 = all passed):
    hybrid groups; the layout checked against its ``get_batch_on_this_cp_rank``)
    against the real forward at CP = 1. The documents' tokens per rank come from that
    function too, so LAGA's layout mapping is checked by the host's own split.
+5. Fine-tuning without packing (the ``sft-*`` cases): the SFT trainer's causal +
+   key-padding mask from MindSpeed-LLM's own ``get_tune_attention_mask``, right and
+   left padding, micro-batch 2 with a different pad length per sample, handed whole to
+   every rank as every mapped algorithm keeps it: LAGA at CP = 2 (ulysses, kvallgather,
+   megatron) and CP = 4 (hybrid) against the real forward at CP = 1 with that mask
+   (whose unfused softmax gives left padding's pad rows the mean of every value).
 """
 from __future__ import annotations
 
@@ -113,7 +119,8 @@ SFT_CASES = {
 }
 # hybrid_cp_algo: CP = 4 = ring 2 x Ulysses 2, at TP = 1
 HYBRID = ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"]
-HYBRID_CASES = {"hybrid-u2": ["--q-lora-rank", "24", "--qk-layernorm"] + HYBRID}
+HYBRID_CASES = {"hybrid-u2": ["--q-lora-rank", "24", "--qk-layernorm"] + HYBRID,
+                "sft-left-hybrid-u2": HYBRID}  # the SFT mask (SFT_PADS) under hybrid
 # 2.2.0 and 2.3.0: no kvallgather_cp_algo, no --enable-mla-scale-*-lora or
 # --enable-mla-absorb in their parsers
 OLD_RELEASES = ("2.3.0", "2.2.0")
