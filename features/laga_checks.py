@@ -43,7 +43,13 @@ _INCOMPATIBLE = (
      "LAGA rebuilds K/V from linear_kv_up_proj.weight alone: drop {flag} or drop " + FLAG),
     ("fp8", "--fp8-format",
      "LAGA's attention runs in the training dtype, not FP8: drop {flag} or drop " + FLAG),
+    ("qlora", "--qlora",
+     "QLoRA stores every parallel linear's base weight in 4 bits, linear_kv_up_proj's "
+     "included, and LAGA rebuilds K/V from that weight as a matrix: fine-tune with LoRA "
+     "(drop {flag}, keep --lora-target-modules) or drop " + FLAG),
 )
+# the modules LAGA reads as a weight instead of calling them (fused; --mla-mm-split)
+KV_UP_MODULES = ("linear_kv_up_proj", "linear_kv_nope", "linear_v")
 
 # (args attribute, value, flag as the user writes it, why and how to fix)
 _INCOMPATIBLE_VALUES = (
@@ -65,6 +71,7 @@ def check_laga_args(args: Namespace) -> bool:
     if cp_size == 1:
         return False
     _check_incompatible(args)
+    _check_lora(args)
     _check_attention_dropout(args)
     _check_documents(args)
     cp_algo, layout = _check_cp_algo(args)
@@ -93,6 +100,28 @@ def _check_incompatible(args: Namespace) -> None:
         raise ValueError(f"{FLAG} needs linear_kv_up_proj without a bias (LAGA rebuilds K/V from "
                          "its weight alone): pass --disable-bias-linear, as the DeepSeek scripts "
                          f"do, or drop {FLAG}")
+
+
+def lora_kv_up_targets(args: Namespace) -> list:
+    """The --lora-target-modules entries that wrap a K/V up-projection: peft wraps every
+    module whose dotted name ends with a target, so a target's last component decides."""
+    targets = getattr(args, "lora_target_modules", None) or []
+    return [t for t in targets if t.split(".")[-1] in KV_UP_MODULES]
+
+
+def _check_lora(args: Namespace) -> None:
+    """LoRA on the K/V up-projection: LAGA reads its effective weight (base + delta,
+    patches/lora.py), which only plain LoRA has; LU-LoRA's layers update their adapters
+    inside their own forward, which LAGA does not call for those modules."""
+    targets = lora_kv_up_targets(args)
+    if targets and getattr(args, "lu_lora_final_layer_index", None) is not None:
+        listed = " ".join(targets)
+        raise ValueError(
+            f"{FLAG} with --lu-lora-final-layer-index and --lora-target-modules {listed} is "
+            "not supported: LU-LoRA trains its adapters inside the wrapped module's forward, "
+            f"and LAGA rebuilds K/V from the weights of {listed} without calling them. Remove "
+            f"{listed} from --lora-target-modules, drop --lu-lora-final-layer-index, or drop "
+            f"{FLAG}")
 
 
 def _check_attention_dropout(args: Namespace) -> None:

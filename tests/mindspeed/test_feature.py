@@ -151,6 +151,11 @@ REJECTED = [
     (["--mla-laga-kv-block-size", "512"], "needs --mla-laga-recompute-kv"),
     (["--attention-dropout", "0.05"], "--attention-dropout 0.0"),
     (["--mla-laga-recompute-kv", "--mla-laga-kv-block-size", "0"], "--mla-laga-kv-block-size 0"),
+    (["--qlora", "--lora-target-modules", "linear_qkv"], "--qlora"),
+    (["--lu-lora-final-layer-index", "2", "--lora-target-modules", "linear_qkv",
+      "linear_kv_up_proj"], "--lu-lora-final-layer-index"),
+    (["--lu-lora-final-layer-index", "2", "--lora-target-modules", "self_attention.linear_v"],
+     "self_attention.linear_v"),
 ]
 
 
@@ -160,6 +165,16 @@ def test_unsupported_combinations_raise_value_error_naming_the_flag(extra, needl
         validate(VALID + extra)
     message = str(info.value)
     assert needle in message and "--mla-latent-all-gather" in message
+
+
+@pytest.mark.parametrize("targets", [["linear_qkv", "linear_kv_up_proj", "linear_proj"],
+                                     ["linear_kv_nope", "linear_v", "linear_qk_nope"]])
+def test_lora_on_the_kv_up_projection_validates(targets):
+    """Plain LoRA there is read exactly (patches/lora.py); LU-LoRA elsewhere is called as a
+    module, so only its combination with a K/V up-projection target is refused."""
+    validate(VALID + ["--lora-target-modules", *targets])
+    validate(VALID + ["--lu-lora-final-layer-index", "2", "--lora-target-modules",
+                      "linear_qkv", "linear_proj", "kv_up_proj"])
 
 
 def test_zigzag_divisibility_is_the_only_failure_of_the_seq_length_cases():

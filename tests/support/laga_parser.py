@@ -31,10 +31,12 @@ def upstream_flags(parser):
     add("--recompute-granularity", default=None, choices=["full", "selective"])
     add("--pad-to-multiple-of", type=int, default=8)  # MindSpeed-LLM's dataset feature
     add("--no-pad-to-seq-lengths", action="store_true")  # its finetune feature
+    add("--lora-target-modules", nargs="+", type=str, default=[])
+    add("--lu-lora-final-layer-index", type=int, default=None)
     for flag in ("--enable-mla-absorb", "--use-sparse-flash-attn", "--enable-dsa-indexer",
                  "--reset-attention-mask", "--reset-position-ids", "--neat-pack", "--tp-2d",
                  "--mla-up-proj-tp-overlap", "--recompute-mla-up-proj", "--mla-zero-memory",
-                 "--mla-swap-core-attn-out", "--add-qkv-bias"):
+                 "--mla-swap-core-attn-out", "--add-qkv-bias", "--qlora"):
         add(flag, action="store_true")
 
 
