@@ -38,6 +38,9 @@ SEQ_LENGTH = 64
 ITERATIONS = 4
 MICRO_BATCHES = 2  # per iteration (global batch 2, micro-batch 1, DP 1)
 STOCK_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+# what makes the script a LoRA SFT recipe; the loop keeps each as shipped
+FINE_TUNING = ("--finetune", "--stage", "--is-instruction-dataset", "--lora-r", "--lora-alpha",
+               "--lora-fusion", "--lora-target-modules", "--prompt-type")
 
 # flag -> value: the tune recipe's dimensions and parallel sizes, shrunk as the pretrain
 # loop shrinks its recipe's (the tokenizer's vocabulary is filled in per run)
@@ -46,9 +49,10 @@ SCALED = dict({flag: value for flag, value in real_loop.SCALED.items()
               **{"--seq-length": str(SEQ_LENGTH), "--max-position-embeddings": str(SEQ_LENGTH),
                  "--train-iters": str(ITERATIONS), "--global-batch-size": str(MICRO_BATCHES),
                  "--lr": "1e-2", "--min-lr": "1e-3"})
-# flags of the tune recipe dropped here, and why (the pretrain loop's reasons, plus ...)
-# (--moe-router-enable-expert-bias stays: measured CP-invariant in the host on its own,
-# unlike --seq-aux, which real_loop.HOST_CP_VARIANT describes)
+# flags of the tune recipe dropped here, and why: the pretrain loop's (real_loop.DROPPED),
+# except the tokenizer (a local one), full recompute (kept as shipped) and
+# --moe-router-enable-expert-bias (measured CP-invariant in the host on its own, unlike
+# --seq-aux, real_loop.HOST_CP_VARIANT), plus these:
 DROPPED = (real_loop.DROPPED - {"--tokenizer-name-or-path", "--recompute-method",
                                 "--recompute-granularity", "--recompute-num-layers",
                                 "--moe-router-enable-expert-bias"}) | {
@@ -76,9 +80,9 @@ def tune_recipe(llm_src: Path, cp_size: int, cp_algo: str, laga: bool, data: dic
     ``--reset-attention-mask``, else the padded one; ``targets``: --lora-target-modules."""
     stock = real_loop.flag_groups(stock_tune_flags(llm_src))
     names = {flag for flag, _ in stock}
-    missing = [flag for flag in SCALED if flag not in names and flag not in real_loop.SCALED]
-    if missing or "--finetune" not in names or "--lora-r" not in names:
-        raise RuntimeError(f"the stock tune recipe changed: {missing or 'no --finetune/--lora-r'}")
+    missing = [flag for flag in (*SCALED, *FINE_TUNING) if flag not in names]
+    if missing:  # the stock script changed: the scaling no longer describes it
+        raise RuntimeError(f"the stock tune recipe lacks {missing}")
     scaled = dict(SCALED, **{"--tokenizer-name-or-path": data["tokenizer"],
                              "--vocab-size": str(data["vocab"]),
                              "--padded-vocab-size": str(data["vocab"])})
@@ -87,10 +91,6 @@ def tune_recipe(llm_src: Path, cp_size: int, cp_algo: str, laga: bool, data: dic
         if flag in DROPPED or flag in without:
             continue
         argv += [flag] + ([scaled[flag]] if flag in scaled else values)
-    for flag in ("--expert-model-parallel-size", "--micro-batch-size", "--train-iters",
-                 "--lr-warmup-iters", "--min-lr", "--distributed-timeout-minutes"):
-        if flag not in names and flag not in without:  # shrunk flags the tune script leaves default
-            argv += [flag, scaled[flag]]
     argv += real_loop.CPU_FLAGS + [
         "--data-path", data["packed" if packed else "padded"],
         "--context-parallel-size", str(cp_size), "--context-parallel-algo", cp_algo]
