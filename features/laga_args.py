@@ -74,6 +74,11 @@ def register_laga_args(parser: ArgumentParser) -> None:
                             "overlap its backward reduce-scatter with the dq work")
 
 
+def context_parallel_algo(args: Namespace) -> str:
+    """MindSpeed's --context-parallel-algo of this run (its default when unset)."""
+    return getattr(args, "context_parallel_algo", None) or DEFAULT_CP_ALGO
+
+
 def cp_algo_and_layout(context_parallel_algo: str, documents: bool = False):
     """(core cp_algo, core layout) for a MindSpeed --context-parallel-algo, or None;
     ``documents``: under --reset-attention-mask."""
@@ -105,7 +110,7 @@ class MindSpeedLAGASettings:
 
 def laga_settings(args: Namespace) -> MindSpeedLAGASettings:
     """Settings for the core; ``validate_args`` has already rejected unmapped algorithms."""
-    algo = getattr(args, "context_parallel_algo", None) or DEFAULT_CP_ALGO
+    algo = context_parallel_algo(args)
     documents = bool(getattr(args, "reset_attention_mask", False))
     mapped = cp_algo_and_layout(algo, documents)
     if mapped is None:

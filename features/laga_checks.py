@@ -11,9 +11,11 @@ from __future__ import annotations
 import importlib.util
 from argparse import Namespace
 
+from mindspeed_laga.cp_algos import algo
+from mindspeed_laga.vocab.names import HYBRID
 from mindspeed_laga.vocab.segments import seq_multiple
 
-from .laga_args import (CP_ALGO_MAP, DEFAULT_CP_ALGO, DOCUMENT_CP_ALGO_MAP, FLAG,
+from .laga_args import (CP_ALGO_MAP, DOCUMENT_CP_ALGO_MAP, FLAG, context_parallel_algo,
                         cp_algo_and_layout)
 
 _PACKED = ("this packed (THD) form is not covered by LAGA: pack documents with "
@@ -151,12 +153,8 @@ def _check_documents(args: Namespace) -> None:
                          "--global-batch-size's accumulation instead), or drop " + FLAG)
 
 
-def _algo(args: Namespace) -> str:
-    return getattr(args, "context_parallel_algo", None) or DEFAULT_CP_ALGO
-
-
 def _check_cp_algo(args: Namespace):
-    algo = _algo(args)
+    algo = context_parallel_algo(args)
     mapped = cp_algo_and_layout(algo, _documents(args))
     if mapped is not None:
         return mapped
@@ -174,26 +172,28 @@ def _check_split(args: Namespace, cp_size: int, cp_algo: str, layout: str) -> No
     heads = int(args.num_attention_heads)
     tp_size = int(getattr(args, "tensor_model_parallel_size", None) or 1)
     seq_length = int(args.seq_length)
-    if cp_algo == "ulysses" and heads % (tp_size * cp_size):
+    split = algo(cp_algo)
+    if split.takes_ulysses_degree:
+        _check_hybrid(args, heads, tp_size, cp_size)
+    elif not _heads_divide(split, heads, tp_size, cp_size):
         raise ValueError(
             f"{FLAG} with ulysses_cp_algo splits each TP rank's heads over CP: "
             f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
             f"{tp_size} x --context-parallel-size {cp_size}; choose sizes whose product divides "
             "the heads, or use --context-parallel-algo kvallgather_cp_algo")
-    if cp_algo == "hybrid":
-        _check_hybrid(args, heads, tp_size, cp_size)
     chunks = cp_size if layout == "contiguous" else 2 * cp_size
     if seq_length % chunks:
         what = "--context-parallel-size" if layout == "contiguous" else "2 x --context-parallel-size"
         raise ValueError(
-            f"{FLAG} with --context-parallel-algo {_algo(args)} cuts the sequence into {what} "
+            f"{FLAG} with --context-parallel-algo {context_parallel_algo(args)} cuts the sequence into {what} "
             f"= {chunks} equal chunks: --seq-length {seq_length} is not divisible by {chunks}; "
             f"pad --seq-length to a multiple of {chunks}")
 
 
 def sequence_multiple(args: Namespace, cp_size: int, cp_algo: str, layout: str) -> int:
     """Every full sequence length LAGA meets must be a multiple of this."""
-    degree = int(getattr(args, "ulysses_degree_in_cp", None) or 1) if cp_algo == "hybrid" else 1
+    takes_degree = algo(cp_algo).takes_ulysses_degree
+    degree = int(getattr(args, "ulysses_degree_in_cp", None) or 1) if takes_degree else 1
     return seq_multiple(layout, cp_size, degree)
 
 
@@ -217,15 +217,24 @@ def _check_padded_lengths(args: Namespace, cp_size: int, cp_algo: str, layout: s
                                              f"--pad-to-multiple-of {pad_to}"))
 
 
+def _heads_divide(split, heads: int, tp_size: int, cp_size: int, degree: int = 1) -> bool:
+    """The algorithm's rule on one TP rank's heads (--num-attention-heads / TP)."""
+    per_rank, rest = divmod(heads, tp_size)
+    if not split.heads_split(cp_size, degree):
+        return True
+    return rest == 0 and split.heads_divide(per_rank, cp_size, degree)
+
+
 def _check_hybrid(args: Namespace, heads: int, tp_size: int, cp_size: int) -> None:
     """hybrid_cp_algo: heads split over each Ulysses group of --ulysses-degree-in-cp ranks."""
     degree = getattr(args, "ulysses_degree_in_cp", None)
-    if not degree or degree <= 1 or cp_size % degree or degree == cp_size:
+    split = algo(HYBRID)
+    if not degree or degree <= 1 or not split.degree_divides(cp_size, degree) or degree == cp_size:
         raise ValueError(
             f"{FLAG} with --context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp U "
             f"with 1 < U < --context-parallel-size {cp_size} and U dividing it; got {degree}: "
             "set it, or use --context-parallel-algo ulysses_cp_algo or kvallgather_cp_algo")
-    if heads % (tp_size * degree):
+    if not _heads_divide(split, heads, tp_size, cp_size, degree):
         raise ValueError(
             f"{FLAG} with hybrid_cp_algo splits each TP rank's heads over the Ulysses group: "
             f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "

@@ -13,7 +13,7 @@ import os
 import warnings
 from argparse import ArgumentParser, Namespace
 
-from .laga_args import FEATURE_NAME, FLAG, register_laga_args
+from .laga_args import FEATURE_NAME, FLAG, context_parallel_algo, register_laga_args
 from .laga_checks import check_laga_args, context_parallel_size
 
 try:  # the real base when MindSpeed is installed, so MindSpeed treats us as its own
@@ -62,7 +62,7 @@ class LAGAFeature(_Base):
         logger.info(found)
         if os.environ.get("RANK", "0") == "0":  # the start-up log, once per job
             print(found, flush=True)
-        algo = getattr(args, "context_parallel_algo", None) or "megatron_cp_algo"
+        algo = context_parallel_algo(args)
         if getattr(args, "reset_attention_mask", False) and not release.takes_documents(algo):
             other = (f"use --context-parallel-algo {' or '.join(release.document_algos)}, "
                      if release.document_algos else "")

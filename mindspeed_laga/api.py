@@ -94,12 +94,13 @@ def _autocast(tensors, latent_gather=None):
     return cast, torch.autocast(device, enabled=False)
 
 
-def _run(forward, tensors, options: AttnOptions, **form_options):
-    """Check the call once (``checks.check``), then run the form on the checked setup; under
-    torch.autocast on the cast tensors with autocast off (:func:`_autocast`)."""
+def _run(forward, tensors, options: AttnOptions, *form_options):
+    """Check the call once (``checks.check``), then run the form on the checked setup (LAGA:
+    and its one options record); under torch.autocast on the cast tensors with autocast
+    off (:func:`_autocast`)."""
     tensors, region = _autocast(tensors, options.latent_gather)
     with region:
-        return forward(*tensors, checks.check(*tensors, options), **form_options)
+        return forward(*tensors, checks.check(*tensors, options), *form_options)
 
 
 def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, cp_group=None,
@@ -133,9 +134,7 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
         ulysses_group=ulysses_group, key_padding_mask=key_padding_mask, empty_rows=empty_rows,
         trim_causal_prefix=trim_causal_prefix,
         recompute_kv=recompute_kv, kv_block_size=kv_block_size, latent_gather=latent_gather)
-    return _run(laga_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options,
-                trim_causal_prefix=trim_causal_prefix, recompute_kv=recompute_kv,
-                kv_block_size=kv_block_size, latent_gather=latent_gather)
+    return _run(laga_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options, options.laga)
 
 
 def explicit_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale,

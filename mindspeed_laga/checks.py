@@ -18,13 +18,14 @@ from typing import Dict, Optional
 
 import torch
 
-from . import comm, handshake
+from . import comm, handshake, kernels
+from .cp_algos import ALGOS, algo
+from .key_padding import check_empty_rows, check_key_padding, padding_counts
 from .options import AttnOptions
-from .vocab.names import ATTN_CP_ALGOS, FORMS, HYBRID, KERNELS, LAYOUTS
-from .vocab.attn_setup import AttnSetup, heads_split
+from .vocab.names import ATTN_CP_ALGOS, EMPTY_ROWS, FORMS, KERNELS, LAYOUTS
+from .vocab.attn_setup import AttnSetup
 from .vocab.dims import MLADims
 from .vocab.documents import resolve_documents
-from .vocab.key_padding import EMPTY_ROWS, check_empty_rows, check_key_padding, padding_counts
 from .vocab.segments import seq_multiple
 
 
@@ -136,7 +137,7 @@ def _check_split(dims: MLADims, local_len: int, cp_size: int, cp_algo: str, layo
             f"layout='zigzag' needs the sequence divisible by 2*CP={2 * cp_size}: each rank "
             f"holds 2 equal chunks, but this rank holds {local_len} tokens; pad the sequence "
             "to a multiple of 2*CP or use layout='contiguous'")
-    if heads_split(cp_algo, cp_size) and dims.heads % cp_size:
+    if not algo(cp_algo).heads_divide(dims.heads, cp_size, ulysses_degree):
         raise ValueError(
             f"cp_algo='ulysses' splits heads over the CP group: {dims.heads} heads are not "
             f"divisible by CP={cp_size}; use cp_algo='allgather' or a CP size dividing the heads")
@@ -155,7 +156,8 @@ def _check_hybrid_split(local_len: int, cp_size: int, layout: str, degree: int):
 
 def _check_ulysses_group(cp_algo, ulysses_group, cp_group, cp_size: int, heads: int) -> int:
     """Hybrid CP's Ulysses group: U consecutive CP ranks holding this rank -> U (1: not hybrid)."""
-    if cp_algo != HYBRID:
+    split = algo(cp_algo)
+    if not split.takes_ulysses_degree:
         if ulysses_group is not None:
             raise ValueError(f"ulysses_group is given but cp_algo={cp_algo!r}; pass "
                              "cp_algo='hybrid' to split heads inside ulysses_group, or drop "
@@ -168,7 +170,7 @@ def _check_ulysses_group(cp_algo, ulysses_group, cp_group, cp_size: int, heads: 
                          "'ulysses'")
     members, cp_members = _group_ranks(ulysses_group, "ulysses_group"), _cp_ranks(cp_group)
     degree = len(members)
-    if cp_size % degree:
+    if not split.degree_divides(cp_size, degree):
         raise ValueError(f"ulysses_group has {degree} ranks, which does not divide CP={cp_size}; "
                          "its size U must divide the CP size (R = CP/U ring ranks)")
     first = comm.group_rank(cp_group) // degree * degree
@@ -179,7 +181,7 @@ def _check_ulysses_group(cp_algo, ulysses_group, cp_group, cp_size: int, heads: 
             f"rank (CP ranks {first}..{first + degree - 1}, global ranks {expected}), in CP rank "
             f"order; got global ranks {members}. Build it as MindSpeed's hybrid groups: CP rank "
             "c = r*U + u")
-    if heads % degree:
+    if not split.heads_divide(heads, cp_size, degree):
         raise ValueError(f"cp_algo='hybrid' splits heads over ulysses_group: {heads} heads (per "
                          f"TP rank) are not divisible by its size U={degree}; use a "
                          "ulysses_group whose size divides the heads")
@@ -202,12 +204,18 @@ def _cp_ranks(cp_group):
 
 def _ulysses_degree_value(cp_algo, ulysses_group) -> int:
     """U for the handshake (-1 when unknown), so ranks that differ on it raise alike."""
-    if cp_algo != HYBRID and ulysses_group is None:
+    if not _takes_degree(cp_algo) and ulysses_group is None:
         return 1
     try:
         return comm.group_size(ulysses_group)
     except Exception:
         return handshake.UNKNOWN
+
+
+def _takes_degree(cp_algo) -> bool:
+    """Whether ``cp_algo`` (as passed: maybe not an algorithm) takes a Ulysses group."""
+    known = ALGOS.get(cp_algo) if isinstance(cp_algo, str) else None
+    return known is not None and known.takes_ulysses_degree
 
 
 def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
@@ -284,31 +292,11 @@ def documents_code(documents) -> int:
     return struct.unpack("<q", digest)[0] or 1
 
 
-def _fused_block_ops(device: torch.device, dtype) -> bool:
-    """Whether kernels/block.py has fused ops for these tensors (CUDA's memory-
-    efficient kernel has no float64)."""
-    return device.type == "cpu" or (device.type == "cuda" and dtype != torch.float64)
-
-
 def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False, dtype=None) -> str:
-    """'auto' -> 'npu' on NPU tensors, else 'sdpa'; 'npu' needs torch_npu.
-
-    For the blockwise recompute path 'sdpa' is the fused block kernel
-    (kernels/block.py: CPU flash or CUDA memory-efficient attention) and
-    'eager' the reference math; 'auto' picks 'eager' where no fused block op
-    exists for the device and dtype."""
-    if kernel == "auto":
-        fused = not blockwise or _fused_block_ops(device, dtype)
-        kernel = "npu" if device.type == "npu" else ("sdpa" if fused else "eager")
-    if blockwise and kernel == "sdpa" and not _fused_block_ops(device, dtype):
-        raise ValueError(
-            f"recompute_kv=True with kernel='sdpa' runs fused block ops for CPU tensors and "
-            f"CUDA tensors other than float64, not {device.type} {dtype}; use kernel='eager' "
-            "(or 'auto', which picks it)")
-    if kernel == "npu":
-        from .kernels import npu
-        npu.require_torch_npu()
-    return kernel
+    """The name of the kernel ``kernel`` resolves to ('auto' -> 'npu' on NPU tensors, else
+    'sdpa', or 'eager' on the blockwise path where no fused block op exists); ValueError
+    when it cannot run these tensors (kernels/registry.py: ``resolve``)."""
+    return kernels.resolve(kernel, device, dtype, blockwise).name
 
 
 def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> AttnSetup:
@@ -321,7 +309,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
     cp_size = comm.check_group(o.cp_group)
     failure: Optional[BaseException] = None
     dims = documents = None
-    degree, kernel = 1, o.kernel
+    degree, kernel = 1, None
     try:
         _check_flags(o)
         _check_choices(o.cp_algo, o.layout, o.kernel, o.causal, o.softmax_scale)
@@ -330,7 +318,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
         degree = _check_ulysses_group(o.cp_algo, o.ulysses_group, o.cp_group, cp_size, dims.heads)
         _check_split(dims, query.shape[0], cp_size, o.cp_algo, o.layout, degree)
         documents = _documents(o.cu_seqlens, query, cp_size, o.layout, degree)
-        kernel = resolve_kernel(o.kernel, query.device, o.blockwise, query.dtype)
+        kernel = kernels.resolve(o.kernel, query.device, query.dtype, o.blockwise, o.pad_v)
         check_empty_rows(o.empty_rows)
         check_key_padding(o.key_padding_mask, query, cp_size, documents)
         if o.form == "laga":
@@ -343,8 +331,8 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
     return AttnSetup(dims=dims, local_len=query.shape[0], batch=query.shape[1],
                      cp_group=o.cp_group, cp_size=cp_size, cp_rank=comm.group_rank(o.cp_group),
                      cp_algo=o.cp_algo, layout=o.layout, causal=o.causal, kernel=kernel,
-                     softmax_scale=float(o.softmax_scale), documents=documents, pad_v=o.pad_v,
-                     ulysses_group=o.ulysses_group if o.cp_algo == HYBRID else None,
+                     softmax_scale=float(o.softmax_scale), documents=documents,
+                     ulysses_group=o.ulysses_group if _takes_degree(o.cp_algo) else None,
                      ulysses_degree=degree, key_padding=o.key_padding_mask,
                      empty_rows=o.empty_rows)
 
@@ -372,7 +360,8 @@ def _exchange(o: AttnOptions, tensors, dims, documents, failure) -> None:
                     details=details)
 
 
-_NAMES = {"empty_rows": EMPTY_ROWS, "form": FORMS, "cp_algo": ATTN_CP_ALGOS, "layout": LAYOUTS, "stage": handshake.STAGES}
+_NAMES = {"empty_rows": EMPTY_ROWS, "form": FORMS, "cp_algo": ATTN_CP_ALGOS, "layout": LAYOUTS,
+          "stage": handshake.STAGES}
 
 
 def _code(choices, value) -> int:

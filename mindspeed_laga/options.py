@@ -1,15 +1,26 @@
 """The options of one attention call, as one frozen record.
 
 ``api.py`` builds it once from the keywords the caller passed (as passed:
-nothing is converted or checked here); ``checks.check`` checks it once and
-turns it into the integers of the cross-rank handshake. The forms read the
-checked values from the :class:`~mindspeed_laga.vocab.AttnSetup` that
-validation returns, never from here.
+nothing is converted or checked here, so the types below are what a valid
+call passes); ``checks.check`` checks it once and turns it into the integers
+of the cross-rank handshake. The forms read the checked values from the
+:class:`~mindspeed_laga.vocab.AttnSetup` that validation returns, and LAGA's
+own options from :attr:`AttnOptions.laga`, never a second copy.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LagaOptions:
+    """What ``laga_attention`` takes beyond the other forms (docs/BEYOND.md)."""
+
+    trim_causal_prefix: bool = False
+    recompute_kv: bool = False
+    kv_block_size: Optional[int] = None
+    latent_gather: Optional[object] = None  # forms.latent_source.LatentGather
 
 
 @dataclass(frozen=True, eq=False)
@@ -21,27 +32,34 @@ class AttnOptions:
     """
 
     form: str
-    softmax_scale: Any
-    cp_group: Any = None
-    cp_algo: Any = "allgather"
-    layout: Any = "zigzag"
-    causal: Any = True
-    kernel: Any = "auto"
-    check_ranks: Any = None
-    qk_head_dim: Any = None
-    v_head_dim: Any = None
-    cu_seqlens: Any = None
-    pad_v: Any = False
-    ulysses_group: Any = None
-    key_padding_mask: Any = None
-    empty_rows: Any = "mean"
+    softmax_scale: float
+    cp_group: Optional[object] = None             # torch.distributed ProcessGroup
+    cp_algo: str = "allgather"                    # a name of cp_algos.ALGOS
+    layout: str = "zigzag"
+    causal: bool = True
+    kernel: str = "auto"                          # "auto" or a name of kernels.KERNEL_TYPES
+    check_ranks: Optional[bool] = None
+    qk_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    cu_seqlens: Optional[object] = None           # a 1-D integer tensor or a list of ints
+    pad_v: bool = False
+    ulysses_group: Optional[object] = None        # hybrid only: a ProcessGroup
+    key_padding_mask: Optional[object] = None     # bool [b, S], True = padding key
+    empty_rows: str = "mean"                      # a name of vocab.names.EMPTY_ROWS
     # laga_attention only
-    trim_causal_prefix: Any = False
-    recompute_kv: Any = False
-    kv_block_size: Optional[Any] = None
-    latent_gather: Any = None
+    trim_causal_prefix: bool = False
+    recompute_kv: bool = False
+    kv_block_size: Optional[int] = None
+    latent_gather: Optional[object] = None
 
     @property
     def blockwise(self) -> bool:
         """Whether the call takes the blockwise recompute path (kernel resolution differs)."""
         return self.recompute_kv is True
+
+    @property
+    def laga(self) -> LagaOptions:
+        """LAGA's own options as the one record ``laga_forward`` reads."""
+        return LagaOptions(trim_causal_prefix=self.trim_causal_prefix,
+                           recompute_kv=self.recompute_kv, kv_block_size=self.kv_block_size,
+                           latent_gather=self.latent_gather)

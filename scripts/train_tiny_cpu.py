@@ -8,9 +8,9 @@
 
 Every rank runs gloo on CPU; CP size = world size / TP size. Without --laga,
 megatron's unpatched MLA forward runs with a small CP-capable core attention
-(tests/support/megatron_cpu.py). Rank 0 prints the global loss of each step and the
+(mindspeed_laga/tools/megatron_cpu.py). Rank 0 prints the global loss of each step and the
 bytes the attention collectives moved. The model, shims and trainer are the
-ones the end-to-end tests use (tests/support/megatron_cpu.py).
+ones the end-to-end tests use (mindspeed_laga/tools/megatron_cpu.py).
 
 The configuration (world size, TP, CP algorithm, layout, sequence length) is
 checked before anything is built: a combination the model cannot run fails
@@ -23,10 +23,7 @@ import argparse
 import os
 import sys
 import warnings
-from pathlib import Path
 
-# The demo runs from a checkout: it shares the CPU harness of the end-to-end tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 # megatron's own notices on CPU (no Apex, cuda-graph scope, torch's renamed collectives).
 warnings.filterwarnings("ignore", message=r".*(Apex|full scope is deprecated|is deprecated\. "
                                           r"Please use|CUDA_DEVICE_MAX_CONNECTIONS).*")
@@ -35,8 +32,9 @@ import functools  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-import megatron_cpu as mc  # noqa: E402
+from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 
+from mindspeed_laga.cp_algos import algo  # noqa: E402
 from mindspeed_laga.vocab.segments import check_seq_len  # noqa: E402
 
 
@@ -67,7 +65,7 @@ def parse_args(argv=None):
 
 def check_config(args, world: int):
     """(CP size, layout), or ValueError naming what the tiny model cannot run."""
-    layout = args.layout or ("contiguous" if args.cp_algo == "ulysses" else "zigzag")
+    layout = args.layout or algo(args.cp_algo).default_layout
     for flag, value in (("--tp", args.tp), ("--steps", args.steps),
                         ("--seq-length", args.seq_length), ("world size (NPROC)", world)):
         if value < 1:
@@ -81,7 +79,7 @@ def check_config(args, world: int):
     if not args.laga and cp > 1 and layout != "zigzag":
         raise ValueError("without --laga megatron's forward needs zigzag batches: drop --layout "
                          "contiguous or add --laga")
-    if not args.laga and args.cp_algo == "hybrid":
+    if not args.laga and algo(args.cp_algo).takes_ulysses_degree:
         raise ValueError("--cp-algo hybrid needs --laga: megatron's own MLA has no hybrid CP")
     degree = _check_heads_split(args, cp, heads // args.tp)
     try:
@@ -95,16 +93,18 @@ def check_config(args, world: int):
 def _check_heads_split(args, cp: int, heads: int) -> int:
     """U of hybrid CP (1 otherwise); the heads per TP rank must split as the algorithm does."""
     degree = args.ulysses_degree
-    if args.cp_algo != "hybrid":
+    split = algo(args.cp_algo)
+    if not split.takes_ulysses_degree:
         if degree is not None:
             raise ValueError(f"--ulysses-degree goes with --cp-algo hybrid, not {args.cp_algo}")
-        if args.laga and args.cp_algo == "ulysses" and heads % cp:
+        if args.laga and not split.heads_divide(heads, cp):
             raise ValueError(f"--cp-algo ulysses splits the model's {heads} heads (per TP rank) "
                              f"over CP={cp} ranks, and {cp} does not divide {heads}: use a world "
                              "size (NPROC) whose CP divides the heads (2 or 4), or --cp-algo "
                              "allgather")
         return 1
-    if degree is None or degree < 1 or cp % degree or heads % degree:
+    if degree is None or not split.degree_divides(cp, degree) \
+            or not split.heads_divide(heads, cp, degree):
         raise ValueError(f"--cp-algo hybrid needs --ulysses-degree U (ULYSSES_DEGREE) dividing "
                          f"both CP={cp} and the {heads} heads per TP rank, got {degree}")
     return degree
@@ -157,7 +157,7 @@ def main(argv=None):
 
 def _sharder(args, layout):
     """The batch split the patch is told: hybrid zigzag needs its own (not megatron's)."""
-    if args.cp_algo == "hybrid" and layout == "zigzag":
+    if algo(args.cp_algo).takes_ulysses_degree and layout == "zigzag":
         return functools.partial(mc.shard_hybrid, ulysses_degree=args.ulysses_degree)
     return layout
 

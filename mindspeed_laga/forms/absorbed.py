@@ -41,11 +41,10 @@ def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
     # (a view at micro-batch 1; its batched matmul copies it when b > 1)
     out = attend(to_bnsd(q_abs), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents, pad_v=setup.pad_v,
+                 documents=setup.documents,
                  bad=bad,  # with CP: found and zeroed in the gathered latent
                  key_padding=setup.key_padding,
-                 empty_fill=None if setup.key_padding is None else empty_fill(value, setup,
-                                                                            heads_dim=2),
+                 empty_fill=None if setup.key_padding is None else empty_fill(value, setup),
                  epilogue=lambda o_latent: torch.einsum("bnsc,nvc->bnsv", o_latent, w_uv))
     out = from_bnsd(out)
     if not full:

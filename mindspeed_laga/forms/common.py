@@ -8,18 +8,18 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm, layout as layouts
-from ..vocab.names import HYBRID
+from ..cp_algos import AllGather
 from ..vocab.attn_setup import AttnSetup
 
 
 def all_heads(setup: AttnSetup) -> AttnSetup:
     """The same setup seen from a rank that keeps every head (before a ulysses all-to-all)."""
-    return replace(setup, cp_algo="allgather")
+    return replace(setup, cp_algo=AllGather.name)
 
 
 def split_label(setup: AttnSetup) -> str:
     """The byte counter's name of the group heads are split over."""
-    return "ulysses" if setup.cp_algo == HYBRID else "cp"
+    return setup.algo.split_label
 
 
 def seq_to_heads(x: torch.Tensor, setup: AttnSetup, tag: str) -> torch.Tensor:
@@ -72,13 +72,13 @@ def up_project(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, kv_up_weight: t
     return key, value.contiguous()
 
 
-def empty_fill(value: torch.Tensor, setup: AttnSetup, heads_dim: int = 2):
+def empty_fill(value: torch.Tensor, setup: AttnSetup):
     """What a query row that sees no key returns (``setup.empty_rows``), [b, h, 1, d_v] from
     the position-ordered values [S, b, h, d_v] of every position: their mean ("mean", a
     softmax over one constant) or None (zero)."""
     if setup.empty_rows != "mean":
         return None
-    return value.mean(dim=0).unsqueeze(heads_dim)  # [b, h, d_v] -> [b, h, 1, d_v]
+    return value.mean(dim=0).unsqueeze(2)  # [b, h, d_v] -> [b, h, 1, d_v]
 
 
 def empty_fill_latent(kv_all: torch.Tensor, kv_up_weight: torch.Tensor, setup: AttnSetup):

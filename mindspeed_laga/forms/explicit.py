@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from .. import comm
 from ..kernels import attend
-from ..vocab.names import HYBRID
 from ..vocab.attn_setup import AttnSetup
-from .common import (all_heads, empty_fill, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, to_bnsd,
-                     to_position_order, up_project)
+from .common import (all_heads, empty_fill, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads,
+                     to_bnsd, to_position_order, up_project)
 
 
 def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup):
@@ -29,27 +28,17 @@ def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
         value = to_position_order(comm.gather_seq(value, group, "value"), setup)
     else:
         query = seq_to_heads(query, setup, "query")
-        key = to_position_order(_every_token(seq_to_heads(key, setup, "key"), setup, "key"), setup)
-        value = to_position_order(_every_token(seq_to_heads(value, setup, "value"), setup,
-                                               "value"), setup)
+        every_token = setup.algo.every_token  # hybrid: gathered over the ring group too
+        key = to_position_order(every_token(seq_to_heads(key, setup, "key"), setup, "key"), setup)
+        value = to_position_order(every_token(seq_to_heads(value, setup, "value"), setup,
+                                              "value"), setup)
     fill = None if setup.key_padding is None else empty_fill(value, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents, pad_v=setup.pad_v, own_kv=True,
-                 key_padding=setup.key_padding, empty_fill=fill)
+                 documents=setup.documents, own_kv=True, key_padding=setup.key_padding,
+                 empty_fill=fill)
     out = from_bnsd(out)
     if not full:
         out = heads_to_seq(out, setup, "output")
     return flatten_heads(out)
 
-
-def _every_token(x, setup: AttnSetup, tag: str):
-    """Head-split K or V of the split group's tokens -> of every token, in CP rank order.
-
-    ulysses: the all-to-all already delivered them. hybrid: [U*s, ...] of this
-    Ulysses group -> all-gather over the ring group -> [P*s, ...] (c = r*U + u).
-    """
-    if setup.cp_algo != HYBRID:
-        return x
-    ring = comm.hybrid_ring_group(setup.cp_group, setup.ulysses_group)
-    return comm.gather_seq(x, ring, tag, "ring")

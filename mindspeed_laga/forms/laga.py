@@ -21,12 +21,11 @@ autograd for backward. Options:
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from ..kernels import attend, held_keys
-from ..vocab.key_padding import empty_rows
+from ..kernels import attend
+from ..key_padding import empty_rows
+from ..options import LagaOptions
 from ..vocab.attn_setup import AttnSetup
 from .common import (empty_fill_latent, flatten_heads, from_bnsd, heads_to_seq, seq_to_heads, take_ranges, to_bnsd,
                      up_project, up_weight_rows)
@@ -34,18 +33,18 @@ from .laga_blockwise import BlockPlan, BlockwiseLAGA
 from .latent_source import SyncLatent
 
 
-def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup, *,
-                 trim_causal_prefix: bool = False, recompute_kv: bool = False,
-                 kv_block_size: Optional[int] = None, latent_gather=None):
-    source = latent_gather or SyncLatent(kv_latent, k_pos_emb)
+def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup,
+                 options: LagaOptions = LagaOptions()):
+    source = options.latent_gather or SyncLatent(kv_latent, k_pos_emb)
     if setup.heads_split:
         query = seq_to_heads(query, setup, "query")
-    if recompute_kv:
+    if options.recompute_kv:
         out = _attend_blockwise(query, source.latent(setup), kv_up_weight, setup,
-                                trim_causal_prefix, kv_block_size)
+                                options.trim_causal_prefix, options.kv_block_size)
     else:
         kv_all, k_pe_all = source.parts(setup)
-        out = _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix)
+        out = _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup,
+                              options.trim_causal_prefix)
     if setup.heads_split:
         out = heads_to_seq(out, setup, "output")
     return flatten_heads(out)
@@ -60,28 +59,22 @@ def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_pr
     key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
-                 documents=setup.documents, key_ranges=ranges, pad_v=setup.pad_v, own_kv=True,
+                 documents=setup.documents, key_ranges=ranges, own_kv=True,
                  key_padding=setup.key_padding, empty_fill=fill)
     return from_bnsd(out)
 
 
 def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv_block_size):
     """K/V rebuilt per block in forward and again in backward; only the latent is kept."""
-    d = setup.dims
     ranges = setup.key_ranges() if trim_causal_prefix else None
     padding = setup.key_padding
     fill = None
-    if padding is not None:
-        fill = empty_fill_latent(latent[..., :d.kv_lora_rank], kv_up_weight, setup)
+    if padding is not None:  # from every position's latent, before trimming
+        fill = empty_fill_latent(latent[..., :setup.dims.kv_lora_rank], kv_up_weight, setup)
     if ranges:
         latent = take_ranges(latent, ranges)
     weight = up_weight_rows(kv_up_weight, setup)
-    plan = BlockPlan(qk_head_dim=d.qk_head_dim, rope_dim=d.rope_dim, v_head_dim=d.v_head_dim,
-                     kv_lora_rank=d.kv_lora_rank, scale=setup.softmax_scale, causal=setup.causal,
-                     segments=tuple(setup.query_segments()), block_size=kv_block_size,
-                     kernel=setup.kernel, pad_v=setup.pad_v, documents=setup.documents,
-                     key_ranges=tuple(ranges) if ranges else None,
-                     key_padding=None if padding is None else held_keys(padding, ranges))
+    plan = BlockPlan.from_setup(setup, kv_block_size, ranges)
     out = BlockwiseLAGA.apply(to_bnsd(query), latent, weight, plan)
     if padding is not None:  # rows that see no key came out zero (and pass no gradient)
         empty = empty_rows(padding, plan.segments, setup.causal)

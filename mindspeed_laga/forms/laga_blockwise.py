@@ -28,15 +28,18 @@ same way. Accumulation is float32 for half-precision inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from ..kernels import KeyIndex, nonfinite, poison_rows
-from ..kernels.block import block_kernel
+from ..kernels import KeyIndex, held_keys, nonfinite, poison_rows
+from ..kernels.base import Kernel
+from ..kernels.eager import Eager
 from ..kernels.merge import merge_into
 from ..kernels.precision import acc_dtype
+from ..vocab.attn_setup import AttnSetup
 from ..vocab.blocks import join_adjacent, query_block_rows
+from ..vocab.dims import MLADims
 from ..vocab.documents import doc_pieces
 from ..vocab.keys import key_blocks, key_window
 from ..vocab.segments import Documents, Segment
@@ -45,20 +48,36 @@ from .common import rebuild_kv
 
 @dataclass(frozen=True)
 class BlockPlan:
-    qk_head_dim: int
-    rope_dim: int
-    v_head_dim: int
-    kv_lora_rank: int
+    """The walk's view of one call: :meth:`from_setup` derives it from the checked setup."""
+
+    dims: MLADims                # this TP rank's MLA sizes (heads: those of the setup)
     scale: float
     causal: bool
     segments: Tuple[Segment, ...]
     block_size: Optional[int]    # keys per rebuilt block; None = one block
-    kernel: str = "eager"        # per-block kernel (kernels/block.py)
-    pad_v: bool = False          # kernel "npu": V zero-padded to the q/k head dim for the op
+    kernel: Kernel = Eager()     # the setup's kernel (its block kernel runs the tiles)
     documents: Documents = None  # cu_seqlens: a query sees only its own document
     key_ranges: Optional[Tuple[Tuple[int, int], ...]] = None  # positions the latent holds
     # key padding of the keys the latent holds, [b, K] bool (True = padding), or None
     key_padding: Optional[torch.Tensor] = field(default=None, compare=False)
+
+    @classmethod
+    def from_setup(cls, setup: AttnSetup, block_size: Optional[int], key_ranges=None) -> "BlockPlan":
+        padding = setup.key_padding
+        return cls(dims=setup.dims, scale=setup.softmax_scale, causal=setup.causal,
+                   segments=tuple(setup.query_segments()), block_size=block_size,
+                   kernel=setup.kernel, documents=setup.documents,
+                   key_ranges=tuple(key_ranges) if key_ranges else None,
+                   key_padding=None if padding is None else held_keys(padding, key_ranges))
+
+
+class Run(NamedTuple):
+    """Query rows of one segment and document that see a key block: ``rows`` (a slice of
+    the local queries), ``keys`` (a slice of the block handed to the kernel) and the
+    kernels' causal ``offset`` (key j visible to row i iff j <= i + offset; None: all)."""
+    rows: slice
+    keys: slice
+    offset: Optional[int]
 
 
 def visible_rows(plan: BlockPlan, k0: int, k1: int):
@@ -103,39 +122,14 @@ def _run(plan: BlockPlan, piece, keys, total: int, k0: int, k1: int):
     offset = base + g + first - a if plan.causal else None
     if offset is not None and offset >= e - a - 1:
         offset = None
-    return slice(local + first, local + n), slice(a - k0, e - k0), offset
-
-
-def forward_runs(kernel, q, key, value, runs, scale, pad=None):
-    """[(out, lse)] of one segment's runs against a block: the kernel's packed entry when
-    it has one (one call for all of a segment's documents), else one call per run.
-    ``pad``: the block's key padding [b, B] (never with documents), per run its key slice."""
-    if pad is not None:
-        return [kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
-                               pad=pad[:, ks]) for rows, ks, offset in runs]
-    if hasattr(kernel, "forward_runs"):
-        return kernel.forward_runs(q, key, value, runs, scale)
-    return [kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale)
-            for rows, ks, offset in runs]
-
-
-def backward_runs(kernel, q, key, value, runs, scale, d_out, out, lse, pad=None):
-    """[(dq, dk, dv)] of one segment's runs, shaped like q[rows] and key/value[ks]."""
-    if pad is not None:
-        return [kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
-                                d_out[:, :, rows], out[:, :, rows], lse[:, :, rows],
-                                pad=pad[:, ks]) for rows, ks, offset in runs]
-    if hasattr(kernel, "backward_runs"):
-        return kernel.backward_runs(q, key, value, runs, scale, d_out, out, lse)
-    return [kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
-                            d_out[:, :, rows], out[:, :, rows], lse[:, :, rows])
-            for rows, ks, offset in runs]
+    return Run(slice(local + first, local + n), slice(a - k0, e - k0), offset)
 
 
 def rebuild(latent_block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockPlan):
     """[B, b, d_c + d_r] -> K [b, h, B, d_n + d_r], V [b, h, B, d_v] (Megatron's math)."""
-    kv_c, k_pe = torch.split(latent_block, [plan.kv_lora_rank, plan.rope_dim], dim=-1)
-    key, value = rebuild_kv(kv_c, k_pe, kv_up_weight, plan.qk_head_dim, plan.v_head_dim)
+    d = plan.dims
+    kv_c, k_pe = torch.split(latent_block, [d.kv_lora_rank, d.rope_dim], dim=-1)
+    key, value = rebuild_kv(kv_c, k_pe, kv_up_weight, d.qk_head_dim, d.v_head_dim)
     return key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
 
 
@@ -147,7 +141,7 @@ def row_blocks(plan: BlockPlan) -> List[Segment]:
     out = []
     for local, n, g in join_adjacent(plan.segments):
         step = size or n
-        out += [(local + i, min(step, n - i), g + i) for i in range(0, n, step)]
+        out += [Segment(local + i, min(step, n - i), g + i) for i in range(0, n, step)]
     return out
 
 
@@ -158,7 +152,7 @@ class Tile:
     slices relative to ``k0``."""
     k0: int
     k1: int
-    runs: List[Tuple[slice, slice, Optional[int]]]
+    runs: List[Run]
 
 
 def tiles(plan: BlockPlan, rows: Segment, num_keys: int) -> List[Tile]:
@@ -168,9 +162,9 @@ def tiles(plan: BlockPlan, rows: Segment, num_keys: int) -> List[Tile]:
     for k0, k1 in key_blocks(num_keys, plan.block_size):
         runs = [run for seg in segment_runs(sub, k0, k1) for run in seg]
         if runs:
-            a, e = min(r[1].start for r in runs), max(r[1].stop for r in runs)
-            out.append(Tile(k0 + a, k0 + e, [(r, slice(ks.start - a, ks.stop - a), c)
-                                              for r, ks, c in runs]))
+            a, e = min(r.keys.start for r in runs), max(r.keys.stop for r in runs)
+            out.append(Tile(k0 + a, k0 + e, [Run(r.rows, slice(r.keys.start - a, r.keys.stop - a),
+                                                 r.offset) for r in runs]))
     return out
 
 
@@ -183,6 +177,25 @@ def walk(plan: BlockPlan, num_keys: int) -> List[Tuple[Segment, List[Tile]]]:
 def tile_padding(plan: BlockPlan, tile):
     """The tile's key padding [b, k1 - k0], or None without padding."""
     return None if plan.key_padding is None else plan.key_padding[:, tile.k0:tile.k1]
+
+
+def forward_runs(kernel, q, key, value, runs, scale, pad=None):
+    """[(out, lse)] of one segment's runs against a block; with key padding ``pad`` [b, B]
+    (never with documents) one call per run with its keys' padding, else the kernel's
+    (packed) entry."""
+    if pad is None:
+        return kernel.forward_runs(q, key, value, runs, scale)
+    return [kernel.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
+                           pad=pad[:, ks]) for rows, ks, offset in runs]
+
+
+def backward_runs(kernel, q, key, value, runs, scale, d_out, out, lse, pad=None):
+    """[(dq, dk, dv)] of one segment's runs, as :func:`forward_runs` calls them."""
+    if pad is None:
+        return kernel.backward_runs(q, key, value, runs, scale, d_out, out, lse)
+    return [kernel.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
+                            d_out[:, :, rows], out[:, :, rows], lse[:, :, rows], pad=pad[:, ks])
+            for rows, ks, offset in runs]
 
 
 def _shift(rows: slice, by: int) -> slice:
@@ -202,17 +215,18 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad):
     one row block at a time. ``out`` is laid out [s, b, h, d_v] in memory (a BNSD
     view), so the [s, b, h*d_v] output the caller gets is the same storage that
     backward keeps."""
-    kernel = block_kernel(plan.kernel, plan.pad_v)
-    b, h, s_q, _ = q.shape
+    kernel = plan.kernel.block
+    b, h, s_q, _ = q.shape  # q [b, h, s_q, d_n + d_r]; latent [S, b, d_c + d_r]
     acc = acc_dtype(q.dtype)
-    out = torch.zeros(s_q, b, h, plan.v_head_dim, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
-    lse = torch.full((b, h, s_q), float("-inf"), dtype=acc, device=q.device)
-    for (r0, n, _), row_tiles in steps:
-        acc_out = torch.zeros(b, h, n, plan.v_head_dim, dtype=acc, device=q.device)
-        acc_lse = lse[:, :, r0:r0 + n]
+    out = torch.zeros(s_q, b, h, plan.dims.v_head_dim, dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
+    lse = torch.full((b, h, s_q), float("-inf"), dtype=acc, device=q.device)  # [b, h, s_q]
+    for (r0, n, _), row_tiles in steps:  # one row block: rows [r0, r0 + n)
+        acc_out = torch.zeros(b, h, n, plan.dims.v_head_dim, dtype=acc, device=q.device)  # [b, h, n, d_v]
+        acc_lse = lse[:, :, r0:r0 + n]  # [b, h, n], a view: merged in place
         for tile in row_tiles:
+            # K [b, h, k1 - k0, d_n + d_r], V [b, h, k1 - k0, d_v]: one tile's span, rebuilt
             key, value = rebuild(latent_block(latent, bad, tile), kv_up_weight, plan)
-            pad = tile_padding(plan, tile)
+            pad = tile_padding(plan, tile)  # [b, k1 - k0] or None
             for (r, _, _), (block_out, block_lse) in zip(
                     tile.runs, forward_runs(kernel, q, key, value, tile.runs, plan.scale, pad)):
                 merge_into(acc_out, acc_lse, _shift(r, r0), block_out, block_lse,
@@ -224,17 +238,17 @@ def blockwise_forward(q, latent, kv_up_weight, plan: BlockPlan, steps, bad):
 def blockwise_backward(q, latent, kv_up_weight, out, lse, d_out, plan: BlockPlan, steps, bad):
     """Grads of q, the gathered latent and kv_up_weight, one (row block, key block) tile
     at a time (``steps``: forward's :func:`walk`): float32 dq for one row block, K/V and their grads for one tile."""
-    kernel = block_kernel(plan.kernel, plan.pad_v)
+    kernel = plan.kernel.block
     acc = acc_dtype(q.dtype)
     dq = torch.zeros_like(q)  # q's dtype and memory layout; each row block written once
     d_latent = torch.zeros(latent.shape, dtype=acc, device=q.device)
     d_weight = torch.zeros(kv_up_weight.shape, dtype=acc, device=q.device)
     weight = kv_up_weight.to(push_dtype(q))
-    for (r0, n, _), row_tiles in steps:
-        dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)
+    for (r0, n, _), row_tiles in steps:  # one row block: rows [r0, r0 + n)
+        dq_rows = torch.zeros(*q.shape[:2], n, q.shape[3], dtype=acc, device=q.device)  # [b, h, n, d_qk]
         for tile in row_tiles:
-            block = latent_block(latent, bad, tile)
-            key, value = rebuild(block, kv_up_weight, plan)
+            block = latent_block(latent, bad, tile)  # [k1 - k0, b, d_c + d_r]
+            key, value = rebuild(block, kv_up_weight, plan)  # [b, h, k1 - k0, .], as forward
             grads = backward_runs(kernel, q, key, value, tile.runs, plan.scale, d_out, out, lse,
                                   tile_padding(plan, tile))
             for (r, _, _), (dq_b, _, _) in zip(tile.runs, grads):
@@ -272,13 +286,14 @@ def push_dtype(q: torch.Tensor) -> torch.dtype:
 def _through_rebuild(latent_block, weight, d_key, d_value, d_latent_block, d_weight, plan):
     """Backward of :func:`rebuild`, added into the float32 accumulators: dK, dV [b,h,B,.]
     -> latent block and weight grads, the matmuls in ``weight``'s dtype (:func:`push_dtype`)."""
-    d_nope, d_pe = torch.split(d_key, [plan.qk_head_dim, plan.rope_dim], dim=-1)
+    d = plan.dims
+    d_nope, d_pe = torch.split(d_key, [d.qk_head_dim, d.rope_dim], dim=-1)
     d_kv = torch.cat([d_nope.to(weight.dtype), d_value.to(weight.dtype)], dim=-1)
     d_kv = d_kv.permute(2, 0, 1, 3)  # [B, b, h, d_n + d_v]
     d_kv = d_kv.reshape(*d_kv.shape[:2], -1)
-    kv_c = latent_block[..., :plan.kv_lora_rank].to(weight.dtype)
-    d_latent_block[..., :plan.kv_lora_rank] += torch.matmul(d_kv, weight)
-    d_latent_block[..., plan.kv_lora_rank:] += d_pe.sum(dim=1).permute(1, 0, 2)
+    kv_c = latent_block[..., :d.kv_lora_rank].to(weight.dtype)
+    d_latent_block[..., :d.kv_lora_rank] += torch.matmul(d_kv, weight)
+    d_latent_block[..., d.kv_lora_rank:] += d_pe.sum(dim=1).permute(1, 0, 2)
     d_weight += torch.matmul(d_kv.reshape(-1, d_kv.shape[-1]).t(), kv_c.reshape(-1, kv_c.shape[-1]))
 
 
@@ -295,7 +310,7 @@ class BlockwiseLAGA(torch.autograd.Function):
         bad = nonfinite.bad_positions(latent)  # [S, b]; kept as is (S*b bools), not saved
         steps = walk(plan, latent.shape[0])
         out, lse = blockwise_forward(q, latent, kv_up_weight, plan, steps, bad)
-        seen = bad.t() if plan.key_padding is None else bad.t() & ~plan.key_padding
+        seen = bad.t() if plan.key_padding is None else bad.t() & ~plan.key_padding  # [b, S]
         out.add_(poison_rows(seen[:, None], segments=list(plan.segments), causal=plan.causal,
                              documents=plan.documents, key_ranges=plan.key_ranges,
                              dtype=out.dtype))

@@ -35,7 +35,6 @@ and the rows that see them set to NaN after.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,13 +42,13 @@ import torch
 from ..vocab.documents import doc_pieces, document_of
 from ..vocab.keys import key_window
 from ..vocab.segments import Documents, Segment
-from . import eager, nonfinite, npu, sdpa
+from . import nonfinite
+from .base import Kernel
 from .masks import Piece, padded_keep_mask
+from .registry import KERNEL_TYPES, kernel_for, resolve  # noqa: F401
 
-_KERNELS = {"eager": eager.attend_segment, "sdpa": sdpa.attend_segment, "npu": npu.attend_segment}
 
-
-def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel: str,
+def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kernel,
            epilogue: Optional[Callable] = None, documents: Documents = None,
            key_ranges: Optional[Sequence[Tuple[int, int]]] = None, pad_v: bool = False,
            own_kv: bool = False, bad: Optional[torch.Tensor] = None,
@@ -59,16 +58,16 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
 
     ``documents``: cu_seqlens; a query sees only keys of its own document.
     ``key_ranges``: the position ranges ``k`` holds, in order (None: ``[0, S)``).
-    ``pad_v``: kernel "npu" zero-pads V to the q/k head dim (the others ignore it).
+    ``kernel``: the :class:`~mindspeed_laga.kernels.base.Kernel` the setup resolved (or a
+    kernel name, with ``pad_v``: kernel "npu" zero-pads V to the q/k head dim, the
+    others ignore it).
     ``own_kv``: ``k`` and ``v`` were made by the caller for this call (nothing else
     reads them), so non-finite positions are zeroed in place instead of in a copy.
     ``bad``: [b, n_k, S], True = non-finite, when the caller found and zeroed them itself.
     ``key_padding``: [b, S] bool over every position 0 ... S (True = padding key);
     ``empty_fill``: [b, n|1, 1, d_v], what a row seeing no key returns (None: zero).
     """
-    fn = _KERNELS[kernel]
-    if kernel == "npu":
-        fn = partial(fn, pad_v=pad_v)
+    fn = kernel_for(kernel, pad_v).attend_segment
     if bad is None:
         bad = nonfinite.bad_positions(k) | nonfinite.bad_positions(v)  # [b, n_k, S]
         k = nonfinite.zero_bad_positions(k, bad, own_kv)
@@ -90,10 +89,8 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
             fill = out.new_zeros(()) if empty_fill is None else empty_fill.to(out.dtype)
             out = torch.where(empty, fill, out)
         out = out if epilogue is None else epilogue(out)
-        poison = nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces, out.dtype)
-        if empty is not None:  # such a row sees no key, so none of its keys' NaNs
-            poison = poison.masked_fill(empty, 0)
-        outs.append(out + poison)
+        outs.append(out + nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces,
+                                               out.dtype))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
@@ -121,8 +118,8 @@ def poison_rows(bad: torch.Tensor, *, segments: List[Segment], causal: bool, doc
     """[b, n_k, s_q, 1] of 0 or NaN: NaN for the query rows that see a key of ``bad``
     ([b, n_k, S], True = non-finite), the rows of every segment in order (what
     :func:`attend` adds to its output; the blockwise path adds it to its own)."""
-    parts = [nonfinite.row_poison(bad[:, :, lo_i:hi_i], seg[1], causal, pieces, dtype)
-             for seg, lo_i, hi_i, pieces in _windows(segments, key_ranges, bad.shape[-1], causal,
+    parts = [nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces, dtype)
+             for (_, length, _), lo_i, hi_i, pieces in _windows(segments, key_ranges, bad.shape[-1], causal,
                                                      documents)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
@@ -130,12 +127,12 @@ def poison_rows(bad: torch.Tensor, *, segments: List[Segment], causal: bool, doc
 def _relative_pieces(seg: Segment, lo: int, causal: bool, documents) -> List[Piece]:
     """The segment's document pieces as (query start, query length, key start, key end),
     relative to the segment and to its key window starting at position ``lo``."""
-    local0 = seg[0]
+    local0, _, _ = seg
     out = []
     for local, n, g in doc_pieces(seg, documents):
         d = document_of(g, documents)
         end = g + n if causal else documents[d + 1]
-        out.append((local - local0, n, documents[d] - lo, end - lo))
+        out.append(Piece(local - local0, n, documents[d] - lo, end - lo))
     return out
 
 

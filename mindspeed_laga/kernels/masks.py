@@ -8,7 +8,7 @@ that ends at the end of its key prefix is bottom-right aligned:
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -25,9 +25,13 @@ def keep_mask(rows: int, keys: int, offset: Optional[int], device) -> Optional[t
     return torch.ones(rows, keys, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
-# A document piece of a query segment: (query start, query length, key start, key end),
-# relative to the segment's queries and its key window.
-Piece = Tuple[int, int, int, int]
+class Piece(NamedTuple):
+    """A document piece of a query segment, relative to the segment's queries and its
+    key window: its query rows ``[q_start, q_start + length)`` see keys ``[k_start, k_end)``."""
+    q_start: int
+    length: int
+    k_start: int
+    k_end: int
 
 
 def pieces_keep_mask(pieces: Sequence[Piece], q_len: int, k_len: int, causal: bool,
@@ -41,6 +45,16 @@ def pieces_keep_mask(pieces: Sequence[Piece], q_len: int, k_len: int, causal: bo
         if causal:
             block.copy_(keep_mask(n, k1 - k0, bottom_right(n, k1 - k0), device))
     return keep
+
+
+def block_keep(rows: int, keys: int, offset: Optional[int], pad, device):
+    """The visibility a block kernel applies: the causal offset's [rows, keys] mask (None:
+    all visible), and with key padding (``pad`` [b, keys], True = padding) that mask minus
+    the padding keys, [b, 1, rows, keys] (or [b, 1, 1, keys] when the offset is None)."""
+    keep = keep_mask(rows, keys, offset, device)
+    if pad is None:
+        return keep
+    return (~pad[:, None, None, :]) if keep is None else keep & ~pad[:, None, None, :]
 
 
 def padded_keep_mask(rows: int, key_pad: torch.Tensor, causal: bool, pieces=None):

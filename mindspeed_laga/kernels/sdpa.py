@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .base import BlockKernel, Kernel
 from .eager import expand_kv
 from .masks import bottom_right, keep_mask, pieces_keep_mask
 from .merge import merge_lse
@@ -175,3 +176,84 @@ def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None, keep=Non
         mask = keep_mask(q.shape[2], k.shape[2], bottom_right(q.shape[2], k.shape[2]), q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                           is_causal=causal and mask is None, scale=scale)
+
+
+# ---- the block kernel of the blockwise walk (contract: kernels/block.py)
+
+# Which op pair runs a block, by device type (scripts/dev/cuda_block_kernels.py swaps the
+# CUDA entry to compare candidates).
+BACKENDS = {"cpu": CpuFlash, "cuda": CudaEfficient}
+
+
+def backend_for(device: torch.device):
+    if device.type not in BACKENDS:
+        raise ValueError(f"kernel='sdpa' with recompute_kv has fused block ops for "
+                         f"{sorted(BACKENDS)} tensors, not {device.type!r}; use kernel='eager' "
+                         "(or 'npu' on Ascend)")
+    return BACKENDS[device.type]
+
+
+class FusedBlock(BlockKernel):
+    """Block kernel on fused attention ops (CPU flash, CUDA memory-efficient): no score
+    matrix, one or two calls a block.
+
+    After the block walk has cut rows that see nothing, a causal block's
+    visibility is a causal offset ``o >= 0``: key ``j`` is
+    visible to row ``i`` iff ``j <= i + o``. Keys ``[0, o)`` are then visible to
+    every row and keys ``[o, B)`` follow a top-left causal mask relative to the
+    rows: one fused call (no mask, or top-left causal when ``o == 0``) or two
+    merged by log-sum-exp, no dense mask (``kernels/sdpa.py`` has the recipe and
+    the ops). Backward runs the same calls with the *final* output and
+    log-sum-exp, which makes each call's probabilities the global ones.
+
+    - CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward
+      (float64, float32, bfloat16; the narrower head dim zero-padded for the call).
+    - CUDA: ``_efficient_attention_forward`` / ``_efficient_attention_backward``
+      (any d_qk, d_v). Why this one and not flash or cuDNN: docs/BEYOND.md.
+    """
+
+    @staticmethod
+    def forward(q, key, value, offset, scale, pad=None):
+        if pad is not None:  # the fused ops take no per-sample mask: one block's eager math
+            from .eager import EagerBlock
+            return EagerBlock.forward(q, key, value, offset, scale, pad)
+        out, lse = fused_forward(backend_for(q.device), q, key, value, offset, scale)
+        acc = acc_dtype(q.dtype)
+        return out.to(acc), lse.to(acc)
+
+    @staticmethod
+    def backward(q, key, value, offset, scale, d_out, out, lse, pad=None):
+        if pad is not None:
+            from .eager import EagerBlock
+            return EagerBlock.backward(q, key, value, offset, scale, d_out, out, lse, pad)
+        return fused_backward(backend_for(q.device), q, key, value, offset, scale,
+                              d_out.to(q.dtype), out.to(q.dtype), lse)
+
+
+def fused_block_ops(device: torch.device, dtype) -> bool:
+    """Whether :class:`FusedBlock` has fused ops for these tensors (CUDA's memory-
+    efficient kernel has no float64)."""
+    return device.type == "cpu" or (device.type == "cuda" and dtype != torch.float64)
+
+
+class Sdpa(Kernel):
+    """PyTorch's fused attention (dense) and its fused ops per key block (blockwise);
+    ``auto``'s pick off NPU where the blockwise path has fused block ops."""
+
+    name = "sdpa"
+    block = FusedBlock
+
+    @classmethod
+    def picks_auto(cls, device, dtype, blockwise):
+        return not blockwise or fused_block_ops(device, dtype)
+
+    @classmethod
+    def check(cls, device, dtype, blockwise):
+        if blockwise and not fused_block_ops(device, dtype):
+            raise ValueError(
+                f"recompute_kv=True with kernel='sdpa' runs fused block ops for CPU tensors and "
+                f"CUDA tensors other than float64, not {device.type} {dtype}; use kernel='eager' "
+                "(or 'auto', which picks it)")
+
+    def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
+        return attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces, keep=keep)

@@ -257,23 +257,33 @@ def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: 
     return out
 
 
-def case_config(case: Case, cp_size: int, device_type: str = "cpu"):
-    """The cost model's :class:`costmodel.Config` of a case run on ``cp_size`` ranks of
-    ``device_type``. ``auto`` resolves as the forms resolve it; torch SDPA is the
-    model's ``sdpa`` on CPU only (its accelerator kernels keep no score matrix: ``fused``)."""
+def model_kernel(kernel: str, device_type: str) -> str:
+    """The cost model's kernel kind of ``kernel`` run on ``device_type``: ``auto`` resolves
+    as the forms resolve it; torch SDPA is the model's ``sdpa`` on CPU only (its
+    accelerator kernels keep no score matrix: ``fused``)."""
     from . import costmodel as cm
-    from ..vocab.dims import ModelDims
-    s = case.shape
-    kernel = case.kernel
     if kernel == "auto":
         kernel = {"cpu": cm.SDPA, "npu": cm.NPU}.get(device_type, cm.FUSED)
-    if kernel == cm.SDPA and device_type != "cpu":
-        kernel = cm.FUSED
+    return cm.FUSED if kernel == cm.SDPA and device_type != "cpu" else kernel
+
+
+def shape_dims(shape):
+    """The cost model's :class:`~mindspeed_laga.vocab.dims.ModelDims` of a case shape."""
+    from ..vocab.dims import ModelDims
+    return ModelDims(shape.heads, shape.qk_head_dim, shape.rope_dim, shape.v_head_dim,
+                     shape.kv_lora_rank)
+
+
+def case_config(case: Case, cp_size: int, device_type: str = "cpu"):
+    """The cost model's :class:`costmodel.Config` of a case run on ``cp_size`` ranks of
+    ``device_type`` (:func:`model_kernel`)."""
+    from . import costmodel as cm
+    s = case.shape
     bounds = case.cu_seqlens
     doc_lens = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])) if bounds else None
-    return cm.Config(ModelDims(s.heads, s.qk_head_dim, s.rope_dim, s.v_head_dim, s.kv_lora_rank),
-                     s.seq_len, s.batch, cp_size, 1, case.cp_algo, case.layout, case.dtype, kernel,
-                     case.causal, doc_lens=doc_lens, ulysses_degree=case.ulysses_degree)
+    return cm.Config(shape_dims(s), s.seq_len, s.batch, cp_size, 1, case.cp_algo, case.layout,
+                     case.dtype, model_kernel(case.kernel, device_type), case.causal,
+                     doc_lens=doc_lens, ulysses_degree=case.ulysses_degree)
 
 
 def predicted_peak(case: Case, cp_size: int = 1, rank: int = 0, device_type: str = "cpu"):

@@ -107,6 +107,11 @@ def _warm_modules() -> List[str]:
     return [name for name in loaded if installed or name not in megatron]
 
 
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun job (its environment says so)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> List[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns results by rank.
 

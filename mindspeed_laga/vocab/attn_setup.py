@@ -2,24 +2,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import TYPE_CHECKING, List, Tuple
 
+from ..cp_algos import SplitView, algo
 from .dims import MLADims
 from .keys import key_ranges
-from .names import HYBRID
 from .segments import Documents, Segment, query_segments
+
+if TYPE_CHECKING:  # the kernels import torch; this vocabulary does not
+    from ..kernels.base import Kernel
 
 
 def heads_split(cp_algo: str, cp_size: int, ulysses_degree: int = 1) -> bool:
     """Whether heads are split (ulysses: over the CP group; hybrid: over its Ulysses
     group of ``ulysses_degree`` ranks) rather than all kept."""
-    if cp_algo == HYBRID:
-        return ulysses_degree > 1
-    return cp_algo == "ulysses" and cp_size > 1
+    return algo(cp_algo).heads_split(cp_size, ulysses_degree)
 
 
 @dataclass(frozen=True)
-class AttnSetup:
+class AttnSetup(SplitView):  # algo, heads_split, split_size: asked of the CP algorithm
     """Everything a form needs besides the tensors (made by ``checks.check``)."""
 
     dims: MLADims
@@ -31,36 +32,26 @@ class AttnSetup:
     cp_algo: str
     layout: str
     causal: bool
-    kernel: str
+    kernel: "Kernel"              # resolved once (kernels/registry.py), its options (pad_v) bound
     softmax_scale: float
     documents: Documents = None   # cu_seqlens (global), or None: one sequence
-    pad_v: bool = False           # kernel "npu": zero-pad V to the q/k head dim for the fused op
     # Hybrid CP only: the Ulysses group (U consecutive CP ranks holding this one) and U.
     # U also names the hybrid layout (docs/DESIGN.md "Hybrid CP"); 1 everywhere else.
     ulysses_group: object = None
     ulysses_degree: int = 1
     # key_padding_mask [b, S] bool (True = padding key, position order) or None, and what a
-    # row that sees no key returns ("mean" | "zero"; vocab/key_padding.py)
+    # row that sees no key returns (``names.EMPTY_ROWS``; mindspeed_laga/key_padding.py)
     key_padding: object = None
     empty_rows: str = "mean"
 
     @property
-    def heads_split(self) -> bool:
-        """Heads split over the split group: Q goes out and O comes back by all-to-all."""
-        return heads_split(self.cp_algo, self.cp_size, self.ulysses_degree)
-
-    @property
     def split_group(self):
         """The group the head all-to-alls run over: the Ulysses group (hybrid) or cp_group."""
-        return self.ulysses_group if self.cp_algo == HYBRID else self.cp_group
-
-    @property
-    def split_size(self) -> int:
-        return self.ulysses_degree if self.cp_algo == HYBRID else self.cp_size
+        return self.algo.split_group(self.cp_group, self.ulysses_group)
 
     @property
     def split_rank(self) -> int:
-        return self.cp_rank % self.ulysses_degree if self.cp_algo == HYBRID else self.cp_rank
+        return self.algo.split_rank(self.cp_rank, self.ulysses_degree)
 
     @property
     def seq_len(self) -> int:

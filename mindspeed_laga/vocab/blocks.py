@@ -11,6 +11,11 @@ from .segments import Segment
 # accumulators that live for one row block (dq in backward, the output in forward).
 QUERY_BLOCK_KEYS = 2
 
+# The eager block kernel's scores of one block are float32 [b, heads, rows, B]; heads
+# are taken a few at a time so the transient scores/probabilities stay near this many
+# elements (kernels/eager.py runs it, the cost model's peak counts it).
+SCORE_CHUNK_ELEMENTS = 1 << 25
+
 
 def query_block_rows(block_size: Optional[int]) -> Optional[int]:
     """Query rows a blockwise walk takes at once; None (one block of keys): whole segments."""
@@ -24,8 +29,9 @@ def join_adjacent(segments: Iterable[Segment]) -> List[Segment]:
     so that the row blocks, not the ranks, set how often keys are rebuilt."""
     out: List[Segment] = []
     for local, n, g in segments:
-        if out and out[-1][0] + out[-1][1] == local and out[-1][2] + out[-1][1] == g:
-            out[-1] = (out[-1][0], out[-1][1] + n, out[-1][2])
+        last = out[-1] if out else None
+        if last and last.local_start + last.length == local and last.global_start + last.length == g:
+            out[-1] = Segment(out[-1].local_start, out[-1].length + n, out[-1].global_start)
         else:
-            out.append((local, n, g))
+            out.append(Segment(local, n, g))
     return out

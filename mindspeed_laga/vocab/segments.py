@@ -6,11 +6,18 @@ A segment is a run of local tokens with consecutive global positions,
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 from .names import LAYOUTS
 
-Segment = Tuple[int, int, int]  # (local_start, length, global_start)
+
+class Segment(NamedTuple):
+    """A run of local tokens with consecutive global positions."""
+    local_start: int
+    length: int
+    global_start: int
+
+
 Documents = Optional[Tuple[int, ...]]  # cu_seqlens: global document boundaries, 0 ... S
 
 
@@ -60,9 +67,9 @@ def rank_segments(layout: str, cp_size: int, rank: int, local_len: int,
     pieces, piece u on Ulysses rank u (MindSpeed's hybrid_cp_algo batch).
     """
     if cp_size == 1:
-        return [(0, local_len, 0)]
+        return [Segment(0, local_len, 0)]
     if layout == "contiguous":
-        return [(0, local_len, rank * local_len)]
+        return [Segment(0, local_len, rank * local_len)]
     if layout == "doc_zigzag":
         return _doc_zigzag_segments(cp_size, rank, documents)
     if ulysses_degree > 1:
@@ -70,7 +77,7 @@ def rank_segments(layout: str, cp_size: int, rank: int, local_len: int,
         pair = rank_segments(layout, cp_size // ulysses_degree, ring, ulysses_degree * local_len)
         return _cut(pair, u * local_len, local_len)
     c = local_len // 2
-    return [(0, c, rank * c), (c, c, (2 * cp_size - 1 - rank) * c)]
+    return [Segment(0, c, rank * c), Segment(c, c, (2 * cp_size - 1 - rank) * c)]
 
 
 def _doc_zigzag_segments(cp_size: int, rank: int, documents: Documents) -> List[Segment]:
@@ -82,7 +89,7 @@ def _doc_zigzag_segments(cp_size: int, rank: int, documents: Documents) -> List[
     for start, end in zip(documents[:-1], documents[1:]):
         c = (end - start) // (2 * cp_size)
         for chunk in (rank, 2 * cp_size - 1 - rank):
-            out.append((local, c, start + chunk * c))
+            out.append(Segment(local, c, start + chunk * c))
             local += c
     return out
 
@@ -93,7 +100,7 @@ def _cut(segments: List[Segment], start: int, length: int) -> List[Segment]:
     for ls, n, g in segments:
         lo, hi = max(ls, start), min(ls + n, start + length)
         if lo < hi:
-            out.append((lo - start, hi - lo, g + lo - ls))
+            out.append(Segment(lo - start, hi - lo, g + lo - ls))
     return out
 
 
@@ -115,6 +122,6 @@ def query_segments(layout: str, cp_size: int, rank: int, local_len: int,
         first, members = rank - rank % ulysses_degree, ulysses_degree
     else:
         first, members = 0, cp_size
-    return [(i * s + ls, n, g) for i in range(members)
+    return [Segment(i * s + ls, n, g) for i in range(members)
             for ls, n, g in rank_segments(layout, cp_size, first + i, s, documents,
                                           ulysses_degree=ulysses_degree)]

@@ -17,10 +17,13 @@ not the plain zigzag of megatron's ``get_batch_on_this_cp_rank``: shard with
 """
 from __future__ import annotations
 
+from mindspeed_laga.cp_algos import algo
+from mindspeed_laga.vocab.names import HYBRID
+
 
 def check_ulysses_degree(cp_algo: str, ulysses_degree) -> int:
     """Patch-time check of ``ulysses_degree`` (ValueError naming it) -> U (1: not hybrid)."""
-    if cp_algo != "hybrid":
+    if not algo(cp_algo).takes_ulysses_degree:
         if ulysses_degree is not None:
             raise ValueError(f"patch_megatron_mla(ulysses_degree={ulysses_degree!r}) needs "
                              f"cp_algo='hybrid' (got cp_algo={cp_algo!r}); drop ulysses_degree "
@@ -38,11 +41,12 @@ def check_ulysses_degree(cp_algo: str, ulysses_degree) -> int:
 
 def check_hybrid_shape(ulysses_degree: int, cp_size: int, heads: int) -> None:
     """Forward-time checks, on every CP rank before any group or collective exists."""
-    if cp_size % ulysses_degree:
+    split = algo(HYBRID)
+    if not split.degree_divides(cp_size, ulysses_degree):
         raise ValueError(f"patch_megatron_mla(ulysses_degree={ulysses_degree}) does not divide "
                          f"the context-parallel size {cp_size}; pick a divisor of "
                          f"--context-parallel-size")
-    if heads % ulysses_degree:
+    if not split.heads_divide(heads, cp_size, ulysses_degree):
         raise ValueError(f"patch_megatron_mla(ulysses_degree={ulysses_degree}): the {heads} "
                          f"attention heads of this tensor-parallel rank do not divide by "
                          f"{ulysses_degree}; pick a ulysses_degree that divides the heads per "

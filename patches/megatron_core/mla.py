@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from mindspeed_laga import layout as layouts
 from mindspeed_laga import comm
+from mindspeed_laga.cp_algos import algo
 
 from . import compat as compat
 from ..common import check_weight_once, first_call, start_gather
@@ -315,7 +316,7 @@ def _covered_call(module, args: Dict, settings: MegatronPatchSettings, cp_group)
     if is_thd(params):
         extra["packed"] = packed_batch(params, hidden_states, cp_group.size(), _causal(module),
                                        settings.cp_algo, settings.layout)
-    if settings.cp_algo == "hybrid":
+    if algo(settings.cp_algo).takes_ulysses_degree:
         check_hybrid_shape(settings.ulysses_degree, cp_group.size(),
                            module.num_attention_heads_per_partition)
         extra["ulysses_group"] = comm.ulysses_group(cp_group, settings.ulysses_degree)

@@ -30,6 +30,7 @@ from typing import Optional, Tuple
 import torch
 
 from mindspeed_laga import layout as layouts
+from mindspeed_laga.cp_algos import algo
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def packed_batch(packed_seq_params, hidden_states, cp_size: int, causal: bool,
                          "(cu_seqlens_q_padded != cu_seqlens_q) need attn_mask_type=causal: "
                          "without the causal mask real tokens would attend the pad tokens; "
                          "pack without padding or use causal attention")
-    if cp_algo == "hybrid":
+    if algo(cp_algo).takes_ulysses_degree:
         raise ValueError("mindspeed_laga.patch_megatron_mla(cp_algo='hybrid') does not take "
                          "packed (THD) sequences: megatron splits THD batches per document "
                          "(doc_zigzag), which has no hybrid form; use cp_algo='allgather' or "

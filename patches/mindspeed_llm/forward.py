@@ -33,6 +33,7 @@ import math
 import torch
 
 from mindspeed_laga.api import laga_attention
+from mindspeed_laga.cp_algos import algo
 from mindspeed_laga.features.laga_args import laga_settings
 from mindspeed_laga.features.laga_checks import padded_length_error, sequence_multiple
 
@@ -198,7 +199,7 @@ def _mtp_depth(self) -> int:
 
 def _ulysses_group(settings):
     """hybrid_cp_algo: MindSpeed's Ulysses sub-group of the CP group holding this rank."""
-    if settings.cp_algo != "hybrid":
+    if not algo(settings.cp_algo).takes_ulysses_degree:
         return None
     from mindspeed.core.context_parallel.model_parallel_utils import (
         get_context_parallel_group_for_hybrid_ulysses)

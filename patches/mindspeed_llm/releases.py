@@ -25,7 +25,7 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 MLA_MODULE = os.path.join("tasks", "models", "transformer", "multi_latent_attention.py")
 MLA_CLASS = "CustomMLASelfAttention"
@@ -39,6 +39,15 @@ MINDSPEED_FILES = (
 )
 
 
+class LLMFacts(NamedTuple):
+    """What a MindSpeed-LLM release's MLA module shows (:func:`mindspeed_llm_facts`)."""
+    reads_up_proj_recompute_gate: bool   # imports should_recompute_mla_up_proj
+    shares_dsa_indices: bool             # assigns self._dsa_index_share
+    kv_lora_scale: bool                  # assigns self.mla_scale_kv_lora
+    submodule_builder: bool              # module-level get_mla_self_attn_submodules
+    rope_deinterleaved: Tuple[str, ...]  # rope types the forward de-interleaves
+
+
 @dataclass(frozen=True)
 class Release:
     """One tested MindSpeed-LLM release with the MindSpeed branch it pairs with."""
@@ -49,7 +58,7 @@ class Release:
     cann: Optional[str]  # the CANN and torch_npu the release names (master: none)
     torch_npu: Optional[str]
     # what the host's source shows (mindspeed_llm_facts / mindspeed_facts)
-    llm_facts: Tuple
+    llm_facts: LLMFacts
     mindspeed_facts: Tuple[bool, ...]
     # --- the differences of the MLA forward -------------------------------------------
     # the forward scales the q/kv latents by mla_scale_q_lora / mla_scale_kv_lora
@@ -73,20 +82,18 @@ class Release:
         return self.document_algos is None or cp_algo in self.document_algos
 
 
-# llm_facts: (reads up-proj recompute gate, shares DSA indices, kv-lora scale,
-#             module-level submodule builder, rope types de-interleaved in the forward)
 RELEASES = (
     Release("master", "c77308a1", "master", "028de58c", None, None,
-            llm_facts=(True, True, True, True, ()),
+            llm_facts=LLMFacts(True, True, True, True, ()),
             mindspeed_facts=(True, True, True, True)),
     Release("26.1.0", "ad615b3b", "26.1.0_core_r0.12.1", "57a33053", "9.1.0", "26.1.0",
-            llm_facts=(False, True, True, True, ()),
+            llm_facts=LLMFacts(False, True, True, True, ()),
             mindspeed_facts=(True, True, True, False)),
     Release("26.0.0", "4a035628", "26.0.0_core_r0.12.1", "3c44c134", "9.0.0", "26.0.0",
-            llm_facts=(False, False, True, True, ()),
+            llm_facts=LLMFacts(False, False, True, True, ()),
             mindspeed_facts=(True, True, False, False)),
     Release("2.3.0", "62d4640b", "2.3.0_core_r0.12.1", "674226a1", "8.5.0", "7.3.0",
-            llm_facts=(False, False, False, True, ("plm", "yarn")),
+            llm_facts=LLMFacts(False, False, False, True, ("plm", "yarn")),
             mindspeed_facts=(True, False, False, False),
             lora_scales=False, rope_deinterleave=("yarn", "plm"),
             document_algos=("megatron_cp_algo",),
@@ -94,7 +101,7 @@ RELEASES = (
                 "its MindSpeed splits packed documents per document (zigzag, after padding) "
                 "for every CP algorithm, which only megatron_cp_algo's attention follows")),
     Release("2.2.0", "337813b0", "2.2.0_core_r0.12.1", "a654440c", "8.3.RC1", "7.2.0",
-            llm_facts=(False, False, False, False, ("yarn",)),
+            llm_facts=LLMFacts(False, False, False, False, ("yarn",)),
             mindspeed_facts=(False, False, False, False),
             lora_scales=False, rope_deinterleave=("yarn",), document_algos=(),
             documents_refused=(
@@ -130,9 +137,9 @@ def mindspeed_llm_facts(mla_path: str) -> Tuple:
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
                 and t.value.id == "self"}
     top_level = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-    return ("should_recompute_mla_up_proj" in imported, "_dsa_index_share" in assigned,
-            "mla_scale_kv_lora" in assigned, "get_mla_self_attn_submodules" in top_level,
-            _rope_types_deinterleaved(cls))
+    return LLMFacts("should_recompute_mla_up_proj" in imported, "_dsa_index_share" in assigned,
+                    "mla_scale_kv_lora" in assigned, "get_mla_self_attn_submodules" in top_level,
+                    _rope_types_deinterleaved(cls))
 
 
 def _rope_types_deinterleaved(cls: ast.ClassDef) -> Tuple[str, ...]:

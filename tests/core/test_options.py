@@ -47,7 +47,7 @@ def test_option_matches_single_device_reference(matrix, case):
 def test_eager_block_kernel_head_chunks_match_one_chunk(monkeypatch):
     """Chunking heads to bound the transient scores changes nothing."""
     import torch
-    from mindspeed_laga.kernels import block as bk
+    from mindspeed_laga.kernels import eager as bk
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 6, 5, 8, generator=g), torch.randn(2, 6, 7, 8, generator=g),
                torch.randn(2, 6, 7, 4, generator=g))

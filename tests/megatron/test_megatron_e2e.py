@@ -37,7 +37,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-from support import megatron_cpu as mc  # noqa: E402
+from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 
 from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-from support import megatron_cpu as mc  # noqa: E402
+from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 
 from mindspeed_laga.tools.spawn import run_on_ranks  # noqa: E402
 

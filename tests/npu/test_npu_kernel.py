@@ -269,11 +269,12 @@ def test_block_walk_diagonals_follow_positions():
     "key position <= query position", within the range the block kernels rely on."""
     from mindspeed_laga.kernels.masks import keep_mask
     from mindspeed_laga.forms.laga_blockwise import BlockPlan, visible_rows
+    from mindspeed_laga.vocab.dims import MLADims
     from mindspeed_laga.vocab.keys import key_blocks
     for segments, total in SEGMENTS.values():
         for block_size in (1, 5, 7, 13, 37):
-            plan = BlockPlan(qk_head_dim=2, rope_dim=1, v_head_dim=2, kv_lora_rank=2, scale=1.0,
-                             causal=True, segments=tuple(segments), block_size=block_size)
+            plan = BlockPlan(dims=MLADims(1, 2, 1, 2, 2), scale=1.0, causal=True,
+                             segments=tuple(segments), block_size=block_size)
             positions = torch.tensor([g + i for _, n, g in segments for i in range(n)])
             seen = torch.zeros(len(positions), total, dtype=torch.bool)
             for k0, k1 in key_blocks(total, block_size):

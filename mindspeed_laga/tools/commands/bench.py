@@ -24,6 +24,8 @@ from typing import Dict, List, Optional
 
 from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
+from ..spawn import under_torchrun as _torchrun
+from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, HYBRID, KERNELS, LAYOUTS  # noqa: F401
 from ...vocab.dims import ModelDims  # noqa: F401
 from .output import (MiB, check_output_path, dtype_arg, one_line_errors, pad as _pad,
@@ -137,20 +139,17 @@ def variants_for(args, seq_len: int, cp_size: int) -> List[RunSpec]:
 
 def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type: str,
                  ulysses_degree: int = 1) -> cm.Config:
-    dims = ModelDims(shape.heads, shape.qk_head_dim, shape.rope_dim, shape.v_head_dim, shape.kv_lora_rank)
-    # torch SDPA's CPU dispatch is what the model's "sdpa" describes; on an accelerator
-    # its kernels keep no score matrix: model them as "fused".
-    if kernel == "auto":
-        kernel = {"cpu": cm.SDPA, "npu": cm.NPU}.get(device_type, cm.FUSED)
-    model_kernel = cm.FUSED if kernel == cm.SDPA and device_type != "cpu" else kernel
-    return cm.Config(dims, shape.seq_len, shape.batch, cp_size, 1, algo, DEFAULT_LAYOUT[algo],
-                     args.dtype, model_kernel, True, ulysses_degree=ulysses_degree)
+    """The cost model's config of one bench run (measure.case_config's rules)."""
+    from ..measure import model_kernel, shape_dims
+    return cm.Config(shape_dims(shape), shape.seq_len, shape.batch, cp_size, 1, algo,
+                     DEFAULT_LAYOUT[algo], args.dtype, model_kernel(kernel, device_type), True,
+                     ulysses_degree=ulysses_degree)
 
 
 def ulysses_degree_from_args(args, cp_size: int) -> int:
     """U for --cp-algo hybrid (1 otherwise), checked before anything runs."""
     degree = getattr(args, "ulysses_degree", None)
-    if args.cp_algo != HYBRID:
+    if not takes_ulysses_degree(args.cp_algo):
         if degree is not None:
             raise ValueError(f"--ulysses-degree goes with --cp-algo hybrid, not --cp-algo {args.cp_algo}")
         return 1
@@ -158,7 +157,7 @@ def ulysses_degree_from_args(args, cp_size: int) -> int:
         raise ValueError("--cp-algo hybrid needs --ulysses-degree U (a divisor of --cp)")
     if _torchrun():
         raise ValueError("--cp-algo hybrid runs on spawned gloo ranks; run it without torchrun")
-    if cp_size % degree:
+    if not algo(args.cp_algo).degree_divides(cp_size, degree):
         raise ValueError(f"--ulysses-degree {degree} must divide --cp {cp_size}")
     return degree
 
@@ -175,18 +174,18 @@ def build_runs(args, cp_size: int, device_type: str):
     runs, models = [], []
     for seq_len in parse_seq_lens(args.seq_lens):
         shape = shape_from_args(args, seq_len)
-        for doc_lens, algo in [(d, a) for d in document_settings(args, seq_len) for a in algos]:
-            layout = args.layout or DEFAULT_LAYOUT[algo]
-            cfg = replace(model_config(args, shape, cp_size, algo, args.kernel, device_type, degree),
+        for doc_lens, name in [(d, a) for d in document_settings(args, seq_len) for a in algos]:
+            layout = args.layout or DEFAULT_LAYOUT[name]
+            cfg = replace(model_config(args, shape, cp_size, name, args.kernel, device_type, degree),
                           layout=layout, doc_lens=doc_lens)
             variants = variants_for(args, seq_len, cp_size)
             cm.validate(cfg, variants)
             bounds = cfg.documents
             for v in variants:
                 kernel = "auto" if v.recompute_kv else args.kernel
-                case = Case(spec=v, cp_algo=algo, layout=layout, kernel=kernel, dtype=args.dtype,
+                case = Case(spec=v, cp_algo=name, layout=layout, kernel=kernel, dtype=args.dtype,
                             shape=shape, cu_seqlens=bounds,
-                            ulysses_degree=degree if algo == HYBRID else 1)
+                            ulysses_degree=degree if algo(name).takes_ulysses_degree else 1)
                 runs.append(case)
                 models.append(_model(case_config(case, cp_size, device_type), v, cp_size))
     return runs, models
@@ -356,10 +355,6 @@ def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmu
 
 # ---------------------------------------------------------------- running
 
-def _torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def _run_torchrun(args, runs, repeat, warmup):
     """This process is one rank: run every variant, gather all ranks' results on every rank."""
     import torch.distributed as dist
@@ -400,14 +395,15 @@ def run(args) -> int:
         per_rank, rank = _run_torchrun(args, runs, args.repeat, args.warmup)
         if rank != 0:
             return 0
-    elif args.cp_algo == HYBRID:
+    elif takes_ulysses_degree(args.cp_algo):
         per_rank = run_on_ranks(hybrid_worker, cp_size, args.ulysses_degree, runs, args.repeat,
                                 args.warmup, True, timeout_s=RUN_TIMEOUT_S)
     else:
         # (count_flops, progress, cpu_peak): spawned ranks run on the CPU, measure its peak
         per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True, True,
                                 timeout_s=RUN_TIMEOUT_S)
-    rows = make_rows(runs, models, per_rank, args.ulysses_degree if args.cp_algo == HYBRID else 1)
+    rows = make_rows(runs, models, per_rank,
+                     args.ulysses_degree if takes_ulysses_degree(args.cp_algo) else 1)
     print_table(rows)
     print_document_trend(rows)
     print(f"\nbytes: rank 0's payload handed to the collectives (fwd, bwd) and bytes it sends "

@@ -22,6 +22,7 @@ from typing import List, Optional
 
 from ..cases import Case, MLAShape
 from ..runspec import standard_runs
+from ..spawn import under_torchrun as _torchrun
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS
 from ...vocab.segments import check_seq_len
 from . import doctor_report, environment, exactness
@@ -61,10 +62,6 @@ def add_parser(sub):
 
 
 # ---------------------------------------------------------------- arguments
-
-def _torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
 
 def resolve(args):
     """Check every argument and output path before anything runs; fill defaults."""

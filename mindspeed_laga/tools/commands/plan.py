@@ -20,6 +20,7 @@ from typing import Dict, List
 
 from .. import costmodel as cm
 from ..runspec import standard_runs
+from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, HYBRID, LAYOUTS
 from ...vocab.dims import ModelDims
 from .output import (GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, one_line_errors,
@@ -113,21 +114,22 @@ def configs_from_args(args) -> List[cm.Config]:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     if (args.device_memory is None) != (args.num_layers is None):
         raise ValueError("--device-memory and --num-layers go together (the fit check needs both)")
-    if args.cp_algo == HYBRID and args.ulysses_degree is None:
+    if takes_ulysses_degree(args.cp_algo) and args.ulysses_degree is None:
         raise ValueError("--cp-algo hybrid needs --ulysses-degree U (the Ulysses group's size, a "
                          "divisor of --cp)")
     dims = dims_from_args(args)
     doc_lens = cm.doc_lens_for(args.seq_len, parse_doc_lens(args.doc_lens), args.num_docs)
     algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
     out = []
-    for algo in algos:
+    for name in algos:
         cfg = cm.Config(dims=dims, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                        cp_size=args.cp, tp_size=args.tp, cp_algo=algo, layout=args.layout,
+                        cp_size=args.cp, tp_size=args.tp, cp_algo=name, layout=args.layout,
                         dtype=DTYPES[args.dtype], kernel=cm.FUSED, doc_lens=doc_lens,
-                        ulysses_degree=args.ulysses_degree if algo == HYBRID else 1)
+                        ulysses_degree=args.ulysses_degree if algo(name).takes_ulysses_degree else 1)
         cm.validate(cfg, standard_runs(args.kv_block_size))
         out.append(cfg)
     return out
+
 
 
 def parse_doc_lens(text):
@@ -174,7 +176,7 @@ def build_plan(args) -> dict:
             plan["algos"][cfg.cp_algo]["fit"] = fit_check(per_kernel, args.device_memory, args.num_layers)
     # The one-link estimates cover allgather and ulysses (U = 1); hybrid is in the node table.
     plan["time"] = time_estimates(replace(configs[0], ulysses_degree=1), variants, machines_from_args(args))
-    if args.devices_per_node is not None or args.ulysses_degree is not None or args.cp_algo == HYBRID:
+    if args.devices_per_node is not None or args.ulysses_degree is not None or takes_ulysses_degree(args.cp_algo):
         plan["nodes"] = node_estimates(replace(configs[0], ulysses_degree=1), variants,
                                        cluster_from_args(args), args.ulysses_degree)
     return plan
@@ -283,11 +285,11 @@ def node_estimates(cfg: cm.Config, variants, cluster: cm.Cluster, degree=None) -
         try:
             cm.validate(c)
         except ValueError as exc:
-            if c.cp_algo == HYBRID and degree is not None:
+            if c.algo.takes_ulysses_degree and degree is not None:
                 raise
             rows.append({**label, "error": str(exc)})
             continue
-        spans = c.cp_algo == HYBRID and not cm.ulysses_fits_node(c, cluster.devices_per_node)
+        spans = c.algo.takes_ulysses_degree and not cm.ulysses_fits_node(c, cluster.devices_per_node)
         for v in variants:
             t = cm.estimate_cluster_seconds(c, cm.summarize(c, v), cluster)
             rows.append({**label, "variant": v.name, "ulysses_spans_nodes": spans, **t.as_dict()})
@@ -313,7 +315,7 @@ def print_plan(plan: dict) -> None:
         kernels = list(entry["kernels"])
         rows = entry["kernels"][kernels[0]]
         ex = rows["explicit"]
-        hybrid = f", U={entry['ulysses_degree']}" if algo == HYBRID else ""
+        hybrid = f", U={entry['ulysses_degree']}" if takes_ulysses_degree(algo) else ""
         print(f"\ncp_algo={algo} (layout {entry['layout']}{hybrid})")
         head = (f"{'variant':<20} {'comm fwd+bwd':>13} {'explicit/':>9} {'wire fwd+bwd':>13} {'explicit/':>9}"
                 + "".join(f" {'saved ' + k:>14} {'form/expl':>9} {'peak ' + k:>14}" for k in kernels)
@@ -413,7 +415,7 @@ def _print_times(times: dict) -> None:
 
 
 def _algo_label(r: dict) -> str:
-    return f"hybrid U={r['ulysses_degree']}" if r["cp_algo"] == HYBRID else r["cp_algo"]
+    return f"hybrid U={r['ulysses_degree']}" if takes_ulysses_degree(r["cp_algo"]) else r["cp_algo"]
 
 
 def _print_nodes(nodes: dict) -> None:
@@ -440,7 +442,7 @@ def _print_nodes(nodes: dict) -> None:
               "cross nodes (inter-node link for the remote peers)")
     f = nodes["fastest"]
     if f:
-        u = f", U={f['ulysses_degree']}" if f["cp_algo"] == HYBRID else ""
+        u = f", U={f['ulysses_degree']}" if takes_ulysses_degree(f["cp_algo"]) else ""
         print(f"  fastest: {f['variant']} with cp_algo={f['cp_algo']}{u} ({1e3 * f['total_s']:.2f} ms)")
 
 

@@ -12,6 +12,7 @@ from .. import equivalence as eq
 from ..runspec import standard_runs
 from ..measure import worker
 from ..spawn import run_on_ranks
+from ...cp_algos import algo
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, SEQUENCE_LAYOUTS
 from ...vocab.segments import check_seq_len
 from .output import dtype_arg, one_line_errors
@@ -46,7 +47,7 @@ def run(args) -> int:
     cases = cases_from_args(args)
     for layout in dict.fromkeys(c.layout for c in cases):
         check_seq_len(args.seq_len, layout, args.cp)
-    if any(c.cp_algo == "ulysses" for c in cases) and args.heads % args.cp:
+    if not all(algo(c.cp_algo).heads_divide(args.heads, args.cp) for c in cases):
         raise ValueError(f"--heads {args.heads} is not divisible by --cp {args.cp} (ulysses splits heads)")
     s = cases[0].shape
     print(f"verify: CP={args.cp} gloo ranks, S={s.seq_len}, b={s.batch}, n={s.heads}, "

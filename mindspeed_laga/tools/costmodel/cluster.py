@@ -22,14 +22,14 @@ LAGA's overlapped latent gather, as in ``time.estimate_seconds``).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import List, Tuple
 
 from .comm import Collective
 from .config import Config
 from .flops import query_projection_flops
 from .summary import RankSummary
-from .time import MACHINES
+from .time import MACHINES, TimeEstimate
 
 
 @dataclass(frozen=True)
@@ -104,17 +104,11 @@ def collective_seconds(cfg: Config, c: Collective, rank: int, cluster: Cluster) 
 
 
 @dataclass(frozen=True)
-class ClusterTime:
-    compute_s: float
-    comm_s: float
-    hidden_s: float       # latent gather time hidden behind the query projection (overlap)
-    total_s: float
+class ClusterTime(TimeEstimate):
+    """A :class:`TimeEstimate` on two links, with the bytes each carries."""
     intra_bytes: int      # wire bytes on the intra-node link (fwd+bwd)
     inter_bytes: int      # wire bytes on the inter-node link (fwd+bwd)
     worst_rank: int
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _compute_seconds(summary: RankSummary, tflops: float) -> float:

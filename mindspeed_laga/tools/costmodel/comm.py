@@ -6,18 +6,16 @@
 ``payload * (P-1)/P`` of docs/DESIGN.md, section 'Communication'. Equal to
 ``comm.count_bytes`` exactly.
 
-What each (form, cp_algo) exchanges forward is one table row; backward runs
-the same collectives, an all-gather's backward being a reduce-scatter. Hybrid
-CP has its own table (``HYBRID_EXCHANGES``): each collective names its group
-("ulysses": U ranks, "ring": R = P/U ranks, "cp": all P), as the counter does.
+What each (form, cp_algo) exchanges forward is the algorithm's
+``exchanges`` (cp_algos/); backward runs the same collectives, an all-gather's
+backward being a reduce-scatter. Each collective names its group ("cp": all P,
+"ulysses": U ranks, "ring": R = P/U ranks), as the counter does.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import List, Tuple
 
-from ...vocab.names import HYBRID
-from ...vocab.dims import ModelDims
 from .config import Config
 
 
@@ -33,79 +31,16 @@ class Collective:
     group_size: int = 0    # ranks in that group
 
 
-# (kind, tag, values per local token, group size) of one forward pass. A new algorithm
-# (e.g. heads split inside a node, latent gathered over the whole CP group) is one entry.
-Exchange = List[Tuple[str, str, int, int]]
-
-
-def _explicit_allgather(d: ModelDims, n: int, P: int) -> Exchange:
-    return [("all_gather", "key", n * d.qk_dim, P), ("all_gather", "value", n * d.v_head_dim, P)]
-
-
-def _explicit_ulysses(d: ModelDims, n: int, P: int) -> Exchange:
-    return [("all_to_all", "query", n * d.qk_dim, P), ("all_to_all", "key", n * d.qk_dim, P),
-            ("all_to_all", "value", n * d.v_head_dim, P), ("all_to_all", "output", n * d.v_head_dim, P)]
-
-
-def _latent_allgather(d: ModelDims, n: int, P: int) -> Exchange:
-    return [("all_gather", "latent", d.latent_dim, P)]
-
-
-def _latent_ulysses(query_width: int):
-    def exchange(d: ModelDims, n: int, P: int) -> Exchange:
-        return [("all_to_all", "query", n * query_width(d), P), ("all_gather", "latent", d.latent_dim, P),
-                ("all_to_all", "output", n * d.v_head_dim, P)]
-    return exchange
-
-
-EXCHANGES: Dict[Tuple[str, str], Callable[[ModelDims, int, int], Exchange]] = {
-    ("explicit", "allgather"): _explicit_allgather,
-    ("explicit", "ulysses"): _explicit_ulysses,
-    ("laga", "allgather"): _latent_allgather,
-    ("laga", "ulysses"): _latent_ulysses(lambda d: d.qk_dim),
-    ("absorbed", "allgather"): _latent_allgather,
-    ("absorbed", "ulysses"): _latent_ulysses(lambda d: d.latent_dim),   # q_abs is latent-wide
-}
-# Hybrid CP (U ranks per Ulysses group, R = P/U per ring): (kind, tag, values per
-# local token, group name) of one forward pass; the group name is the byte counter's.
-HybridExchange = List[Tuple[str, str, int, str]]
-
-
-def _explicit_hybrid(d: ModelDims, n: int) -> HybridExchange:
-    # All-to-all Q, K, V of every local head inside the Ulysses group -> n/U heads of U*s
-    # tokens; the ring gathers those heads' K/V (U*s*(n/U) = s*n values per head dim).
-    return [("all_to_all", "query", n * d.qk_dim, "ulysses"), ("all_to_all", "key", n * d.qk_dim, "ulysses"),
-            ("all_to_all", "value", n * d.v_head_dim, "ulysses"),
-            ("all_gather", "key", n * d.qk_dim, "ring"), ("all_gather", "value", n * d.v_head_dim, "ring"),
-            ("all_to_all", "output", n * d.v_head_dim, "ulysses")]
-
-
-def _latent_hybrid(query_width: int):
-    def exchange(d: ModelDims, n: int) -> HybridExchange:
-        return [("all_to_all", "query", n * query_width(d), "ulysses"),
-                ("all_gather", "latent", d.latent_dim, "cp"),
-                ("all_to_all", "output", n * d.v_head_dim, "ulysses")]
-    return exchange
-
-
-HYBRID_EXCHANGES: Dict[str, Callable[[ModelDims, int], HybridExchange]] = {
-    "explicit": _explicit_hybrid,
-    "laga": _latent_hybrid(lambda d: d.qk_dim),
-    "absorbed": _latent_hybrid(lambda d: d.latent_dim),
-}
-
-
 def group_size(cfg: Config, group: str) -> int:
     """Ranks in a group of the byte counter's names."""
     return {"cp": cfg.cp_size, "ulysses": cfg.ulysses_degree, "ring": cfg.ring_size}[group]
 
 
 def _exchange(cfg: Config, form: str) -> List[Tuple[str, str, int, int, str]]:
-    """(kind, tag, width, group size, group name) of one forward pass."""
-    if cfg.cp_algo == HYBRID:
-        return [(kind, tag, width, group_size(cfg, g), g)
-                for kind, tag, width, g in HYBRID_EXCHANGES[form](cfg.dims, cfg.tp_heads)]
-    return [part + ("cp",) for part in EXCHANGES[(form, cfg.cp_algo)](cfg.dims, cfg.tp_heads, cfg.cp_size)]
+    """(kind, tag, width, group size, group name) of one forward pass (the algorithm's
+    :meth:`~mindspeed_laga.cp_algos.CPAlgo.exchanges`)."""
+    return [(e.kind, e.tag, e.width, group_size(cfg, e.group), e.group)
+            for e in cfg.algo.exchanges(form, cfg.dims, cfg.tp_heads)]
 
 
 BACKWARD_KIND = {"all_gather": "reduce_scatter", "all_to_all": "all_to_all"}

@@ -7,11 +7,11 @@ from functools import cached_property
 from typing import Iterable, Optional, Sequence, Tuple
 
 from ..runspec import RunSpec
-from ...vocab.names import ATTN_CP_ALGOS, DEFAULT_LAYOUT, HYBRID, LAYOUTS
+from ...cp_algos import SplitView
+from ...vocab.names import ATTN_CP_ALGOS, LAYOUTS
 from ...vocab.segments import Documents, check_seq_len
 from ...vocab.dims import MLADims, ModelDims
 from ...vocab.documents import check_documents
-from ...vocab.attn_setup import heads_split
 
 # The cost model's kernel kinds: what a kernel keeps for backward and whether it
 # recomputes the scores. Not the core's KERNELS (what a caller may ask for).
@@ -60,7 +60,7 @@ def model_kernel_kind(kernel: str, qk_dim: int, v_dim: int, documents: bool = Fa
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(SplitView):  # algo, heads_split, split_size: asked of the CP algorithm
     dims: ModelDims
     seq_len: int
     micro_batch: int = 1
@@ -105,15 +105,6 @@ class Config:
         return self.rank_dims.heads
 
     @property
-    def heads_split(self) -> bool:
-        return heads_split(self.cp_algo, self.cp_size, self.ulysses_degree)
-
-    @property
-    def split_size(self) -> int:
-        """Ranks the heads are split over: P (ulysses) or U (hybrid)."""
-        return self.ulysses_degree if self.cp_algo == HYBRID else self.cp_size
-
-    @property
     def ring_size(self) -> int:
         """Hybrid: R = P/U, the ranks with the same Ulysses rank (explicit's K/V gather)."""
         return self.cp_size // self.ulysses_degree
@@ -121,17 +112,17 @@ class Config:
     @property
     def attended_heads(self) -> int:
         """Heads this rank attends: n/TP (allgather), n/(TP*P) (ulysses), n/(TP*U) (hybrid)."""
-        return self.tp_heads // self.split_size if self.heads_split else self.tp_heads
+        return self.algo.attended_heads(self.tp_heads, self.cp_size, self.ulysses_degree)
 
     @property
     def query_len(self) -> int:
         """Queries this rank attends: its own (allgather), every rank's (ulysses) or its
         Ulysses group's (hybrid: U*s)."""
-        return self.split_size * self.local_len if self.heads_split else self.local_len
+        return self.algo.query_len(self.local_len, self.cp_size, self.ulysses_degree)
 
     @property
     def seq_layout(self) -> str:
-        return self.layout or DEFAULT_LAYOUT[self.cp_algo]
+        return self.layout or self.algo.default_layout
 
     @property
     def reorders(self) -> bool:
@@ -187,7 +178,7 @@ def validate(cfg: Config, variants: Optional[Iterable[RunSpec]] = None) -> None:
         raise ValueError(f"heads={d.heads} is not divisible by TP={cfg.tp_size}; "
                          "use a TP size that divides the heads")
     check_seq_len(cfg.seq_len, cfg.seq_layout, cfg.cp_size, ulysses_degree=cfg.ulysses_degree)
-    if cfg.cp_algo == "ulysses" and cfg.tp_heads % cfg.cp_size:
+    if not cfg.algo.heads_divide(cfg.tp_heads, cfg.cp_size, cfg.ulysses_degree):  # hybrid: above
         raise ValueError(f"cp_algo='ulysses' splits the {cfg.tp_heads} heads per TP rank over "
                          f"CP={cfg.cp_size}: not divisible; use cp_algo='allgather' or a CP size "
                          "dividing heads/TP")
@@ -235,13 +226,13 @@ def _validate_hybrid(cfg: Config) -> None:
     U = cfg.ulysses_degree
     if not isinstance(U, int) or isinstance(U, bool) or U <= 0:
         raise ValueError(f"ulysses_degree must be a positive integer, got {U!r}")
-    if cfg.cp_algo != HYBRID:
+    if not cfg.algo.takes_ulysses_degree:
         if U != 1:
             raise ValueError(f"ulysses_degree={U} is given but cp_algo={cfg.cp_algo!r}; use "
                              "cp_algo='hybrid' (or drop ulysses_degree)")
         return
-    if cfg.cp_size % U:
+    if not cfg.algo.degree_divides(cfg.cp_size, U):
         raise ValueError(f"ulysses_degree={U} must be a positive divisor of CP={cfg.cp_size}")
-    if (cfg.dims.heads // cfg.tp_size) % U:
+    if not cfg.algo.heads_divide(cfg.dims.heads // cfg.tp_size, cfg.cp_size, U):
         raise ValueError(f"cp_algo='hybrid' splits the {cfg.dims.heads // cfg.tp_size} heads per TP "
                          f"rank over ulysses_degree={U}: not divisible; use a U dividing heads/TP")

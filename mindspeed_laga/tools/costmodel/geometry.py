@@ -59,7 +59,8 @@ def query_segments(cfg: Config, rank: int) -> List[QuerySegment]:
     out = []
     for seg in _vocab_segments(cfg, rank):
         lo, hi = key_window(seg, cfg.seq_len, cfg.causal, cfg.documents)
-        out.append(QuerySegment(seg[1], seg[2], hi, lo))
+        _, length, first = seg
+        out.append(QuerySegment(length, first, hi, lo))
     return out
 
 
@@ -111,7 +112,7 @@ def _row_families(cfg: Config, rank: int, spec: RunSpec):
             if size is None:
                 yield n, g, 1, 0
                 continue
-            head = min(n, -(local - seg[0]) % size)  # rows up to the segment's next row block
+            head = min(n, -(local - seg.local_start) % size)  # rows up to the segment's next row block
             middle, tail = divmod(n - head, size)
             if head:
                 yield head, g, 1, 0

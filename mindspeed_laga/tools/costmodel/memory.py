@@ -138,7 +138,7 @@ def _query(cfg: Config, width: int, name: str = "query") -> _Operand:
     z = cfg.sizes
     e, b, s, S, n, h = z.elem, z.batch, z.local_len, z.seq_len, z.tp_heads, z.heads
     if cfg.heads_split:
-        return _Operand(f"{name}_a2a", f"{name} after all-to-all [{'U*s' if cfg.cp_algo == 'hybrid' else 'S'}, b, {h}, {width}]",
+        return _Operand(f"{name}_a2a", f"{name} after all-to-all [{cfg.algo.split_rows_label}, b, {h}, {width}]",
                         cfg.query_len * b * h * width * e)
     return _Operand(name, f"{name} [s, b, {n}, {width}]", s * b * n * width * e)
 

@@ -38,10 +38,9 @@ from __future__ import annotations
 from typing import List
 
 from ..runspec import RunSpec
+from ...vocab.blocks import SCORE_CHUNK_ELEMENTS
 from .config import EAGER, HALF, RECOMPUTING_KINDS, SDPA, Config
 
-# kernels/block.SCORE_CHUNK_ELEMENTS (that module imports torch; the model does not)
-SCORE_CHUNK_ELEMENTS = 1 << 25
 # Saved terms that are the call's own inputs (allocated before the peak is reset).
 INPUT_STORAGES = ("query", "kv_latent")
 from .geometry import block_keys, query_segments, rebuilt_keys, largest_row_block

@@ -1,8 +1,9 @@
 """Real megatron-core (0.16.1 to 0.19.2) MLA on CPU: shims, a tiny MLA GPTModel, a CP baseline,
 a trainer.
 
-Imported by tests/megatron/test_megatron_e2e.py and by the CPU demo
-scripts/train_tiny_cpu.py (which runs from a checkout and puts tests/support on sys.path). Nothing in site-packages is edited: every gap of
+Imported by the CPU demo scripts/train_tiny_cpu.py and by the end-to-end tests
+(tests/megatron); it ships with the package's tooling, so the demo needs no checkout
+of the tests. Nothing in site-packages is edited: every gap of
 docs/HOSTS.md, section 'megatron-core on CPU', is bridged by monkeypatching in :func:`install_cpu_shims`,
 which only the processes that build megatron models call.
 

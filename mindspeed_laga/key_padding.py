@@ -4,17 +4,13 @@ The contract (docs/DESIGN.md, section "Key padding"): a bool tensor [b, S]
 (S = local length x CP, the full sequence) in global position order, True =
 a padding key, the same on every CP rank. It masks keys only: every query
 row still follows ``causal`` (or sees every key), minus the padding keys.
+What a row that then sees no key returns: ``vocab.names.EMPTY_ROWS``.
 """
 from __future__ import annotations
 
 import torch
 
-# What a query row that sees no key at all returns (left padding's pad rows under the causal
-# mask, or a sample that is all padding): "mean" = the mean of every value of its sequence,
-# what a softmax over a row filled with one finite mask value gives (Megatron's unfused
-# softmax, -10000; Hugging Face's eager attention, the dtype's minimum); "zero" = zero, what
-# flash kernels give (torch SDPA, the NPU op with its invalid-row handling).
-EMPTY_ROWS = ("mean", "zero")
+from .vocab.names import EMPTY_ROWS
 
 
 def check_key_padding(mask, query, cp_size: int, documents) -> None:

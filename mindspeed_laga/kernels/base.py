@@ -1,0 +1,76 @@
+"""What a kernel is: one object per backend, the dense and the block kernel behind one protocol.
+
+A :class:`Kernel` is resolved once per call (``checks.check``, :func:`kernels.resolve`)
+into the setup, with the options only it reads (``pad_v``) bound, so the forms and
+the blockwise walk call it without knowing which backend runs. Adding a kernel is a
+subclass in its own ``kernels/<backend>.py`` plus one line in ``kernels/registry.py``
+(docs/DESIGN.md, "Extension points").
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class Kernel:
+    """One attention backend: ``attend_segment`` (dense, autograd) and ``block`` (the
+    blockwise LAGA's block kernel, contract in ``kernels/block.py``)."""
+
+    name: ClassVar[str]
+    # Whether ``pad_v`` (zero-pad V to the q/k head dim for the op) means anything here.
+    pads_v: ClassVar[bool] = False
+
+    def __init__(self, pad_v: bool = False):
+        self.pad_v = bool(pad_v) and self.pads_v
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(pad_v={self.pad_v})" if self.pads_v else type(self).__name__
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.pad_v == self.pad_v
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.pad_v))
+
+    # ---- resolution ("auto" and the checks), before anything runs
+
+    @classmethod
+    def picks_auto(cls, device, dtype, blockwise: bool) -> bool:
+        """Whether ``kernel="auto"`` resolves to this kernel for these tensors (the registry
+        asks in its order; the first that says yes is taken)."""
+        return False
+
+    @classmethod
+    def check(cls, device, dtype, blockwise: bool) -> None:
+        """ValueError naming the fix when this kernel cannot run these tensors."""
+
+    # ---- running
+
+    def attend_segment(self, q, k, v, *, scale: float, causal: bool, pieces=None, keep=None):
+        """One query segment against its key window (kernels/__init__.py: ``attend``);
+        ``keep`` [b, 1, rows, W] bool, with key padding: every row's visibility (it replaces
+        ``causal`` and ``pieces``; no row of it is empty, ``masks.padded_keep_mask``)."""
+        raise NotImplementedError
+
+    @property
+    def block(self):
+        """The block kernel of the blockwise walk (kernels/block.py: the contract)."""
+        raise NotImplementedError
+
+
+class BlockKernel:
+    """A block kernel (contract: kernels/block.py): stateless, ``forward``/``backward`` per
+    run of query rows; the packed entries below default to one call per run, and a
+    kernel that can take all of a segment's runs at once (NPU: varlen) overrides them."""
+
+    @classmethod
+    def forward_runs(cls, q, key, value, runs, scale):
+        """[(out, lse)] of one segment's runs against a block."""
+        return [cls.forward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale)
+                for rows, ks, offset in runs]
+
+    @classmethod
+    def backward_runs(cls, q, key, value, runs, scale, d_out, out, lse):
+        """[(dq, dk, dv)] of one segment's runs, shaped like q[rows] and key/value[ks]."""
+        return [cls.backward(q[:, :, rows], key[:, :, ks], value[:, :, ks], offset, scale,
+                             d_out[:, :, rows], out[:, :, rows], lse[:, :, rows])
+                for rows, ks, offset in runs]
