@@ -103,8 +103,9 @@ def forward_kind(linear, name: str = "linear") -> str:
             f"K/V from this module's weight and knows the LoRA arithmetic of {known} only. "
             f"Remove {name} from --lora-target-modules, or drop --mla-latent-all-gather")
     if is_wrapped(linear.base_layer):
-        raise UnsupportedLoRAError(f"{what} around another adapter layer: nested adapters are not "
-                                   f"read by LAGA; wrap {name} once, or drop --mla-latent-all-gather")
+        raise UnsupportedLoRAError(f"{what} around another adapter layer: nested adapters are "
+                                   f"not read by LAGA; wrap {name} once, or drop "
+                                   "--mla-latent-all-gather")
     if getattr(linear, "is_paralle_a", False) or getattr(linear, "is_parallel_a", False):
         raise UnsupportedLoRAError(f"{what} around a row-parallel base; LAGA reads a "
                                    f"column-parallel {name} only")

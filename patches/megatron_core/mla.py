@@ -14,7 +14,8 @@ only as THD, no attention mask, nothing from :func:`uncovered_reason`) does:
 3. with ``overlap_latent_gather``, the latent all-gather starts before the
    query projection (which then hides it);
 4. the core (``laga_attention`` or ``explicit_attention``) with
-   ``linear_kv_up_proj.weight`` (this TP rank's heads) and the CP group;
+   ``linear_kv_up_proj.weight`` (this TP rank's heads; under a LoRA adapter the weight
+   its forward applies, patches/lora.py) and the CP group;
 5. the module's own ``linear_proj``.
 
 THD calls (``packed_seq_params``) pass the documents and megatron's
@@ -43,6 +44,7 @@ from mindspeed_laga.cp_algos import algo
 
 from . import compat as compat
 from ..common import check_weight_once, first_call, start_gather
+from ..lora import base_layer, effective_weight
 from .hybrid import check_hybrid_shape
 from .thd import PackedBatch, is_thd, packed_batch, packed_rope_positions
 
@@ -160,7 +162,7 @@ def _kv_norm(module, kv_compressed):
     *after* the norm and the up-projection weight separately.
     """
     kv = module.kv_layernorm(kv_compressed)
-    fused = module.linear_kv_up_proj
+    fused = base_layer(module.linear_kv_up_proj)  # (under a LoRA wrapper, if any)
     weight = getattr(fused, "layer_norm_weight", None)
     if weight is None:
         return kv
@@ -247,15 +249,20 @@ def _apply_rope(module, x, table, mscale):
     return compat.apply_mla_rope(x, table, module.config.rotary_interleaved, mscale)
 
 
-def _core_options(module, settings: MegatronPatchSettings, cp_group) -> Dict:
+def _core_options(module, settings: MegatronPatchSettings, cp_group, kv_up_weight) -> Dict:
     """The core's keywords; by default the ranks agree on shapes (and on kv_up_weight) on a
     module's first call only."""
     options = dict(settings.core_options)
     first = first_call(module)
     options.setdefault("check_ranks", first)
-    check_weight_once(first and options["check_ranks"] is not False,
-                      module.linear_kv_up_proj.weight, cp_group)
+    check_weight_once(first and options["check_ranks"] is not False, kv_up_weight, cp_group)
     return options
+
+
+def kv_up_weight_of(module):
+    """linear_kv_up_proj's weight, or under a LoRA adapter (peft) the weight its forward
+    applies: base plus delta (patches/lora.py); an adapter LAGA cannot read raises."""
+    return effective_weight(module.linear_kv_up_proj, "linear_kv_up_proj")
 
 
 def check_attention_dropout(module) -> None:
@@ -276,6 +283,7 @@ def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings,
     positions); ``ulysses_group``: hybrid CP's group of this rank.
     """
     cfg = module.config
+    kv_up_weight = kv_up_weight_of(module)  # first: an adapter it cannot read raises here
     q_compressed, kv_compressed, k_pos_emb = _down_project(module, hidden_states)
     if cfg.q_lora_rank is not None:
         q_compressed = module.q_layernorm(q_compressed)
@@ -285,7 +293,7 @@ def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings,
     else:
         table, mscale = _rope_at_packed_positions(module, kv_latent.shape[0], packed, cp_group)
     k_pos_emb = _apply_rope(module, k_pos_emb.unsqueeze(2), table, mscale).squeeze(2)
-    options = _core_options(module, settings, cp_group)
+    options = _core_options(module, settings, cp_group, kv_up_weight)
     if ulysses_group is not None:
         options["ulysses_group"] = ulysses_group
     handle = start_gather(settings.overlap_latent_gather, kv_latent, k_pos_emb, cp_group,
@@ -294,7 +302,7 @@ def laga_attention_block(module, hidden_states, settings: MegatronPatchSettings,
     query = _query_heads(module, q_compressed)
     q_nope, q_pe = torch.split(query, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
     query = torch.cat([q_nope, _apply_rope(module, q_pe, table, mscale)], dim=-1)
-    out = settings.core(query, kv_latent, k_pos_emb, module.linear_kv_up_proj.weight,
+    out = settings.core(query, kv_latent, k_pos_emb, kv_up_weight,
                         softmax_scale=module.softmax_scale, cp_group=cp_group,
                         cp_algo=settings.cp_algo, causal=_causal(module),
                         kernel=settings.kernel, qk_head_dim=cfg.qk_head_dim,
