@@ -476,6 +476,11 @@ def _install_cuda_namespace(rng: DeviceRNG):
     for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed",
                  "seed_all", "initial_seed"):
         setattr(torch.cuda.random, name, functions[name])
+    # transfer_to_npu maps the legacy typed constructors too (the host's SFT dataset index
+    # builder calls torch.cuda.LongTensor([1])): here they make CPU tensors
+    for name in ("ByteTensor", "IntTensor", "LongTensor", "FloatTensor", "DoubleTensor",
+                 "BoolTensor"):
+        setattr(torch.cuda, name, getattr(torch, name))
     return functions
 
 

@@ -18,8 +18,10 @@ RECIPE_DIR = Path("examples") / "mcore" / "deepseek3"
 
 
 def recipe_argv(script: Path, cp_algo: Optional[str] = None, cp_size: Optional[int] = None,
-                dummies: Path = Path("/dummy")) -> Tuple[List[str], int]:
-    """The arguments the stock script hands to pretrain_gpt.py, and its world size.
+                dummies: Path = Path("/dummy"), entry: str = "pretrain_gpt.py"
+                ) -> Tuple[List[str], int]:
+    """The arguments the stock script hands to ``entry`` (pretrain_gpt.py; the tune
+    recipes: posttrain_gpt.py), and its world size.
 
     ``cp_algo``/``cp_size`` replace the script's ``CP_TYPE``/``CP`` (None: as shipped).
     Placeholders such as CKPT_SAVE_DIR="your model save ckpt path" become
@@ -40,7 +42,7 @@ def recipe_argv(script: Path, cp_algo: Optional[str] = None, cp_size: Optional[i
                        capture_output=True, timeout=60, check=True)
         argv = out.read_text().split("\0")[:-1]
     world = _assignment(text, "NPUS_PER_NODE") * _assignment(text, "NNODES")
-    return argv[argv.index("pretrain_gpt.py") + 1:], world
+    return argv[argv.index(entry) + 1:], world
 
 
 def _assignment(text: str, name: str) -> int:

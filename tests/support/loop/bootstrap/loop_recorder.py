@@ -14,6 +14,9 @@ MLA_CLASS = "CustomMLASelfAttention"
 # the host's core attention modules an MLA layer may hold (Megatron's, MindSpeed's,
 # MindSpeed-LLM's): none of them may run when LAGA is on
 CORE_ATTENTION_SUFFIX = "DotProductAttention"
+# how the fused-attention stand-in treats a row its mask leaves without keys, where the NPU's
+# result is unspecified (the host's own left-padded SFT attention: tests/support/loop/tune_loop.py)
+UNSPECIFIED_ROWS_ENV = "LAGA_LOOP_NPU_UNSPECIFIED_ROWS"
 
 
 def start(folder):
@@ -23,6 +26,9 @@ def start(folder):
     from support import npu_host
 
     torch_npu = npu_host.install()
+    if os.environ.get(UNSPECIFIED_ROWS_ENV):  # e.g. "zero" (tests/support/fake_torch_npu.py)
+        from support import fake_torch_npu
+        fake_torch_npu.UNSPECIFIED_ROWS = os.environ[UNSPECIFIED_ROWS_ENV]
     _count_laga()
     _count_modules()
     _after_import("megatron.training.initialize", _warmup_under_fork_rng)

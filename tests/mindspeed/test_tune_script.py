@@ -1,0 +1,88 @@
+"""scripts/tune_deepseek3_laga.sh, dry-run: with LAGA=0 it is MindSpeed-LLM's stock CP
+fine-tuning recipe (tune_deepseek3_671b_16k_lora_A3_ptd.sh) flag for flag; the LAGA=1
+toggle changes exactly the launcher and LAGA's flags, and the flags it passes satisfy
+LAGAFeature's checks for every mapped CP algorithm, padded and packed."""
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from support.laga_parser import parser_with_laga
+
+from mindspeed_laga.features import LAGAFeature
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tune_deepseek3_laga.sh"
+STOCK = "tune_deepseek3_671b_16k_lora_A3_ptd.sh"
+
+
+def dry_run(**env):
+    proc = subprocess.run(["bash", str(SCRIPT)], env=dict(os.environ, DRY_RUN="1", **env),
+                          capture_output=True, text=True, timeout=60, check=True)
+    return shlex.split(proc.stdout)
+
+
+def script_args(tokens):
+    return tokens[tokens.index("posttrain_gpt.py") + 1:]
+
+
+def validate(tokens):
+    feature = LAGAFeature()
+    args, _unknown = parser_with_laga(feature).parse_known_args(script_args(tokens))
+    feature.validate_args(args)
+    return args
+
+
+def _flags(argv):
+    """{flag: [its values, per occurrence]} of a posttrain_gpt.py argument list."""
+    flags, current = {}, None
+    for token in argv:
+        if token.startswith("--"):
+            current = flags.setdefault(token, [])
+            current.append([])
+        else:
+            current[-1].append(token)
+    return flags
+
+
+def test_laga_toggle_adds_launcher_and_flags_only():
+    with_laga, without = dry_run(LAGA="1"), dry_run(LAGA="0")
+    i = with_laga.index("posttrain_gpt.py")
+    assert with_laga[i - 2:i] == ["-m", "mindspeed_laga.launch"]
+    assert "mindspeed_laga.launch" not in without
+    extra = script_args(with_laga)
+    for flag in ("--mla-latent-all-gather", "--mla-laga-kernel", "auto"):
+        extra.remove(flag)
+    assert extra == script_args(without)
+
+
+@pytest.mark.parametrize("cp_type", ["ulysses_cp_algo", "kvallgather_cp_algo", "megatron_cp_algo"])
+@pytest.mark.parametrize("packed", ["0", "1"])
+def test_script_flags_pass_laga_validation(cp_type, packed):
+    args = validate(dry_run(LAGA="1", CP_TYPE=cp_type, PACKED=packed))
+    assert args.mla_latent_all_gather and args.context_parallel_size == 2
+    assert bool(args.reset_attention_mask) == (packed == "1") and args.micro_batch_size == 1
+
+
+def test_sft_toggles():
+    flags = _flags(script_args(dry_run(PADDING_SIDE="left", PACKED="1",
+                                       LORA_TARGETS="linear_qkv linear_kv_up_proj")))
+    assert flags["--tokenizer-padding-side"] == [["left"]]
+    assert flags["--reset-attention-mask"] == [[]]
+    assert flags["--lora-target-modules"] == [["linear_qkv", "linear_kv_up_proj"]]
+
+
+PATH_FLAGS = ("--save", "--load", "--data-path", "--tokenizer-name-or-path")
+
+
+def test_without_laga_it_is_the_stock_recipe(host_sources):
+    from support.recipes import RECIPE_DIR, recipe_argv
+
+    stock, world = recipe_argv(Path(host_sources["MINDSPEED_LLM_SRC"]) / RECIPE_DIR / STOCK,
+                               entry="posttrain_gpt.py")
+    stock = _flags(stock)
+    ours = _flags(script_args(dry_run(LAGA="0")))
+    for flag in PATH_FLAGS:
+        assert len(stock.pop(flag)) == len(ours.pop(flag)) == 1, flag
+    assert ours == stock
+    assert world == 16 * 8  # the same nodes as the script's defaults
