@@ -6,7 +6,7 @@ distributed optimizer with ``--overlap-grad-reduce`` and gradient accumulation.
 Each case trains the scaled-down stock DeepSeek-V3 recipe in one layout with
 ``--mla-latent-all-gather`` at CP > 1 and must equal the same layout at CP = 1 (where LAGA
 is a no-op and the host's own MLA attention runs) iteration by iteration, with the
-tolerances of tests/loop/test_real_loop.py (measured there; the 1%-softmax-scale mutant
+tolerances of tests/support/loop/compare.py (measured on the pretrain loop; the 1%-softmax-scale mutant
 fails each alone). Every rank ran LAGA's attention on every MLA forward it made and the
 host's core attention never.
 
@@ -35,8 +35,8 @@ from typing import Dict, List
 
 import pytest
 
-import test_real_loop as loop_cases
-from support.loop import real_loop
+from support.loop import compare, real_loop
+from support.loop.compare import assert_ran, require_loop_modules
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
 
@@ -67,17 +67,6 @@ CASES = {
 }
 
 
-def require_loop_modules():
-    """As host_sources does: skip naming what the loop lacks, fail under CI=true."""
-    missing = real_loop.missing_modules()
-    if missing:
-        from support.thirdparty import in_ci
-        message = f"the real loop needs: pip install {' '.join(missing)}"
-        if in_ci():
-            pytest.fail(f"CI=true and {message}", pytrace=False)
-        pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def layout_loop(host_sources, tmp_path_factory):
     """run(name, layout, cp, algo, laga, **recipe): one loop in that layout, each name once."""
@@ -93,24 +82,10 @@ def layout_loop(host_sources, tmp_path_factory):
                                     extra=layout.extra, **recipe)
             runs[name] = real_loop.run_loop(ready["sources"], workdir / name,
                                             real_loop.ranks(argv, layout.dp), argv,
-                                            timeout_s=loop_cases.RUN_TIMEOUT_S)
+                                            timeout_s=compare.RUN_TIMEOUT_S)
         return runs[name]
 
     return run
-
-
-def assert_ran(run, laga: bool):
-    """Every rank made MLA forwards; each ran LAGA's attention (laga) or the host's (not)."""
-    for rank, counts in enumerate(run.counts):
-        where = f"rank {rank}: {counts}"
-        assert counts.get("mla_forward", 0) > 0, where
-        if laga:
-            assert counts.get("laga_attention", 0) == counts["mla_forward"], where
-            assert counts.get("core_attention", 0) == 0, "the host's core attention ran: " + where
-            assert counts.get("npu_fusion_attention", 0) == 0, where
-        else:
-            assert counts.get("laga_attention", 0) == 0, where
-            assert counts.get("core_attention", 0) == counts["mla_forward"], where
 
 
 def layout_reference(layout_loop, layout_name):
@@ -121,14 +96,14 @@ def layout_reference(layout_loop, layout_name):
     return ref
 
 
-@pytest.mark.timeout(3 * loop_cases.RUN_TIMEOUT_S)
+@pytest.mark.timeout(3 * compare.RUN_TIMEOUT_S)
 @pytest.mark.parametrize("case", list(CASES))
 def test_layout_equals_cp1(layout_loop, case):
     layout_name, cp, algo, recipe = CASES[case]
     ref = layout_reference(layout_loop, layout_name)
     run = layout_loop(case, LAYOUTS[layout_name], cp, algo, **recipe)
     assert_ran(run, laga=True)
-    loop_cases.assert_same_training(run, ref)
+    compare.assert_same_training(run, ref)
 
 
 # (layout, the refusal every rank prints): what the host itself stops at start-up
@@ -140,7 +115,7 @@ REFUSED = {
 }
 
 
-@pytest.mark.timeout(loop_cases.RUN_TIMEOUT_S + 60)
+@pytest.mark.timeout(compare.RUN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_layout_refused(layout_loop, case):
     """MindSpeed-LLM refuses a pipeline stage of dense layers only (2 layers, the first dense,

@@ -28,9 +28,8 @@ from pathlib import Path
 
 import pytest
 
-import test_real_loop as loop_cases
-from support.loop import real_loop
-from test_loop_layouts import assert_ran, require_loop_modules
+from support.loop import compare, real_loop
+from support.loop.compare import assert_ran, require_loop_modules
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
 
@@ -77,7 +76,7 @@ def resume_loop(host_sources, tmp_path_factory):
                                     ready["data_path"], layout=SCHEDULE, without=SAVE_OPTIMIZER,
                                     extra=[f.format(**folders) for f in files])
             runs[name] = real_loop.run_loop(ready["sources"], workdir / name, cp, argv,
-                                            timeout_s=loop_cases.RUN_TIMEOUT_S)
+                                            timeout_s=compare.RUN_TIMEOUT_S)
         return runs[name]
 
     return run
@@ -85,14 +84,14 @@ def resume_loop(host_sources, tmp_path_factory):
 
 def assert_same_iterations(run, ref, iterations):
     assert sorted(run.iterations) == list(iterations), sorted(run.iterations)
-    for key, rtol in (("lm loss", loop_cases.LOSS_RTOL), ("grad norm", loop_cases.GRAD_NORM_RTOL)):
+    for key, rtol in (("lm loss", compare.LOSS_RTOL), ("grad norm", compare.GRAD_NORM_RTOL)):
         got = [run.series(key)[sorted(run.iterations).index(i)] for i in iterations]
         want = [ref.series(key)[sorted(ref.iterations).index(i)] for i in iterations]
         errors = [abs(g - w) / abs(w) for g, w in zip(got, want)]
         assert max(errors) <= rtol, f"{key}: {got} vs uninterrupted {want} (relative {errors})"
 
 
-@pytest.mark.timeout(3 * loop_cases.RUN_TIMEOUT_S)
+@pytest.mark.timeout(3 * compare.RUN_TIMEOUT_S)
 def test_saved_with_laga_equals_uninterrupted(resume_loop):
     """The save itself: LAGA at CP = 2 trains iterations 1-3 as the CP = 1 run does."""
     ref, saver = resume_loop("uninterrupted"), resume_loop("saved-with-laga")
@@ -103,7 +102,7 @@ def test_saved_with_laga_equals_uninterrupted(resume_loop):
     assert_same_iterations(saver, ref, range(1, SAVED_AT + 1))
 
 
-@pytest.mark.timeout(3 * loop_cases.RUN_TIMEOUT_S)
+@pytest.mark.timeout(3 * compare.RUN_TIMEOUT_S)
 @pytest.mark.parametrize("name", RESUMED)
 def test_resume_across_the_flag(resume_loop, name):
     ref, resumed = resume_loop("uninterrupted"), resume_loop(name)

@@ -35,14 +35,11 @@ from pathlib import Path
 import pytest
 
 from support.loop import real_loop
+from support.loop.compare import RUN_TIMEOUT_S, assert_same_training
 from support.thirdparty import RELEASE_NAMES, release_sources
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
 
-LOSS_RTOL = 2e-6       # measured noise 2.6e-7; the 1%-scale mutant moves losses 3.3e-5
-GRAD_NORM_RTOL = 1e-5  # measured noise 2.2e-6; the mutant moves the grad norm 9.4e-4
-PRINTED_RTOL = 2e-6    # the log prints 7 significant digits
-RUN_TIMEOUT_S = 420    # one torchrun, on a loaded 2-core machine
 MTP = ["--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-mem-efficient-logits"]
 
 
@@ -113,20 +110,6 @@ def assert_laga_ran_everywhere(run, recomputed=False):
             assert counts["mla_forward"] > expected, where
         else:
             assert counts["mla_forward"] == expected, where
-
-
-def assert_same_training(run, ref):
-    assert sorted(run.iterations) == list(range(1, real_loop.ITERATIONS + 1)), run.iterations
-    assert not any(v["skipped"] for v in run.iterations.values())
-    for key, rtol in (("lm loss", LOSS_RTOL), ("grad norm", GRAD_NORM_RTOL)):
-        got, want = run.series(key), ref.series(key)
-        errors = [abs(g - w) / abs(w) for g, w in zip(got, want)]
-        assert max(errors) <= rtol, f"{key}: {got} vs CP=1 {want} (relative {errors})"
-    for i, printed in ref.printed.items():
-        for key, want in printed.items():
-            if key.startswith("mtp"):
-                got = run.printed[i][key]
-                assert abs(got - want) <= PRINTED_RTOL * abs(want), (i, key, got, want)
 
 
 CASES = {

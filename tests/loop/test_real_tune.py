@@ -8,7 +8,7 @@ Every case trains the stock CP fine-tuning recipe
 built by the host's ``preprocess_data.py``, with ``--mla-latent-all-gather`` at CP = 2,
 and must equal the same recipe at CP = 1 without LAGA (the host's own MLA attention on the
 strict ``npu_fusion_attention`` stand-in) iteration by iteration: LM loss and grad norm at
-full precision, with the pretrain loop's tolerances (tests/loop/test_real_loop.py).
+full precision, with the pretrain loop's tolerances (tests/support/loop/compare.py).
 
 Cases: padded SFT (the trainer's causal + key-padding mask) with right and left padding,
 packed SFT (``--reset-attention-mask``), LoRA on the stock targets, LoRA with the K/V
@@ -37,13 +37,11 @@ from pathlib import Path
 import pytest
 
 from support.loop import real_loop, tune_loop
+from support.loop.compare import GRAD_NORM_RTOL, LOSS_RTOL, RUN_TIMEOUT_S  # as the pretrain loop
 from support.thirdparty import RELEASE_NAMES, release_sources
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
 
-LOSS_RTOL = 2e-6       # as the pretrain loop (tests/loop/test_real_loop.py)
-GRAD_NORM_RTOL = 1e-5
-RUN_TIMEOUT_S = 420    # one torchrun, on a loaded 2-core machine
 KV_UP = ["linear_kv_up_proj"]
 MM_SPLIT_KV = ["linear_kv_nope", "linear_v"]
 LEFT = ["--tokenizer-padding-side", "left"]
