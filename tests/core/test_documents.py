@@ -16,6 +16,7 @@ import torch
 from mindspeed_laga import count_bytes
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
+from support import case_runs
 from support.documents import (FORMS, SCALE, assemble, doc_zigzag_ok, document_sets, full_inputs,
                                reference)
 
@@ -74,12 +75,7 @@ _RESULTS = {}
 def results(cp):
     if cp not in _RESULTS:
         cases = cases_for(cp)
-        if cp == 1:
-            per_case = [[run_case(0, 1, c, None)] for c in cases]
-        else:
-            per_rank = run_on_ranks(worker, cp, cases, timeout_s=600)
-            per_case = [[per_rank[r][i] for r in range(cp)] for i in range(len(cases))]
-        _RESULTS[cp] = list(zip(cases, per_case))
+        _RESULTS[cp] = list(zip(cases, case_runs.per_case(run_case, worker, cp, cases)))
     return _RESULTS[cp]
 
 

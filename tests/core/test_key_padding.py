@@ -12,6 +12,7 @@ import torch
 
 from mindspeed_laga import count_bytes
 from mindspeed_laga.tools.spawn import run_on_ranks
+from support import case_runs
 from support.key_padding import FORMS_BY_NAME as FORMS
 from support.key_padding import (SCALE, assemble, full_inputs, local_inputs, padding_mask,
                                  reference, run_case, worker)
@@ -52,12 +53,7 @@ _RESULTS = {}
 def results(cp):
     if cp not in _RESULTS:
         cases = cases_for(cp)
-        if cp == 1:
-            per_case = [[run_case(0, 1, c, None)] for c in cases]
-        else:
-            per_rank = run_on_ranks(worker, cp, cases, timeout_s=600)
-            per_case = [[per_rank[r][i] for r in range(cp)] for i in range(len(cases))]
-        _RESULTS[cp] = list(zip(cases, per_case))
+        _RESULTS[cp] = list(zip(cases, case_runs.per_case(run_case, worker, cp, cases)))
     return _RESULTS[cp]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_laga.tools.spawn import run_on_ranks
+from support import case_runs
 from support.key_padding import (D_N, D_V, HEADS, SCALE, assemble, full_inputs, grad_out,
                                  padding_mask, reference, run_case, worker)
 
@@ -94,17 +94,8 @@ def cases(cp):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_laga_matches_hugging_faces_padded_attention(cp):
-    from support import fake_torch_npu
     todo = cases(cp)
-    if cp == 1:
-        fake_torch_npu.install()
-        try:
-            per_case = [[run_case(0, 1, c, None)] for c in todo]
-        finally:
-            fake_torch_npu.uninstall()
-    else:
-        per_rank = run_on_ranks(worker, cp, todo, timeout_s=600)
-        per_case = [[per_rank[r][i] for r in range(cp)] for i in range(len(todo))]
+    per_case = case_runs.per_case(run_case, worker, cp, todo, npu_standin=True)
     failures = []
     for case, per_rank in zip(todo, per_case):
         want_out, want_grads = hugging_face((~padding_mask(case["side"])).long())

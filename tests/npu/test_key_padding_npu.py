@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_laga.tools.spawn import run_on_ranks
+from support import case_runs
 from support import fake_torch_npu
 from support.key_padding import FORMS_BY_NAME, assemble, padding_mask, reference, run_case, worker
 
@@ -34,15 +34,7 @@ def cases(cp):
 @pytest.mark.parametrize("cp", [1, 2])
 def test_npu_key_padding_matches_reference(cp):
     todo = cases(cp)
-    if cp == 1:
-        fake_torch_npu.install()
-        try:
-            per_case = [[run_case(0, 1, c, None)] for c in todo]
-        finally:
-            fake_torch_npu.uninstall()
-    else:
-        per_rank = run_on_ranks(worker, cp, todo, timeout_s=600)
-        per_case = [[per_rank[r][i] for r in range(cp)] for i in range(len(todo))]
+    per_case = case_runs.per_case(run_case, worker, cp, todo, npu_standin=True)
     failures = []
     for case, per_rank in zip(todo, per_case):
         ref_out, ref_grads = reference(padding_mask(case["side"]), True, "mean")

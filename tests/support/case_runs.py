@@ -1,0 +1,28 @@
+"""Run a list of attention cases at one CP size and hand back each case's per-rank results:
+in this process at CP = 1, else once on CP spawned gloo ranks (bounded by a timeout)."""
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+from mindspeed_laga.tools.spawn import run_on_ranks
+
+
+def per_case(run_case: Callable, worker: Callable, cp: int, cases: List[dict], *,
+             npu_standin: bool = False, timeout_s: float = 600) -> List[List[Any]]:
+    """``[[rank 0's result, rank 1's, ...] for each case]``.
+
+    ``run_case(rank, cp, case, group)`` runs one case; ``worker(rank, cp, cases)`` runs them
+    all on one spawned rank (a module-level function, so it can be spawned).
+    ``npu_standin``: the CP = 1 run installs the torch_npu stand-in for its duration (the
+    spawned ranks' ``run_case`` installs its own)."""
+    if cp > 1:
+        per_rank = run_on_ranks(worker, cp, cases, timeout_s=timeout_s)
+        return [[per_rank[r][i] for r in range(cp)] for i in range(len(cases))]
+    if not npu_standin:
+        return [[run_case(0, 1, case, None)] for case in cases]
+    from support import fake_torch_npu
+    fake_torch_npu.install()
+    try:
+        return [[run_case(0, 1, case, None)] for case in cases]
+    finally:
+        fake_torch_npu.uninstall()
