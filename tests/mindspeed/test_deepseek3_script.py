@@ -1,34 +1,13 @@
 """scripts/pretrain_deepseek3_laga.sh, dry-run: at CP=1 and LAGA=0 it is MindSpeed-LLM's
 stock DeepSeek-V3 recipe flag for flag; the LAGA=1 toggle changes exactly the launcher
 and LAGA's flags, and the flags it passes satisfy LAGAFeature's checks."""
-import os
-import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
-from support.laga_parser import parser_with_laga
+from support.laga_scripts import LagaScript
 
-from mindspeed_laga.features import LAGAFeature
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pretrain_deepseek3_laga.sh"
-
-
-def dry_run(**env):
-    proc = subprocess.run(["bash", str(SCRIPT)], env=dict(os.environ, DRY_RUN="1", **env),
-                          capture_output=True, text=True, timeout=60, check=True)
-    return shlex.split(proc.stdout)
-
-
-def script_args(tokens):
-    return tokens[tokens.index("pretrain_gpt.py") + 1:]
-
-
-def validate(tokens):
-    feature = LAGAFeature()
-    args, _unknown = parser_with_laga(feature).parse_known_args(script_args(tokens))
-    feature.validate_args(args)
-    return args
+SCRIPT = LagaScript("pretrain_deepseek3_laga.sh", "pretrain_gpt.py")
+dry_run, script_args, validate = SCRIPT.dry_run, SCRIPT.args, SCRIPT.validate
 
 
 def test_laga_toggle_adds_launcher_and_flags_only():

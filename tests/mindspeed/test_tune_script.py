@@ -2,35 +2,14 @@
 fine-tuning recipe (tune_deepseek3_671b_16k_lora_A3_ptd.sh) flag for flag; the LAGA=1
 toggle changes exactly the launcher and LAGA's flags, and the flags it passes satisfy
 LAGAFeature's checks for every mapped CP algorithm, padded and packed."""
-import os
-import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
-from support.laga_parser import parser_with_laga
+from support.laga_scripts import LagaScript
 
-from mindspeed_laga.features import LAGAFeature
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tune_deepseek3_laga.sh"
+SCRIPT = LagaScript("tune_deepseek3_laga.sh", "posttrain_gpt.py")
+dry_run, script_args, validate = SCRIPT.dry_run, SCRIPT.args, SCRIPT.validate
 STOCK = "tune_deepseek3_671b_16k_lora_A3_ptd.sh"
-
-
-def dry_run(**env):
-    proc = subprocess.run(["bash", str(SCRIPT)], env=dict(os.environ, DRY_RUN="1", **env),
-                          capture_output=True, text=True, timeout=60, check=True)
-    return shlex.split(proc.stdout)
-
-
-def script_args(tokens):
-    return tokens[tokens.index("posttrain_gpt.py") + 1:]
-
-
-def validate(tokens):
-    feature = LAGAFeature()
-    args, _unknown = parser_with_laga(feature).parse_known_args(script_args(tokens))
-    feature.validate_args(args)
-    return args
 
 
 def _flags(argv):

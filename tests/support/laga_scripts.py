@@ -1,0 +1,39 @@
+"""Our recipe scripts (scripts/*_laga.sh) as the tests read them: dry-run (``DRY_RUN=1``
+prints the launch line instead of running it), the arguments after the entry script, and
+those arguments parsed and validated the way LAGAFeature does at start-up."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+from typing import List
+
+from mindspeed_laga.features import LAGAFeature
+from support.laga_parser import parser_with_laga
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+class LagaScript:
+    """``scripts/<name>``, whose launch line runs ``entry`` (pretrain_gpt.py, posttrain_gpt.py)."""
+
+    def __init__(self, name: str, entry: str):
+        self.path, self.entry = SCRIPTS / name, entry
+
+    def dry_run(self, **env) -> List[str]:
+        """The launch line the script prints with these environment variables."""
+        proc = subprocess.run(["bash", str(self.path)], env=dict(os.environ, DRY_RUN="1", **env),
+                              capture_output=True, text=True, timeout=60, check=True)
+        return shlex.split(proc.stdout)
+
+    def args(self, tokens: List[str]) -> List[str]:
+        """The arguments after the entry script."""
+        return tokens[tokens.index(self.entry) + 1:]
+
+    def validate(self, tokens: List[str]):
+        """The parsed arguments, after LAGAFeature's start-up checks passed."""
+        feature = LAGAFeature()
+        args, _unknown = parser_with_laga(feature).parse_known_args(self.args(tokens))
+        feature.validate_args(args)
+        return args
