@@ -69,14 +69,7 @@ def worker(rank, cp, cases):
     return [run_case(rank, cp, case, dist.group.WORLD) for case in cases]
 
 
-_RESULTS = {}
-
-
-def results(cp):
-    if cp not in _RESULTS:
-        cases = cases_for(cp)
-        _RESULTS[cp] = list(zip(cases, case_runs.per_case(run_case, worker, cp, cases)))
-    return _RESULTS[cp]
+results = case_runs.ResultsByCP(cases_for, run_case, worker)
 
 
 def case_id(case):

@@ -47,14 +47,7 @@ def cases_for(cp):
     return out
 
 
-_RESULTS = {}
-
-
-def results(cp):
-    if cp not in _RESULTS:
-        cases = cases_for(cp)
-        _RESULTS[cp] = list(zip(cases, case_runs.per_case(run_case, worker, cp, cases)))
-    return _RESULTS[cp]
+results = case_runs.ResultsByCP(cases_for, run_case, worker)
 
 
 def case_id(case):

@@ -5,20 +5,14 @@ from pathlib import Path
 
 import pytest
 from support.laga_scripts import LagaScript
+from support.laga_scripts import flags as parse_flags
 
 SCRIPT = LagaScript("pretrain_deepseek3_laga.sh", "pretrain_gpt.py")
 dry_run, script_args, validate = SCRIPT.dry_run, SCRIPT.args, SCRIPT.validate
 
 
 def test_laga_toggle_adds_launcher_and_flags_only():
-    with_laga, without = dry_run(LAGA="1"), dry_run(LAGA="0")
-    i = with_laga.index("pretrain_gpt.py")
-    assert with_laga[i - 2:i] == ["-m", "mindspeed_laga.launch"]
-    assert "mindspeed_laga.launch" not in without
-    extra = script_args(with_laga)
-    for flag in ("--mla-latent-all-gather", "--mla-laga-kernel", "auto"):
-        extra.remove(flag)
-    assert extra == script_args(without)
+    SCRIPT.assert_toggle_adds_launcher_and_flags_only()
 
 
 @pytest.mark.parametrize("cp_type", ["kvallgather_cp_algo", "ulysses_cp_algo", "megatron_cp_algo"])
@@ -36,18 +30,6 @@ def test_hybrid_runs_unpacked_and_packed_hybrid_is_caught():
         validate(dry_run(LAGA="1", CP="4", CP_TYPE="hybrid_cp_algo", ULYSSES_DEGREE="2"))
 
 
-def _flags(argv):
-    """{flag: [its values, per occurrence]} of a pretrain_gpt.py argument list."""
-    flags, current = {}, None
-    for token in argv:
-        if token.startswith("--"):
-            current = flags.setdefault(token, [])
-            current.append([])
-        else:
-            current[-1].append(token)
-    return flags
-
-
 PATH_FLAGS = ("--save", "--load", "--data-path", "--tokenizer-name-or-path")
 
 
@@ -56,15 +38,15 @@ def test_without_cp_and_laga_it_is_the_stock_recipe(host_sources):
 
     stock, _world = recipe_argv(Path(host_sources["MINDSPEED_LLM_SRC"]) / RECIPE_DIR / RECIPES[0],
                                 "ulysses_cp_algo")
-    stock = _flags(stock)
-    ours = _flags(script_args(dry_run(LAGA="0", CP="1")))
+    stock = parse_flags(stock)
+    ours = parse_flags(script_args(dry_run(LAGA="0", CP="1")))
     for flag in PATH_FLAGS:
         assert len(stock.pop(flag)) == len(ours.pop(flag)) == 1, flag
     assert ours == stock
 
 
 def test_with_cp_only_the_dualpipe_group_goes():
-    at_cp1, at_cp2 = _flags(script_args(dry_run(LAGA="0", CP="1"))), _flags(
+    at_cp1, at_cp2 = parse_flags(script_args(dry_run(LAGA="0", CP="1"))), parse_flags(
         script_args(dry_run(LAGA="0")))
     gone = set(at_cp1) - set(at_cp2)
     assert gone == {"--schedules-method", "--moe-fb-overlap"} and not set(at_cp2) - set(at_cp1)

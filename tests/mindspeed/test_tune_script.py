@@ -6,33 +6,15 @@ from pathlib import Path
 
 import pytest
 from support.laga_scripts import LagaScript
+from support.laga_scripts import flags as parse_flags
 
 SCRIPT = LagaScript("tune_deepseek3_laga.sh", "posttrain_gpt.py")
 dry_run, script_args, validate = SCRIPT.dry_run, SCRIPT.args, SCRIPT.validate
 STOCK = "tune_deepseek3_671b_16k_lora_A3_ptd.sh"
 
 
-def _flags(argv):
-    """{flag: [its values, per occurrence]} of a posttrain_gpt.py argument list."""
-    flags, current = {}, None
-    for token in argv:
-        if token.startswith("--"):
-            current = flags.setdefault(token, [])
-            current.append([])
-        else:
-            current[-1].append(token)
-    return flags
-
-
 def test_laga_toggle_adds_launcher_and_flags_only():
-    with_laga, without = dry_run(LAGA="1"), dry_run(LAGA="0")
-    i = with_laga.index("posttrain_gpt.py")
-    assert with_laga[i - 2:i] == ["-m", "mindspeed_laga.launch"]
-    assert "mindspeed_laga.launch" not in without
-    extra = script_args(with_laga)
-    for flag in ("--mla-latent-all-gather", "--mla-laga-kernel", "auto"):
-        extra.remove(flag)
-    assert extra == script_args(without)
+    SCRIPT.assert_toggle_adds_launcher_and_flags_only()
 
 
 @pytest.mark.parametrize("cp_type", ["ulysses_cp_algo", "kvallgather_cp_algo", "megatron_cp_algo"])
@@ -44,7 +26,7 @@ def test_script_flags_pass_laga_validation(cp_type, packed):
 
 
 def test_sft_toggles():
-    flags = _flags(script_args(dry_run(PADDING_SIDE="left", PACKED="1",
+    flags = parse_flags(script_args(dry_run(PADDING_SIDE="left", PACKED="1",
                                        LORA_TARGETS="linear_qkv linear_kv_up_proj")))
     assert flags["--tokenizer-padding-side"] == [["left"]]
     assert flags["--reset-attention-mask"] == [[]]
@@ -59,8 +41,8 @@ def test_without_laga_it_is_the_stock_recipe(host_sources):
 
     stock, world = recipe_argv(Path(host_sources["MINDSPEED_LLM_SRC"]) / RECIPE_DIR / STOCK,
                                entry="posttrain_gpt.py")
-    stock = _flags(stock)
-    ours = _flags(script_args(dry_run(LAGA="0")))
+    stock = parse_flags(stock)
+    ours = parse_flags(script_args(dry_run(LAGA="0")))
     for flag in PATH_FLAGS:
         assert len(stock.pop(flag)) == len(ours.pop(flag)) == 1, flag
     assert ours == stock

@@ -26,3 +26,18 @@ def per_case(run_case: Callable, worker: Callable, cp: int, cases: List[dict], *
         return [[run_case(0, 1, case, None)] for case in cases]
     finally:
         fake_torch_npu.uninstall()
+
+
+class ResultsByCP:
+    """``results(cp)`` -> ``[(case, per-rank results)]`` for ``cases_for(cp)``, run once per CP
+    size and kept for the module's other tests."""
+
+    def __init__(self, cases_for: Callable, run_case: Callable, worker: Callable):
+        self.cases_for, self.run_case, self.worker = cases_for, run_case, worker
+        self.kept = {}
+
+    def __call__(self, cp: int):
+        if cp not in self.kept:
+            cases = self.cases_for(cp)
+            self.kept[cp] = list(zip(cases, per_case(self.run_case, self.worker, cp, cases)))
+        return self.kept[cp]

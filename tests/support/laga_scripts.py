@@ -7,7 +7,7 @@ import os
 import shlex
 import subprocess
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 from mindspeed_laga.features import LAGAFeature
 from support.laga_parser import parser_with_laga
@@ -37,3 +37,26 @@ class LagaScript:
         args, _unknown = parser_with_laga(feature).parse_known_args(self.args(tokens))
         feature.validate_args(args)
         return args
+
+    def assert_toggle_adds_launcher_and_flags_only(self):
+        """LAGA=1 against LAGA=0: the launcher and LAGA's flags, nothing else."""
+        with_laga, without = self.dry_run(LAGA="1"), self.dry_run(LAGA="0")
+        i = with_laga.index(self.entry)
+        assert with_laga[i - 2:i] == ["-m", "mindspeed_laga.launch"]
+        assert "mindspeed_laga.launch" not in without
+        extra = self.args(with_laga)
+        for flag in ("--mla-latent-all-gather", "--mla-laga-kernel", "auto"):
+            extra.remove(flag)
+        assert extra == self.args(without)
+
+
+def flags(argv: List[str]) -> Dict[str, List[List[str]]]:
+    """{flag: [its values, per occurrence]} of an argument list."""
+    found, current = {}, None
+    for token in argv:
+        if token.startswith("--"):
+            current = found.setdefault(token, [])
+            current.append([])
+        else:
+            current[-1].append(token)
+    return found
