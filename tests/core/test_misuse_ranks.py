@@ -19,7 +19,7 @@ from mindspeed_laga import (handshake, count_bytes, explicit_attention, laga_att
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
-from support.raise_together import assert_raised_together, outcome
+from support.raise_together import assert_raised_together, outcome, reports_by_scenario
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -178,8 +178,7 @@ def _membership_worker(rank, world):
 
 @pytest.fixture(scope="module")
 def reports():
-    per_rank = run_on_ranks(_worker, 2, sorted(SCENARIOS), timeout_s=120)
-    return {name: [per_rank[r][name] for r in range(2)] for name in SCENARIOS}
+    return reports_by_scenario(_worker, SCENARIOS)
 
 
 @pytest.mark.timeout(200)

@@ -17,6 +17,7 @@ import torch
 from mindspeed_laga import count_bytes, handshake, laga_attention, start_latent_gather
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
+from support.raise_together import reports_by_scenario
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -131,8 +132,7 @@ def _worker(rank, world, names):
 
 @pytest.fixture(scope="module")
 def reports():
-    per_rank = run_on_ranks(_worker, 2, sorted(SCENARIOS), timeout_s=120)
-    return {name: [per_rank[r][name] for r in range(2)] for name in SCENARIOS}
+    return reports_by_scenario(_worker, SCENARIOS)
 
 
 @pytest.mark.timeout(200)

@@ -44,3 +44,12 @@ def assert_raised_together(outcomes: Sequence[Outcome], expected: Expected, kind
         want = expected if isinstance(expected, str) else expected[rank]
         assert raised == kind and want in text, (rank, raised, text)
         assert data_bytes == 0, f"rank {rank} moved {data_bytes} data bytes before raising"
+
+
+def reports_by_scenario(worker, names: Sequence[str], world: int = 2,
+                        timeout_s: float = 120) -> Mapping[str, list]:
+    """{name: [rank 0's report, rank 1's, ...]}: ``worker(rank, world, names)`` (module level,
+    returning {name: report}) run once on ``world`` spawned ranks for every scenario."""
+    from mindspeed_laga.tools.spawn import run_on_ranks
+    per_rank = run_on_ranks(worker, world, sorted(names), timeout_s=timeout_s)
+    return {name: [per_rank[r][name] for r in range(world)] for name in names}
