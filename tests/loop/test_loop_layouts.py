@@ -119,10 +119,11 @@ REFUSED = {
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_layout_refused(layout_loop, case):
     """MindSpeed-LLM refuses a pipeline stage of dense layers only (2 layers, the first dense,
-    over PP 2), LAGA or not: every rank says so before iteration 1."""
+    over PP 2), LAGA or not, before iteration 1. (How many ranks print it depends on timing:
+    torchrun stops the others as soon as the first rank exits.)"""
     layout, refusal = REFUSED[case]
     with pytest.raises(real_loop.LoopFailed) as failed:
         layout_loop(f"refused-{case}", layout, 2, "megatron_cp_algo")
     log = failed.value.log
-    assert log.count(f"AssertionError: {refusal}") >= 4, failed.value  # every rank: PP 2 x CP 2
+    assert f"AssertionError: {refusal}" in log, failed.value
     assert not real_loop.parse_log(log), "it trained before refusing"
