@@ -18,8 +18,9 @@ COMMANDS = {
 }
 
 
-def _session(sid: int):
-    """Pids of the live (not zombie) processes in session ``sid``."""
+def _descendants_of(leader: int):
+    """Pids of the live (not zombie) processes whose setsid leader is ``leader`` (the command
+    was started as one, so everything it starts shares that id unless it calls setsid)."""
     pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -29,7 +30,7 @@ def _session(sid: int):
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # fields[3]: session id
+        if int(fields[3]) == leader and fields[0] != "Z":  # fields[3]: the setsid leader's pid
             pids.append(int(name))
     return pids
 
@@ -48,21 +49,21 @@ def _wait(predicate, timeout_s: float) -> bool:
 def test_sigterm_leaves_no_process_behind(command):
     proc = subprocess.Popen([sys.executable, "-m", "mindspeed_laga.tools.cli", *COMMANDS[command]],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)  # its own session: everything it starts
+                            start_new_session=True)  # a setsid leader: its pid tags everything it starts
     try:
         # the command, its fork server, its resource tracker and both ranks
-        assert _wait(lambda: len(_session(proc.pid)) >= 5, 120), \
-            f"ranks never started: {_session(proc.pid)}"
+        assert _wait(lambda: len(_descendants_of(proc.pid)) >= 5, 120), \
+            f"ranks never started: {_descendants_of(proc.pid)}"
         time.sleep(1.0)  # the ranks are inside the timed loop
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
-        survivors = [] if _wait(lambda: not _session(proc.pid), 20) else _session(proc.pid)
+        survivors = [] if _wait(lambda: not _descendants_of(proc.pid), 20) else _descendants_of(proc.pid)
         assert not survivors, f"still alive after SIGTERM: {survivors}"
         err = proc.stderr.read().decode()
         assert code == 128 + signal.SIGTERM, (code, err)
         assert "Traceback" not in err and f"mindspeed-laga {command}: terminated" in err, err
     finally:
-        for pid in _session(proc.pid):  # what this test started, nothing else
+        for pid in _descendants_of(proc.pid):  # what this test started, nothing else
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
