@@ -44,7 +44,7 @@ def absorbed_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
                  documents=setup.documents,
                  bad=bad,  # with CP: found and zeroed in the gathered latent
                  key_padding=setup.key_padding,
-                 empty_fill=None if setup.key_padding is None else empty_fill(value, setup),
+                 empty_fill=empty_fill(value, setup),
                  epilogue=lambda o_latent: torch.einsum("bnsc,nvc->bnsv", o_latent, w_uv))
     out = from_bnsd(out)
     if not full:

@@ -75,8 +75,8 @@ def up_project(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, kv_up_weight: t
 def empty_fill(value: torch.Tensor, setup: AttnSetup):
     """What a query row that sees no key returns (``setup.empty_rows``), [b, h, 1, d_v] from
     the position-ordered values [S, b, h, d_v] of every position: their mean ("mean", a
-    softmax over one constant) or None (zero)."""
-    if setup.empty_rows != "mean":
+    softmax over one constant) or None (zero, or no key padding: no row is empty)."""
+    if setup.key_padding is None or setup.empty_rows != "mean":
         return None
     return value.mean(dim=0).unsqueeze(2)  # [b, h, d_v] -> [b, h, 1, d_v]
 
@@ -85,7 +85,7 @@ def empty_fill_latent(kv_all: torch.Tensor, kv_up_weight: torch.Tensor, setup: A
     """:func:`empty_fill` from the gathered latent [S, b, d_c]: the mean of the values is
     the up-projection of the mean latent (linear), so no value outside the rebuilt keys is
     ever built."""
-    if setup.empty_rows != "mean":
+    if setup.key_padding is None or setup.empty_rows != "mean":
         return None
     _, w_uv = split_up_weight(kv_up_weight, setup)  # [h, d_v, d_c]
     return torch.einsum("bc,nvc->bnv", kv_all.mean(dim=0), w_uv).unsqueeze(2)

@@ -32,7 +32,7 @@ def explicit_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup
         key = to_position_order(every_token(seq_to_heads(key, setup, "key"), setup, "key"), setup)
         value = to_position_order(every_token(seq_to_heads(value, setup, "value"), setup,
                                               "value"), setup)
-    fill = None if setup.key_padding is None else empty_fill(value, setup)
+    fill = empty_fill(value, setup)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
                  documents=setup.documents, own_kv=True, key_padding=setup.key_padding,

@@ -53,7 +53,7 @@ def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup,
 def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix):
     """The paper's LAGA: rebuild K/V for every (visible) key; autograd keeps them."""
     ranges = setup.key_ranges() if trim_causal_prefix else None
-    fill = None if setup.key_padding is None else empty_fill_latent(kv_all, kv_up_weight, setup)
+    fill = empty_fill_latent(kv_all, kv_up_weight, setup)
     if ranges:
         kv_all, k_pe_all = take_ranges(kv_all, ranges), take_ranges(k_pe_all, ranges)
     key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
@@ -68,9 +68,8 @@ def _attend_blockwise(query, latent, kv_up_weight, setup, trim_causal_prefix, kv
     """K/V rebuilt per block in forward and again in backward; only the latent is kept."""
     ranges = setup.key_ranges() if trim_causal_prefix else None
     padding = setup.key_padding
-    fill = None
-    if padding is not None:  # from every position's latent, before trimming
-        fill = empty_fill_latent(latent[..., :setup.dims.kv_lora_rank], kv_up_weight, setup)
+    # from every position's latent, before trimming
+    fill = empty_fill_latent(latent[..., :setup.dims.kv_lora_rank], kv_up_weight, setup)
     if ranges:
         latent = take_ranges(latent, ranges)
     weight = up_weight_rows(kv_up_weight, setup)
