@@ -40,12 +40,10 @@ pytest.importorskip("megatron.core")
 from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 
 from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks  # noqa: E402
+from support.megatron_training import LOSS_TOL, STEPS, assert_same_training  # noqa: E402
 
 pytestmark = pytest.mark.mcore  # the leg that runs it (tests/conftest.py)
 
-STEPS = 3
-LOSS_TOL = 1e-5
-GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 VARIANTS = {
     "yarn-qlora": mc.TinyMLA(),
     "rope-no-qlora": mc.TinyMLA(rope_type="rope", q_lora_rank=None),
@@ -299,16 +297,6 @@ def world4():
     return _spawn(4)
 
 
-def _assert_same_training(run, ref, what):
-    diffs = [abs(a - b) for a, b in zip(run["losses"], ref["losses"])]
-    assert len(run["losses"]) == STEPS and max(diffs) <= LOSS_TOL, \
-        f"{what}: losses {run['losses']} vs reference {ref['losses']}"
-    assert run["grads"].keys() == ref["grads"].keys()
-    for name, grad in ref["grads"].items():
-        torch.testing.assert_close(run["grads"][name], grad, **GRAD_TOL,
-                                   msg=lambda m: f"{what}: grad of {name}: {m}")
-
-
 EXPECTED_TAGS = {"laga": {"latent"}, "explicit": {"key", "value"}}
 
 
@@ -347,26 +335,26 @@ def test_patch_at_cp1_is_megatrons_forward(world1):
 
 def test_megatron_baseline_cp2_matches_cp1(world1, world2):
     """megatron's own unpatched MLA at CP=2 (CP baseline attention) = the CP=1 run."""
-    _assert_same_training(world2["baseline"], world1["reference/yarn-qlora"], "baseline CP=2")
+    assert_same_training(world2["baseline"], world1["reference/yarn-qlora"], "baseline CP=2")
     assert set(world2["baseline"]["tags"]) == set()  # megatron's own collectives, not ours
 
 
 @pytest.mark.parametrize("name", list(PATCHED))
 def test_patched_cp2_matches_cp1(world1, world2, name):
-    _assert_same_training(world2[name], world1["reference/yarn-qlora"], f"{name} CP=2")
-    _assert_same_training(world2[name], world2["baseline"], f"{name} vs megatron CP=2")
+    assert_same_training(world2[name], world1["reference/yarn-qlora"], f"{name} CP=2")
+    assert_same_training(world2[name], world2["baseline"], f"{name} vs megatron CP=2")
     _assert_form_ran(world2[name], name)
 
 
 @pytest.mark.parametrize("name", list(PATCHED))
 def test_patched_cp4_matches_cp1(world1, world4, name):
-    _assert_same_training(world4[name], world1["reference/yarn-qlora"], f"{name} CP=4")
+    assert_same_training(world4[name], world1["reference/yarn-qlora"], f"{name} CP=4")
     _assert_form_ran(world4[name], name)
 
 
 def test_ulysses_on_megatron_zigzag_batches(world1, world2):
     run = world2["laga-ulysses-zigzag"]
-    _assert_same_training(run, world1["reference/yarn-qlora"], "ulysses on zigzag batches")
+    assert_same_training(run, world1["reference/yarn-qlora"], "ulysses on zigzag batches")
     _assert_form_ran(run, "laga-ulysses")
 
 
@@ -374,14 +362,14 @@ def test_ulysses_on_megatron_zigzag_batches(world1, world2):
 def test_core_options_pass_through(world1, world2, name):
     """trim_causal_prefix, recompute_kv + kv_block_size, overlap_latent_gather: same training."""
     run = world2[name]
-    _assert_same_training(run, world1["reference/yarn-qlora"], name)
+    assert_same_training(run, world1["reference/yarn-qlora"], name)
     _assert_form_ran(run, name.split("+")[0])
 
 
 @pytest.mark.parametrize("name", ["laga-allgather", "laga-ulysses"])
 def test_plain_rope_without_q_lora(world1, world2, name):
     run = world2[f"{name}/rope-no-qlora"]
-    _assert_same_training(run, world1["reference/rope-no-qlora"], f"{name}, rope, no q_lora")
+    assert_same_training(run, world1["reference/rope-no-qlora"], f"{name}, rope, no q_lora")
     _assert_form_ran(run, name)
 
 
@@ -394,7 +382,7 @@ def test_eval_forward_takes_laga_path(world1, world2):
 def test_uncovered_option_falls_back_to_megatron(world1, world2):
     """recompute of core_attn: the original forward runs (and says so once)."""
     run = world2["fallback-recompute"]
-    _assert_same_training(run, world1["reference/yarn-qlora"], "fallback")
+    assert_same_training(run, world1["reference/yarn-qlora"], "fallback")
     assert run["tags"] == []
     assert len(run["warnings"]) == 1 and "recompute of core_attn" in run["warnings"][0]
 
@@ -420,7 +408,7 @@ def test_tp2_cp2_matches_megatron_tp2(world4, name):
     Compared with megatron's own TP=2 run: megatron 0.16.1's local-spec MLA at
     TP=2 does not reproduce TP=1 grads by itself (see docs/MEGATRON.md).
     """
-    _assert_same_training(world4[f"tp2/{name}"], world4["tp2-megatron"], f"TP=2 x CP=2 {name}")
+    assert_same_training(world4[f"tp2/{name}"], world4["tp2-megatron"], f"TP=2 x CP=2 {name}")
     _assert_form_ran(world4[f"tp2/{name}"], name)
 
 
@@ -481,13 +469,13 @@ def test_packed_cp2_matches_megatron_cp1(packed1, packed2, name):
     """THD at CP=2 (megatron's per-document split): the real tokens' loss and every grad
     equal megatron's own CP=1 run on the same (padded) documents."""
     docs = PACKED[name][1]
-    _assert_same_training(packed2[name], packed1[f"reference/{docs}"], f"packed {name} CP=2")
+    assert_same_training(packed2[name], packed1[f"reference/{docs}"], f"packed {name} CP=2")
     _assert_form_ran(packed2[name], name.split("/")[0].split("+")[0])
 
 
 @pytest.mark.parametrize("name", ["laga-allgather/padded", "laga-ulysses/padded"])
 def test_packed_cp4_matches_megatron_cp1(packed1, packed4, name):
-    _assert_same_training(packed4[name], packed1["reference/padded"], f"packed {name} CP=4")
+    assert_same_training(packed4[name], packed1["reference/padded"], f"packed {name} CP=4")
     _assert_form_ran(packed4[name], name.split("/")[0])
 
 
@@ -515,7 +503,7 @@ def test_packed_errors_name_the_argument(packed2, packed4):
 def test_hybrid_cp4_matches_cp1(packed1, packed4, name):
     """CP=4 as 2 Ulysses groups of 2 (hybrid-zigzag batches) = megatron's unpatched CP=1."""
     run = packed4[f"hybrid/{name}"]
-    _assert_same_training(run, packed1["reference/yarn-qlora"], f"hybrid {name}")
+    assert_same_training(run, packed1["reference/yarn-qlora"], f"hybrid {name}")
     _assert_form_ran(run, name.split("+")[0].replace("hybrid", "ulysses"))
 
 

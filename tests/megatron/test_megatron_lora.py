@@ -18,19 +18,16 @@ import importlib.util
 import warnings
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 from support.thirdparty import in_ci  # noqa: E402
 
 from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks  # noqa: E402
+from support.megatron_training import STEPS, assert_same_training  # noqa: E402
 
 pytestmark = [pytest.mark.ascend, pytest.mark.hosts]
 
-STEPS = 3
-LOSS_TOL = 1e-5
-GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 TINY = mc.TinyMLA()
 TARGETS = ["linear_kv_up_proj", "linear_q_up_proj"]
 PATCHED = {"laga-allgather": (dict(cp_algo="allgather"), "zigzag"),
@@ -93,16 +90,6 @@ def worlds():
         raise AssertionError(f"a world failed:\n{exc}") from exc
 
 
-def _assert_same_training(run, ref, what):
-    diffs = [abs(a - b) for a, b in zip(run["losses"], ref["losses"])]
-    assert len(run["losses"]) == STEPS and max(diffs) <= LOSS_TOL, \
-        f"{what}: losses {run['losses']} vs reference {ref['losses']}"
-    assert run["grads"].keys() == ref["grads"].keys()
-    for name, grad in ref["grads"].items():
-        torch.testing.assert_close(run["grads"][name], grad, **GRAD_TOL,
-                                   msg=lambda m: f"{what}: grad of {name}: {m}")
-
-
 def test_the_adapter_is_in_the_model(worlds):
     """peft wrapped the module, and the adapter moves the loss: the reference is not the
     same model without it (non-zero lora_B), and lora_A/lora_B get grads."""
@@ -115,9 +102,9 @@ def test_the_adapter_is_in_the_model(worlds):
 
 @pytest.mark.parametrize("name", PATCHED)
 def test_cp2_matches_megatron_cp1(worlds, name):
-    _assert_same_training(worlds[2][name], worlds[1]["reference"], f"LoRA, CP=2 {name}")
+    assert_same_training(worlds[2][name], worlds[1]["reference"], f"LoRA, CP=2 {name}")
 
 
 def test_tp2_cp2_matches_megatron_tp2(worlds):
-    _assert_same_training(worlds[4]["tp2/laga-allgather"], worlds[4]["tp2-megatron"],
+    assert_same_training(worlds[4]["tp2/laga-allgather"], worlds[4]["tp2-megatron"],
                           "LoRA, TP=2 x CP=2 laga-allgather")
