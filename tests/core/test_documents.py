@@ -17,8 +17,7 @@ from mindspeed_laga import count_bytes
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import case_runs
-from support.documents import (FORMS, SCALE, assemble, doc_zigzag_ok, document_sets, full_inputs,
-                               reference)
+from support.documents import FORMS, SCALE, compared, doc_zigzag_ok, document_sets, full_inputs
 
 LAGA_OPTIONS = [{}, {"trim_causal_prefix": True}, {"recompute_kv": True},
                 {"recompute_kv": True, "kv_block_size": 5, "trim_causal_prefix": True}]
@@ -73,23 +72,13 @@ results = case_runs.ResultsByCP(cases_for, run_case, worker)
 
 
 def case_id(case):
-    opts = ",".join(f"{k}={v}" for k, v in case["options"].items())
-    return (f"{case['form']}-{case['cp_algo']}-{case['layout']}-{case['docs']}-"
-            f"{'causal' if case['causal'] else 'full'}-{case['kernel']}{('-' + opts) if opts else ''}")
+    return case_runs.case_id(case, "form", "cp_algo", "layout", "docs", "causal", "kernel")
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_documents_match_reference(cp):
-    failures = []
-    for case, per_rank in results(cp):
-        out, grads = assemble(per_rank, case, cp)
-        ref_out, ref_grads = reference(case["bounds"], case["causal"])
-        errs = {"out": (out - ref_out).abs().max().item()}
-        errs.update({k: (grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads})
-        if max(errs.values()) > 1e-10:
-            failures.append(f"{case_id(case)}: {errs}")
-    assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failing cases)"
+    case_runs.assert_all_match(compared(results(cp), cp, case_id), tolerance=1e-10)
 
 
 @pytest.mark.timeout(900)

@@ -19,10 +19,8 @@ import torch
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 
-from support.documents import (FORMS, S, SCALE, assemble, doc_zigzag_ok, document_sets, full_inputs,
-                               reference)
-
-from support import fake_torch_npu
+from support import case_runs, fake_torch_npu
+from support.documents import FORMS, S, SCALE, compared, doc_zigzag_ok, document_sets, full_inputs
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -119,23 +117,14 @@ def results(cp):
 
 
 def case_id(case):
-    opts = ",".join(f"{k}={v}" for k, v in case["options"].items())
-    return (f"{case['form']}-{case['cp_algo']}-{case['layout']}-{case['docs']}-"
-            f"{'causal' if case['causal'] else 'full'}{('-' + opts) if opts else ''}")
+    return case_runs.case_id(case, "form", "cp_algo", "layout", "docs", "causal")
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_npu_documents_match_reference(cp):
-    failures = []
-    for case, per_rank in results(cp):
-        out, grads = assemble(per_rank, case, cp)
-        ref_out, ref_grads = reference(case["bounds"], case["causal"])
-        errs = {"out": _relative(out, ref_out)}
-        errs.update({k: _relative(grads[k], ref_grads[k]) for k in ref_grads})
-        if not max(errs.values()) <= TOLERANCE:
-            failures.append(f"{case_id(case)}: {errs}")
-    assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failing cases)"
+    case_runs.assert_all_match(compared(results(cp), cp, case_id), tolerance=TOLERANCE,
+                               error=_relative)
 
 
 def _relative(got, want):

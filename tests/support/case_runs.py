@@ -1,8 +1,9 @@
 """Run a list of attention cases at one CP size and hand back each case's per-rank results:
-in this process at CP = 1, else once on CP spawned gloo ranks (bounded by a timeout)."""
+in this process at CP = 1, else once on CP spawned gloo ranks (bounded by a timeout); then
+check every case's output and grads against its reference, naming the cases that fail."""
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from typing import Any, Callable, Iterable, List
 
 from mindspeed_laga.tools.spawn import run_on_ranks
 
@@ -41,3 +42,28 @@ class ResultsByCP:
             cases = self.cases_for(cp)
             self.kept[cp] = list(zip(cases, per_case(self.run_case, self.worker, cp, cases)))
         return self.kept[cp]
+
+
+def case_id(case: dict, *keys: str) -> str:
+    """A case's name in a failure: its values of ``keys`` joined by "-" (``causal`` reads
+    causal or full), then its options as ``k=v,...`` where it has any."""
+    parts = [("causal" if case[k] else "full") if k == "causal" else str(case[k]) for k in keys]
+    opts = ",".join(f"{k}={v}" for k, v in case["options"].items())
+    return "-".join(parts + [opts] if opts else parts)
+
+
+def max_abs_error(got, want) -> float:
+    return (got - want).abs().max().item()
+
+
+def assert_all_match(compared: Iterable, tolerance: float, error: Callable = max_abs_error):
+    """``compared``: ``(name, (out, grads), (reference out, reference grads))`` per case.
+    Every case's output and each reference grad lie within ``tolerance`` by
+    ``error(got, want)`` (a NaN fails too); the failure names up to 20 of the cases."""
+    failures = []
+    for name, (out, grads), (ref_out, ref_grads) in compared:
+        errs = {"out": error(out, ref_out)}
+        errs.update({k: error(grads[k], ref_grads[k]) for k in ref_grads})
+        if not all(e <= tolerance for e in errs.values()):
+            failures.append(f"{name}: {errs}")
+    assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failing cases)"

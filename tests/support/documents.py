@@ -82,3 +82,11 @@ def assemble(per_rank, case, cp):
     grads = {k: full([r["grads"][k] for r in per_rank]) for k in ("query", "kv_latent", "k_pos_emb")}
     grads["kv_up_weight"] = sum(r["grads"]["kv_up_weight"] for r in per_rank)
     return full([r["out"] for r in per_rank]), grads
+
+
+
+def compared(results, cp, case_id):
+    """``(case_id(case), the ranks' assembled (out, grads), the reference's)`` for each
+    ``(case, per-rank results)`` of ``results`` (what ``case_runs.assert_all_match`` takes)."""
+    for case, per_rank in results:
+        yield case_id(case), assemble(per_rank, case, cp), reference(case["bounds"], case["causal"])
