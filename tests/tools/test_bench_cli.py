@@ -9,19 +9,11 @@ import pytest
 
 from mindspeed_laga.tools import cli
 from mindspeed_laga.tools.commands import bench
+from support.cli_runs import assert_one_line_error, run_cli
 
 TINY = ["--cp", "2", "--seq-lens", "16,32", "--heads", "4", "--qk-head-dim", "8",
         "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--kv-lora-rank", "16",
         "--repeat", "1", "--warmup", "0"]
-
-
-def run_cli(capsys, *argv):
-    try:
-        code = cli.main(["bench", *argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +89,9 @@ def test_bad_input_is_one_line_error(capsys, argv, word):
     if "notaformat" in argv[-1]:
         pytest.importorskip("matplotlib")
     """Rejected before any rank starts (the bench itself would take seconds)."""
-    code, out, err = run_cli(capsys, *argv)
+    code, out, err = run_cli(capsys, "bench", *argv)
     assert "runs (" not in out  # the line printed once the runs are built
-    assert code == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and word in lines[0] and lines[0].startswith("mindspeed-laga bench: error:")
-    assert "Traceback" not in err
+    assert_one_line_error("bench", code, err, word)
 
 
 def test_json_dash_is_pure_json_on_stdout():
@@ -171,10 +160,9 @@ def test_bench_with_documents_runs_the_forms_with_cu_seqlens(tmp_path):
     (["--seq-lens", "32", "--layout", "doc_zigzag"], "--doc-lens or --num-docs"),
 ])
 def test_bad_document_flags_are_one_line_errors(capsys, argv, word):
-    code, out, err = run_cli(capsys, "--cp", "2", *argv)
-    assert code == 2 and "runs (" not in out
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and word in lines[0], err
+    code, out, err = run_cli(capsys, "bench", "--cp", "2", *argv)
+    assert "runs (" not in out
+    assert_one_line_error("bench", code, err, word)
 
 
 def test_kernel_npu_under_torchrun_without_torch_npu_is_one_line(capsys, monkeypatch):
@@ -182,10 +170,9 @@ def test_kernel_npu_under_torchrun_without_torch_npu_is_one_line(capsys, monkeyp
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setitem(__import__("sys").modules, "torch_npu", None)
-    code, out, err = run_cli(capsys, "--kernel", "npu", "--seq-lens", "16")
-    assert code == 2 and "runs (" not in out
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "kernel='npu' needs torch_npu" in lines[0], err
+    code, out, err = run_cli(capsys, "bench", "--kernel", "npu", "--seq-lens", "16")
+    assert "runs (" not in out
+    assert_one_line_error("bench", code, err, "kernel='npu' needs torch_npu")
 
 
 def test_seq_len_is_the_seq_lens_flag(capsys, tmp_path):
@@ -193,7 +180,7 @@ def test_seq_len_is_the_seq_lens_flag(capsys, tmp_path):
     parser = cli.build_parser()
     one = parser.parse_args(["bench", "--seq-len", "24"])
     assert one.seq_lens == "24" and not hasattr(one, "seq_len")
-    code, _, err = run_cli(capsys, "--cp", "2", "--seq-lens", "32", "--doc-lens", "16,8")
+    code, _, err = run_cli(capsys, "bench", "--cp", "2", "--seq-lens", "32", "--doc-lens", "16,8")
     assert code == 2 and "(or set --seq-len 24)" in err
     args = parser.parse_args(["bench", *TINY[:2], "--seq-len", "24", "--doc-lens", "16,8",
                               *TINY[4:], "--cp-algo", "allgather"])

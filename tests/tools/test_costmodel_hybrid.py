@@ -25,6 +25,7 @@ from mindspeed_laga.tools.runspec import RunSpec
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.tools.cases import MLAShape, full_inputs as shape_inputs
 from mindspeed_laga.vocab.dims import ModelDims
+from support.cli_runs import assert_one_line_error, run_cli
 
 
 pytestmark = pytest.mark.timeout(600)
@@ -172,16 +173,6 @@ def test_two_link_time_prefers_intra_node_all_to_all():
 
 # ---------------------------------------------------------------- plan
 
-def _plan(capsys, *argv):
-    from mindspeed_laga.tools import cli
-    try:
-        code = cli.main(["plan", *argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 V3_131K = ("--seq-len", "131072", "--cp", "16", "--npus-per-node", "8")
 
 
@@ -190,7 +181,7 @@ def test_plan_node_table_at_deepseek_v3_two_nodes(capsys):
     LAGA hybrid U=8: Q (128 heads x 192) and O (128 x 128) all-to-all inside the
     node (7/8 of each leaves the rank), the 576-wide latent ring-gathered over
     both nodes (15 shards); fwd and bwd alike."""
-    code, out, err = _plan(capsys, *V3_131K, "--ulysses-degree", "8", "--json")
+    code, out, err = run_cli(capsys, "plan", *V3_131K, "--ulysses-degree", "8", "--json")
     assert code == 0, err
     nodes = json.loads(out)["nodes"]
     rows = {(r["cp_algo"], r["ulysses_degree"], r["variant"]): r for r in nodes["rows"]}
@@ -210,13 +201,14 @@ def test_plan_node_table_at_deepseek_v3_two_nodes(capsys):
     fastest = nodes["fastest"]
     assert (fastest["cp_algo"], fastest["ulysses_degree"]) == ("hybrid", 8)
     assert fastest["total_s"] == min(r["total_s"] for r in nodes["rows"])
-    code, out, _ = _plan(capsys, *V3_131K, "--ulysses-degree", "8")
+    code, out, _ = run_cli(capsys, "plan", *V3_131K, "--ulysses-degree", "8")
     assert "hybrid U=8     laga " in out and "fastest: laga" in out and "cp_algo=hybrid, U=8" in out
 
 
 def test_plan_hybrid_tables_and_spanning_note(capsys):
-    code, out, err = _plan(capsys, "--cp", "16", "--seq-len", "131072", "--cp-algo", "hybrid",
-                           "--ulysses-degree", "8", "--npus-per-node", "4", "--kernel", "fused")
+    code, out, err = run_cli(capsys, "plan", "--cp", "16", "--seq-len", "131072",
+                             "--cp-algo", "hybrid", "--ulysses-degree", "8", "--npus-per-node", "4",
+                             "--kernel", "fused")
     assert code == 0, err
     assert "cp_algo=hybrid (layout zigzag, U=8)" in out
     assert "note: U=8 does not fit in a node of 4 devices" in out
@@ -229,8 +221,8 @@ def test_plan_hybrid_tables_and_spanning_note(capsys):
     (("--npus-per-node", "-8"), "--npus-per-node must be positive"),
 ])
 def test_plan_hybrid_errors(capsys, argv, message):
-    code, out, err = _plan(capsys, *argv)
-    assert code != 0 and message in err, err
+    code, out, err = run_cli(capsys, "plan", *argv)
+    assert_one_line_error("plan", code, err, message)
 
 
 # ---------------------------------------------------------------- bench
@@ -265,7 +257,7 @@ def test_bench_hybrid_rows(tmp_path, capsys):
 
 
 def test_plan_hybrid_keeps_the_one_link_estimates(capsys):
-    code, out, err = _plan(capsys, "--cp", "16", "--seq-len", "131072", "--cp-algo", "hybrid",
-                           "--ulysses-degree", "8", "--kernel", "fused")
+    code, out, err = run_cli(capsys, "plan", "--cp", "16", "--seq-len", "131072",
+                             "--cp-algo", "hybrid", "--ulysses-degree", "8", "--kernel", "fused")
     assert code == 0, err
     assert "n/a" not in out and out.count("fastest:") == 3   # two one-link machines + the node table

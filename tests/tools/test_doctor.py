@@ -20,6 +20,7 @@ from mindspeed_laga import kernels
 from mindspeed_laga.tools.commands import environment, exactness
 
 from support import fake_torch_npu
+from support.cli_runs import assert_one_line_error, run_cli
 
 CP, CHECK_S = 2, 16
 
@@ -177,13 +178,8 @@ def test_bad_arguments_one_line_before_running(argv, words, monkeypatch, capsys)
     def must_not_run(*a, **k):
         raise AssertionError("ran before checking the arguments")
     monkeypatch.setattr(exactness, "run_all", must_not_run)
-    try:
-        rc = cli.main(["doctor"] + argv)
-    except SystemExit as exc:  # argparse's type errors
-        rc = exc.code
-    err = capsys.readouterr().err
-    assert rc == 2 and words in err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    code, _, err = run_cli(capsys, "doctor", *argv)
+    assert_one_line_error("doctor", code, err, words)
 
 
 def test_npu_rows_cover_both_v_layouts_and_documents_only_where_the_build_has_them():

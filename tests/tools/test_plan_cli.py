@@ -8,19 +8,11 @@ import pytest
 
 from mindspeed_laga.tools import cli
 from mindspeed_laga.tools.costmodel import MACHINES
-
-
-def run_cli(capsys, *argv):
-    try:
-        code = cli.main(["plan", *argv])
-    except SystemExit as exc:  # argparse errors exit from inside parse_args
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from support.cli_runs import assert_one_line_error, run_cli
 
 
 def test_default_is_deepseek_v3_ulysses_cp8_both_kernels(capsys):
-    code, out, err = run_cli(capsys)
+    code, out, err = run_cli(capsys, "plan")
     assert code == 0, err
     assert "n=128 d_n=128 d_r=64 d_v=128 d_c=512, S=16384, b=1, CP=8, TP=1, bfloat16" in out
     assert "cp_algo=ulysses" in out and "saved eager" in out and "saved fused" in out
@@ -32,7 +24,7 @@ def test_default_is_deepseek_v3_ulysses_cp8_both_kernels(capsys):
 def test_json_carries_the_deepseek_v3_figures(capsys):
     """DeepSeek-V3 (n=128, d_n=128, d_r=64, d_v=128, d_c=512), S=16384 on CP=8, bf16:
     a rank hands 2048 tokens x 2 bytes per value to the collectives, per direction."""
-    code, out, _ = run_cli(capsys, "--json", "--cp-algo", "both")
+    code, out, _ = run_cli(capsys, "plan", "--json", "--cp-algo", "both")
     assert code == 0
     plan = json.loads(out)
     rows = plan["algos"]["allgather"]["kernels"]["fused"]
@@ -59,7 +51,7 @@ TINY = ["--heads", "4", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v
 def test_tiny_config_bytes_from_shapes(capsys):
     """n=4, d_n=8, d_r=4, d_v=8, d_c=16, S=64 on CP=2 (s=32), float32 (4 bytes), fused
     kernel, zigzag: each rank's queries are two segments of 16."""
-    code, out, _ = run_cli(capsys, *TINY)
+    code, out, _ = run_cli(capsys, "plan", *TINY)
     assert code == 0
     rows = json.loads(out)["algos"]["allgather"]["kernels"]["fused"]
     # Forward: explicit gathers K [32, 1, 4, 12] and V [32, 1, 4, 8]; LAGA the latent [32, 1, 20].
@@ -77,7 +69,7 @@ def test_tiny_config_bytes_from_shapes(capsys):
 
 def test_any_sequence_length_answers_at_once(capsys):
     start = time.perf_counter()
-    code, out, err = run_cli(capsys, "--seq-len", str(2 ** 31), "--kv-block-size", "1",
+    code, out, err = run_cli(capsys, "plan", "--seq-len", str(2 ** 31), "--kv-block-size", "1",
                              "--cp-algo", "both", "--json")
     assert code == 0, err
     assert time.perf_counter() - start < 5  # a loop over one-key blocks would take hours
@@ -85,7 +77,7 @@ def test_any_sequence_length_answers_at_once(capsys):
 
 
 def test_fit_check_and_custom_machine(capsys):
-    code, out, _ = run_cli(capsys, "--json", "--device-memory", "1", "--num-layers", "2",
+    code, out, _ = run_cli(capsys, "plan", "--json", "--device-memory", "1", "--num-layers", "2",
                            "--link-bandwidth", "50", "--device-tflops", "100")
     plan = json.loads(out)
     fit = plan["algos"]["ulysses"]["fit"]
@@ -103,10 +95,10 @@ def test_fit_check_and_custom_machine(capsys):
 
 
 def test_explicit_dims_and_v2_lite(capsys):
-    code, out, _ = run_cli(capsys, "--preset", "deepseek-v2-lite", "--seq-len", "4096", "--cp", "4",
-                           "--json")
+    code, out, _ = run_cli(capsys, "plan", "--preset", "deepseek-v2-lite", "--seq-len", "4096",
+                           "--cp", "4", "--json")
     assert code == 0 and json.loads(out)["config"]["heads"] == 16
-    code, out, _ = run_cli(capsys, "--heads", "32", "--kv-lora-rank", "256", "--json")
+    code, out, _ = run_cli(capsys, "plan", "--heads", "32", "--kv-lora-rank", "256", "--json")
     cfg = json.loads(out)["config"]
     assert (cfg["heads"], cfg["kv_lora_rank"], cfg["qk_head_dim"]) == (32, 256, 128)
 
@@ -132,11 +124,8 @@ def test_explicit_dims_and_v2_lite(capsys):
     (["--kv-block-size", "0"], "positive"),
 ])
 def test_bad_input_is_one_line_error(capsys, argv, word):
-    code, out, err = run_cli(capsys, *argv)
-    assert code == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and word in lines[0] and lines[0].startswith("mindspeed-laga plan: error:")
-    assert "Traceback" not in err
+    code, out, err = run_cli(capsys, "plan", *argv)
+    assert_one_line_error("plan", code, err, word)
 
 
 def test_entry_point_error_has_no_traceback():
@@ -152,8 +141,8 @@ def test_documents_cut_attention_work_not_bytes(capsys):
     rectangles with blocks small beside a document; no collective moves a byte more or less."""
     base = ["--json", "--cp-algo", "allgather", "--kernel", "fused", "--seq-len", "65536",
             "--kv-block-size", "256"]
-    _, one, _ = run_cli(capsys, *base)
-    code, docs, err = run_cli(capsys, *base, "--num-docs", "16")
+    _, one, _ = run_cli(capsys, "plan", *base)
+    code, docs, err = run_cli(capsys, "plan", *base, "--num-docs", "16")
     assert code == 0, err
     one, docs = (json.loads(x)["algos"]["allgather"]["kernels"]["fused"] for x in (one, docs))
     for name in ("laga+blockwise", "laga+blockwise+trim"):
@@ -163,15 +152,16 @@ def test_documents_cut_attention_work_not_bytes(capsys):
         assert b / a == pytest.approx(16 * 4096 * 4097 / (65536 * 65537), rel=1e-12)
     for name in one:
         assert one[name]["comm"] == docs[name]["comm"], name
-    code, out, _ = run_cli(capsys, "--doc-lens", ",".join(["4096"] * 4), "--kernel", "fused")
+    code, out, _ = run_cli(capsys, "plan", "--doc-lens", ",".join(["4096"] * 4),
+                           "--kernel", "fused")
     assert code == 0 and "documents: 4096,4096,4096,4096" in out
 
 
 def test_peak_column_and_terms(capsys):
-    code, out, err = run_cli(capsys, "--kernel", "fused", "--terms")
+    code, out, err = run_cli(capsys, "plan", "--kernel", "fused", "--terms")
     assert code == 0, err
     assert "peak fused" in out and "peak terms, rank 0, fused kernel" in out
-    code, out, _ = run_cli(capsys, "--json", "--kernel", "eager")
+    code, out, _ = run_cli(capsys, "plan", "--json", "--kernel", "eager")
     rows = json.loads(out)["algos"]["ulysses"]["kernels"]["eager"]
     for name, r in rows.items():
         terms = {t["name"]: t["bytes"] for t in r["peak_terms_rank0"]}
@@ -191,17 +181,16 @@ def test_peak_column_and_terms(capsys):
     (["--layout", "doc_zigzag", "--cp-algo", "allgather", "--doc-lens", "8200,8184"], "divisible by 16"),
 ])
 def test_document_flags_are_checked(capsys, argv, word):
-    code, out, err = run_cli(capsys, *argv)
-    assert code == 2 and out == ""
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and word in lines[0], err
+    code, out, err = run_cli(capsys, "plan", *argv)
+    assert out == ""
+    assert_one_line_error("plan", code, err, word)
 
 
 @pytest.mark.parametrize("argv", [[], ["--cp-algo", "both", "--terms"],
                                   ["--cp-algo", "hybrid", "--ulysses-degree", "8"],
                                   ["--kernel", "npu", "--device-memory", "64", "--num-layers", "4"]])
 def test_tables_fit_100_columns(capsys, argv):
-    code, out, err = run_cli(capsys, *argv)
+    code, out, err = run_cli(capsys, "plan", *argv)
     assert code == 0, err
     wide = [line for line in out.splitlines() if len(line) > 100]
     assert not wide, wide
@@ -217,7 +206,8 @@ def test_node_table_default_spans_two_nodes_and_hybrid_is_in_every_table(capsys)
     """With the node table and no --cp, CP covers two nodes (16 on 8-NPU nodes) so the
     inter-node link carries traffic, and the output says why; hybrid (U given) has rows in
     the one-link tables too."""
-    code, out, err = run_cli(capsys, "--cp-algo", "hybrid", "--ulysses-degree", "8", "--json")
+    code, out, err = run_cli(capsys, "plan", "--cp-algo", "hybrid", "--ulysses-degree", "8",
+                             "--json")
     assert code == 0, err
     plan = json.loads(out)
     assert plan["config"]["cp_size"] == 16 and plan["cp_defaulted"]
@@ -225,13 +215,13 @@ def test_node_table_default_spans_two_nodes_and_hybrid_is_in_every_table(capsys)
     for machine in plan["time"].values():
         assert set(machine["rows"]) == {"allgather", "ulysses", "hybrid"}
         assert machine["ulysses_degree"] == 8
-    code, out, _ = run_cli(capsys, "--cp-algo", "hybrid", "--ulysses-degree", "8")
+    code, out, _ = run_cli(capsys, "plan", "--cp-algo", "hybrid", "--ulysses-degree", "8")
     assert "CP=16: the default with the node table, two nodes of 8" in out
     assert out.count("  variant                 allgather      ulysses   hybrid U=8") == 2
     # an explicit one-node CP is kept, and the output says nothing crosses nodes
-    code, out, _ = run_cli(capsys, "--cp", "8", "--npus-per-node", "8")
+    code, out, _ = run_cli(capsys, "plan", "--cp", "8", "--npus-per-node", "8")
     assert "CP=8," in out and "every CP rank shares one node of 8: nothing crosses" in out
-    code, out, _ = run_cli(capsys)  # no node table: CP 8 as before
+    code, out, _ = run_cli(capsys, "plan")  # no node table: CP 8 as before
     assert "CP=8," in out and "the default with the node table" not in out
 
 
@@ -239,7 +229,7 @@ def test_trim_rows_show_where_trimming_differs(capsys):
     """laga+trim: under allgather its rank-average rebuild is below LAGA's (the worst rank
     sees every key, so the worst-rank columns are LAGA's); under ulysses every rank sees
     every key and the row says so instead of repeating LAGA's figures."""
-    code, out, _ = run_cli(capsys, "--cp-algo", "both", "--kernel", "fused")
+    code, out, _ = run_cli(capsys, "plan", "--cp-algo", "both", "--kernel", "fused")
     allgather, ulysses = out.split("cp_algo=ulysses (layout")
     rows = {line.split()[0]: line.split() for line in allgather.split("memory")[0].splitlines()
             if line.startswith("laga")}
