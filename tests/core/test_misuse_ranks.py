@@ -19,7 +19,7 @@ from mindspeed_laga import (handshake, count_bytes, explicit_attention, laga_att
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
-from support.raise_together import assert_raised_together, outcome, reports_by_scenario
+from support.raise_together import assert_raised_together, outcome, scenario_reports
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -161,10 +161,6 @@ SCENARIOS = {
 SETUP = {"check_ranks_after_skip": skip_exchanges}
 
 
-def _worker(rank, world, names):
-    return {name: outcome(SCENARIOS[name][0], rank, world, setup=SETUP.get(name)) for name in names}
-
-
 def _unforeseen_worker(rank, world):
     return outcome(unforeseen_error, rank, world)
 
@@ -176,9 +172,7 @@ def _membership_worker(rank, world):
     return outcome(lambda r, w: _attend(r, w, cp_group=groups[1 - r]), rank, world)
 
 
-@pytest.fixture(scope="module")
-def reports():
-    return reports_by_scenario(_worker, SCENARIOS)
+reports = scenario_reports(SCENARIOS, SETUP)
 
 
 @pytest.mark.timeout(200)

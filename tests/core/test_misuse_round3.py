@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_laga import count_bytes, handshake, laga_attention, start_latent_gather
+from mindspeed_laga import count_bytes, laga_attention, start_latent_gather
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
-from support.raise_together import reports_by_scenario
+from support.raise_together import assert_raised_together, scenario_reports
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -113,36 +113,13 @@ SCENARIOS = {
 }
 
 
-def _run(fn, rank, world):
-    import torch.distributed as dist
-    handshake.reset()
-    dist.barrier()
-    with count_bytes() as counter:
-        try:
-            fn(rank, world)
-            outcome = (None, None)
-        except Exception as exc:  # noqa: BLE001 -- the type is what is reported
-            outcome = (type(exc).__name__, str(exc))
-    return outcome + (counter.bytes(),)
-
-
-def _worker(rank, world, names):
-    return {name: _run(SCENARIOS[name][0], rank, world) for name in names}
-
-
-@pytest.fixture(scope="module")
-def reports():
-    return reports_by_scenario(_worker, SCENARIOS)
+reports = scenario_reports(SCENARIOS)
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_every_rank_raises_the_same_named_value_error(reports, name):
-    expected = SCENARIOS[name][1]
-    for rank, (kind, text, data_bytes) in enumerate(reports[name]):
-        assert kind == "ValueError" and expected in str(text), (rank, kind, text)
-        if name not in MOVED_BEFORE:
-            assert data_bytes == 0, f"rank {rank} moved {data_bytes} data bytes before raising"
+    assert_raised_together(reports[name], SCENARIOS[name][1], moved_data=name in MOVED_BEFORE)
 
 
 # ---------------------------------------------------------------- float16 K/V overflow
