@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from support.loop import real_loop
-from support.loop.compare import RUN_TIMEOUT_S, assert_same_training
+from support.loop.compare import RUN_TIMEOUT_S, assert_same_training, require_loop_modules
 from support.thirdparty import RELEASE_NAMES, release_sources
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
@@ -46,13 +46,7 @@ MTP = ["--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-mem-efficient-log
 def _runner(sources, workdir):
     """run(name, cp, algo, laga, **recipe): one loop of the scaled-down stock recipe on these
     host sources, each name run once (writable sources and the dataset prepared here)."""
-    missing = real_loop.missing_modules()
-    if missing:  # as host_sources does: skip naming them, fail under CI=true
-        from support.thirdparty import in_ci
-        message = f"the real loop needs: pip install {' '.join(missing)}"
-        if in_ci():
-            pytest.fail(f"CI=true and {message}", pytrace=False)
-        pytest.skip(message)
+    require_loop_modules()
     ready = real_loop.prepare(sources, workdir, real_loop.default_documents())
     runs = {}
 

@@ -14,14 +14,13 @@ adapters' included. peft is in CI's Ascend leg only (with megatron-core 0.16.1):
 """
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import pytest
 
 pytest.importorskip("megatron.core")
 from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
-from support.thirdparty import in_ci  # noqa: E402
+from support.thirdparty import require_peft  # noqa: E402
 
 from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks  # noqa: E402
 from support.megatron_training import STEPS, assert_same_training  # noqa: E402
@@ -79,11 +78,7 @@ def _worker(rank, size, world):
 
 @pytest.fixture(scope="module")
 def worlds():
-    if importlib.util.find_spec("peft") is None:
-        message = "peft is not installed (pip install peft==0.7.1, as CI's Ascend leg has)"
-        if in_ci():
-            pytest.fail(f"CI=true and {message}", pytrace=False)
-        pytest.skip(message)
+    require_peft()
     try:
         return {size: run_on_ranks(_worker, size, size, timeout_s=600)[0] for size in (1, 2, 4)}
     except WorkerError as exc:

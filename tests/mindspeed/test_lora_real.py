@@ -13,12 +13,11 @@ grad, ``lora_A``/``lora_B`` included (harness: tests/support/lora_real.py).
 peft is installed in CI's Ascend leg only, so these are ``hosts`` tests; without
 peft they skip, and fail under ``CI=true``.
 """
-import importlib.util
 import os
 
 import pytest
 
-from support.thirdparty import in_ci
+from support.thirdparty import require_peft
 
 pytestmark = [pytest.mark.ascend, pytest.mark.hosts]
 
@@ -27,11 +26,7 @@ TOLERANCE = 1e-5  # float32, relative to the largest reference magnitude
 
 @pytest.fixture(scope="module")
 def lora_hosts(host_sources):
-    if importlib.util.find_spec("peft") is None:
-        message = "peft is not installed (pip install peft==0.7.1, as CI's Ascend leg has)"
-        if in_ci():
-            pytest.fail(f"CI=true and {message}", pytrace=False)
-        pytest.skip(message)
+    require_peft()
     os.environ.update(host_sources)
     from support import lora_real
     return lora_real

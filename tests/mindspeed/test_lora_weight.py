@@ -9,7 +9,6 @@ unknown wrapper raises by name from the MindSpeed-LLM adapter's weight read, fus
 and mm-split, before anything else runs. The CP runs with the real host classes are in
 test_lora_real.py.
 """
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 from torch import nn
 
 from mindspeed_laga.patches.lora import UnsupportedLoRAError, effective_weight
-from support.thirdparty import in_ci
+from support.thirdparty import require_peft
 
 pytestmark = pytest.mark.ascend
 
@@ -60,11 +59,7 @@ def test_an_unknown_wrapper_on_the_kv_up_projection_raises_by_name(mm_split):
 
 @pytest.fixture
 def lora():
-    if importlib.util.find_spec("peft") is None:
-        message = "peft is not installed (pip install peft==0.7.1, as CI's Ascend leg has)"
-        if in_ci():
-            pytest.fail(f"CI=true and {message}", pytrace=False)
-        pytest.skip(message)
+    require_peft()
     from peft.tuners import lora
     return lora
 

@@ -69,6 +69,19 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
+def skip_or_fail(message: str):
+    """A test that lacks what it needs: skips naming it, or fails under CI=true (CI has it)."""
+    if in_ci():
+        pytest.fail(f"CI=true and {message}", pytrace=False)
+    pytest.skip(message)
+
+
+def require_peft():
+    """For the tests of peft's real LoRA layers: peft as CI's Ascend leg installs it."""
+    if importlib.util.find_spec("peft") is None:
+        skip_or_fail("peft is not installed (pip install peft==0.7.1, as CI's Ascend leg has)")
+
+
 def archive_dir() -> Path:
     return Path(os.environ.get("LAGA_THIRDPARTY") or REPO.parent / "shared" / "thirdparty")
 
@@ -149,9 +162,7 @@ def release_sources(release: str) -> dict:
     try:
         return find_host_sources(release)
     except HostsMissing as missing:
-        if in_ci():
-            pytest.fail(f"CI=true and {missing}", pytrace=False)
-        pytest.skip(str(missing))
+        skip_or_fail(str(missing))
 
 
 # master runs in every leg; the other release pairs are the Ascend leg's matrix (``hosts``)

@@ -7,8 +7,6 @@ at most 2.6e-7 and the grad norm by 2.2e-6, while a 1% softmax-scale error moves
 """
 from __future__ import annotations
 
-import pytest
-
 from . import real_loop
 
 LOSS_RTOL = 2e-6       # measured noise 2.6e-7; the 1%-scale mutant moves losses 3.3e-5
@@ -37,11 +35,8 @@ def require_loop_modules():
     """As host_sources does: skip naming what the loop lacks, fail under CI=true."""
     missing = real_loop.missing_modules()
     if missing:
-        from support.thirdparty import in_ci
-        message = f"the real loop needs: pip install {' '.join(missing)}"
-        if in_ci():
-            pytest.fail(f"CI=true and {message}", pytrace=False)
-        pytest.skip(message)
+        from support.thirdparty import skip_or_fail
+        skip_or_fail(f"the real loop needs: pip install {' '.join(missing)}")
 
 
 def assert_ran(run, laga: bool):
