@@ -35,7 +35,8 @@ from pathlib import Path
 import pytest
 
 from support.loop import real_loop
-from support.loop.compare import RUN_TIMEOUT_S, assert_same_training, require_loop_modules
+from support.loop.compare import (RUN_TIMEOUT_S, assert_release_found, assert_same_training,
+                                  require_loop_modules)
 from support.thirdparty import RELEASE_NAMES, release_sources
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
@@ -187,11 +188,6 @@ def release_loop(tmp_path_factory):
         return runners[release]
 
     return get
-
-
-def assert_release_found(run, release):
-    from patches.mindspeed_llm.releases import BY_NAME
-    assert f"{BY_NAME[release].label()} found" in run.log, f"not {release}'s sources"
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)

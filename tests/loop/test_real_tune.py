@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 
 from support.loop import real_loop, tune_loop
-from support.loop.compare import GRAD_NORM_RTOL, LOSS_RTOL, RUN_TIMEOUT_S  # as the pretrain loop
+# the pretrain loop's tolerances and bound
+from support.loop.compare import GRAD_NORM_RTOL, LOSS_RTOL, RUN_TIMEOUT_S, assert_release_found
 from support.thirdparty import RELEASE_NAMES, release_sources
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
@@ -218,10 +219,9 @@ def release_tune(tmp_path_factory, tune_data):
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S)
 @pytest.mark.parametrize("release", list(RELEASE_CASES))
 def test_release_tune_equals_cp1(release_tune, release):
-    from patches.mindspeed_llm.releases import BY_NAME
     tune = release_tune(release)
     ref = reference(tune, **RELEASE_CASES[release])
     run = tune("ulysses-padded-right", 2, "ulysses_cp_algo", **RELEASE_CASES[release])
-    assert f"{BY_NAME[release].label()} found" in run.log, f"not {release}'s sources"
+    assert_release_found(run, release)
     assert_laga_ran_everywhere(run, ref)
     assert_same_training(run, ref)

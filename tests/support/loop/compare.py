@@ -39,6 +39,12 @@ def require_loop_modules():
         skip_or_fail(f"the real loop needs: pip install {' '.join(missing)}")
 
 
+def assert_release_found(run, release):
+    """The run's log says the launcher found this release's sources (not another's)."""
+    from patches.mindspeed_llm.releases import BY_NAME
+    assert f"{BY_NAME[release].label()} found" in run.log, f"not {release}'s sources"
+
+
 def assert_ran(run, laga: bool):
     """Every rank made MLA forwards; each ran LAGA's attention (laga) or the host's (not)."""
     for rank, counts in enumerate(run.counts):

@@ -391,7 +391,11 @@ def main():
                   ready["data_path"], documents=args.documents, recompute=args.recompute,
                   ulysses_degree=args.ulysses_degree, extra=[a for a in args.extra if a != "--"],
                   without=args.without, layout=dict(item.split("=", 1) for item in args.set))
-    run = run_loop(ready["sources"], workdir / "run", ranks(argv, args.dp), argv)
+    print_run(run_loop(ready["sources"], workdir / "run", ranks(argv, args.dp), argv), workdir)
+
+
+def print_run(run, workdir):
+    """What a command-line run shows: each iteration's record, the counts per rank, the time."""
     for i in sorted(run.iterations):
         print(i, json.dumps(run.iterations[i]))
     print("counts per rank:", json.dumps(run.counts))

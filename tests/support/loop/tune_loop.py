@@ -22,7 +22,6 @@ prints its losses.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -154,11 +153,7 @@ def main():
     argv = tune_recipe(Path(ready["sources"]["MINDSPEED_LLM_SRC"]), args.cp, args.algo,
                        args.laga, ready["data"], packed=args.packed, targets=args.lora_targets,
                        extra=[a for a in args.extra if a != "--"], without=args.without)
-    done = run(ready, workdir / "run", args.cp, argv)
-    for i in sorted(done.iterations):
-        print(i, json.dumps(done.iterations[i]))
-    print("counts per rank:", json.dumps(done.counts))
-    print(f"{done.seconds:.1f} s; workdir {workdir}")
+    real_loop.print_run(run(ready, workdir / "run", args.cp, argv), workdir)
 
 
 if __name__ == "__main__":
