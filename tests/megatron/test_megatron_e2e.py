@@ -40,7 +40,8 @@ pytest.importorskip("megatron.core")
 from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 
 from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks  # noqa: E402
-from support.megatron_training import LOSS_TOL, STEPS, assert_same_training  # noqa: E402
+from support.megatron_training import (LOSS_TOL, STEPS, assert_not_degenerate,  # noqa: E402
+                                       assert_same_training)
 
 pytestmark = pytest.mark.mcore  # the leg that runs it (tests/conftest.py)
 
@@ -316,11 +317,7 @@ def test_reference_is_not_degenerate(world1):
     """Every compared grad is far from zero and the steps change the loss well past LOSS_TOL,
     so matching them means something."""
     for variant in VARIANTS:
-        ref = world1[f"reference/{variant}"]
-        small = [n for n, g in ref["grads"].items() if g.abs().max() < 1e-4]
-        assert not small, f"{variant}: near-zero grads {small}"
-        losses = ref["losses"]
-        assert min(abs(a - b) for a, b in zip(losses, losses[1:])) > 100 * LOSS_TOL
+        assert_not_degenerate(world1[f"reference/{variant}"], variant)
 
 
 def test_patch_at_cp1_is_megatrons_forward(world1):
@@ -455,11 +452,7 @@ def test_packed_reference_is_not_degenerate(packed1):
     """Megatron's own packed CP=1 runs: grads far from zero, the loss moves; padding changes
     the model (the padded documents are other documents), so the two references differ."""
     for docs in DOCS:
-        ref = packed1[f"reference/{docs}"]
-        small = [n for n, g in ref["grads"].items() if g.abs().max() < 1e-4]
-        assert not small, f"{docs}: near-zero grads {small}"
-        losses = ref["losses"]
-        assert min(abs(a - b) for a, b in zip(losses, losses[1:])) > 100 * LOSS_TOL
+        assert_not_degenerate(packed1[f"reference/{docs}"], docs)
     assert abs(packed1["reference/padded"]["losses"][0]
                - packed1["reference/exact"]["losses"][0]) > 100 * LOSS_TOL
 

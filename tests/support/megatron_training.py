@@ -1,5 +1,6 @@
 """The tiny megatron-core GPT's training comparison, shared by the end-to-end and LoRA tests:
-a run's losses and every parameter's grad against its reference run's."""
+a run's losses and every parameter's grad against its reference run's, and the check that a
+reference run is worth matching."""
 from __future__ import annotations
 
 import torch
@@ -17,3 +18,13 @@ def assert_same_training(run, ref, what):
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(run["grads"][name], grad, **GRAD_TOL,
                                    msg=lambda m: f"{what}: grad of {name}: {m}")
+
+
+def assert_not_degenerate(ref, what):
+    """Every grad of the reference run is far from zero and each step moves its loss well
+    past LOSS_TOL, so matching them means something."""
+    small = [n for n, g in ref["grads"].items() if g.abs().max() < 1e-4]
+    assert not small, f"{what}: near-zero grads {small}"
+    losses = ref["losses"]
+    assert min(abs(a - b) for a, b in zip(losses, losses[1:])) > 100 * LOSS_TOL, \
+        f"{what}: losses {losses}"
