@@ -12,24 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_laga import absorbed_attention, explicit_attention, laga_attention
 from mindspeed_laga import layout as layouts
 from mindspeed_laga import start_latent_gather
 from mindspeed_laga.tools.spawn import run_on_ranks
+from support.variants import attention_variants
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 S, B, N, D_N, D_R, D_V, D_C = 16, 1, 4, 8, 4, 8, 16
 SCALE = (D_N + D_R) ** -0.5
 ONCE = "supports one backward, not double backward"
-VARIANTS = {
-    "laga": (laga_attention, {}),
-    "laga+trim": (laga_attention, {"trim_causal_prefix": True}),
-    "laga+recompute": (laga_attention, {"recompute_kv": True}),
-    "laga+blockwise": (laga_attention, {"recompute_kv": True, "kv_block_size": 5}),
-    "explicit": (explicit_attention, {}),
-    "absorbed": (absorbed_attention, {}),
-}
+VARIANTS = attention_variants(kv_block_size=5)
 # the paths that must give exact second-order grads (the rest: exact or the clear error)
 TWICE = {("laga", "eager"), ("laga+trim", "eager"), ("explicit", "eager"),
          ("absorbed", "eager")}

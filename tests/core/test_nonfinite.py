@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_laga import explicit_attention, absorbed_attention, laga_attention
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
+from support.variants import attention_variants
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -20,14 +20,7 @@ SHAPE = MLAShape(seq_len=S, batch=1, heads=N, qk_head_dim=D_N, rope_dim=D_R, v_h
                  kv_lora_rank=D_C)
 DOCS = [0, 6, 16]
 RANK_DOCS = [0, 8, 16]  # doc_zigzag on 2 ranks: documents in multiples of 4
-VARIANTS = {
-    "laga": (laga_attention, {}),
-    "laga+trim": (laga_attention, {"trim_causal_prefix": True}),
-    "laga+recompute": (laga_attention, {"recompute_kv": True}),
-    "laga+blockwise": (laga_attention, {"recompute_kv": True, "kv_block_size": 3}),
-    "explicit": (explicit_attention, {}),
-    "absorbed": (absorbed_attention, {}),
-}
+VARIANTS = attention_variants(kv_block_size=3)
 
 
 def inputs(bad_token: int, where: str):
