@@ -17,11 +17,9 @@ from mindspeed_laga.tools import equivalence as eq
 from mindspeed_laga.kernels import block as fb
 from mindspeed_laga.kernels.merge import merge_lse
 from mindspeed_laga.kernels.sdpa import block_calls
-from mindspeed_laga.tools.measure import worker
-from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.checks import resolve_kernel
 
-from support.references import TOLERANCE
+from support.references import assert_matches_reference, case_id, cp_matrix
 
 
 # ------------------------------------------------------------- one block
@@ -153,18 +151,13 @@ CASES += [eq.Case(form="laga", kernel="auto", shape=SHAPE, cp_algo=a, options=OP
           for a in ("allgather", "ulysses")]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=lambda p: f"cp{p}")
-def matrix(request):
-    per_rank = run_on_ranks(worker, request.param, CASES, timeout_s=240)
-    return {case: eq.assemble([r[i] for r in per_rank], case) for i, case in enumerate(CASES)}
+matrix = cp_matrix(CASES, cp_sizes=(1, 2), timeout_s=240)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label() + ("" if c.causal else ",noncausal"))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_fused_blockwise_matches_single_device_reference(matrix, case):
-    errors = eq.relative_errors(matrix[case], eq.reference(case))
-    bad = {k: v for k, v in errors.items() if not v <= TOLERANCE[case.dtype]}
-    assert not bad, f"{case.label()}: {bad} > {TOLERANCE[case.dtype]}"
+    assert_matches_reference(matrix[case], case)
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
@@ -177,6 +170,4 @@ def test_half_precision_push_through_the_rebuild(monkeypatch, kernel):
     monkeypatch.setattr(laga_blockwise, "push_dtype", lambda q: q.dtype)
     case = eq.Case(form="laga", kernel=kernel, dtype="bfloat16", shape=SHAPE,
                    options=OPTION_SETS["block7"])
-    errors = eq.relative_errors(eq.assemble([run_on_rank(case, 0, 1, None)], case), eq.reference(case))
-    bad = {k: v for k, v in errors.items() if not v <= TOLERANCE["bfloat16"]}
-    assert not bad, f"{bad} > {TOLERANCE['bfloat16']}"
+    assert_matches_reference(eq.assemble([run_on_rank(case, 0, 1, None)], case), case)

@@ -7,10 +7,8 @@ import itertools
 import pytest
 
 from mindspeed_laga.tools import equivalence as eq
-from mindspeed_laga.tools.measure import worker
-from mindspeed_laga.tools.spawn import run_on_ranks
 
-from support.references import TOLERANCE, reference
+from support.references import assert_matches_reference, case_id, cp_matrix
 
 SHAPE = eq.MLAShape(seq_len=64)
 ALL_ON = (("recompute_kv", True), ("kv_block_size", 8), ("trim_causal_prefix", True), ("overlap", True))
@@ -31,17 +29,12 @@ CASES += [eq.Case(form="laga", kernel="eager", causal=False, shape=SHAPE, option
           for a in ("allgather", "ulysses")]
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4, 8], ids=lambda p: f"cp{p}")
-def matrix(request):
-    per_rank = run_on_ranks(worker, request.param, CASES)
-    return {case: eq.assemble([r[i] for r in per_rank], case) for i, case in enumerate(CASES)}
+matrix = cp_matrix(CASES)  # one spawn per CP size (1, 2, 4, 8)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label() + ("" if c.causal else ",noncausal"))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_option_matches_single_device_reference(matrix, case):
-    errors = eq.relative_errors(matrix[case], reference(case))
-    bad = {k: v for k, v in errors.items() if not v <= TOLERANCE[case.dtype]}
-    assert not bad, f"{case.label()}: {bad} > {TOLERANCE[case.dtype]}"
+    assert_matches_reference(matrix[case], case)
 
 
 def test_eager_block_kernel_head_chunks_match_one_chunk(monkeypatch):

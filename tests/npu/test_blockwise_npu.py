@@ -11,7 +11,7 @@ from mindspeed_laga.tools import equivalence as eq
 from mindspeed_laga.tools.measure import worker
 from mindspeed_laga.tools.spawn import run_on_ranks
 
-from support.references import TOLERANCE, reference
+from support.references import assemble_by_case, assert_matches_reference, case_id
 
 from support import fake_torch_npu
 
@@ -58,14 +58,12 @@ def matrix(request):
         assert masks == ["(2048, 2048)", "None"], masks
         assert modes == [0, 3, 4], modes
         assert largest == 2048 * 2048
-    return {case: eq.assemble([r[0][i] for r in per_rank], case) for i, case in enumerate(CASES)}
+    return assemble_by_case([results for results, *_ in per_rank], CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.label() + ("" if c.causal else ",noncausal"))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_npu_matches_reference(matrix, case):
-    errors = eq.relative_errors(matrix[case], reference(case))
-    bad = {k: v for k, v in errors.items() if not v <= TOLERANCE[case.dtype]}
-    assert not bad, f"{case.label()}: {bad} > {TOLERANCE[case.dtype]}"
+    assert_matches_reference(matrix[case], case)
 
 
 # ------------------------------------------------------------ packed runs (documents)
