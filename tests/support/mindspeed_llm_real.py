@@ -130,13 +130,19 @@ STUB_ATTRS = {"transformer_engine": {"__version__": "2.2.0"}, "torch_npu": {"__v
 
 # --- environment ----------------------------------------------------------------------------
 
+def _stub_attribute(owner, name, base):
+    """``owner.name`` for a stub: a new subclass of ``base``, kept on ``owner`` so that every
+    use of the name gets the same class (dunders stay missing, as Python's probes expect)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    value = _StubMeta(name, (base,), {})
+    setattr(owner, name, value)
+    return value
+
+
 class _StubMeta(type):
     def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        sub = _StubMeta(name, (cls,), {})
-        setattr(cls, name, sub)
-        return sub
+        return _stub_attribute(cls, name, cls)
 
 
 class Stub(nn.Module, metaclass=_StubMeta):
@@ -151,11 +157,7 @@ class Stub(nn.Module, metaclass=_StubMeta):
 
 class StubModule(types.ModuleType):
     def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _StubMeta(name, (Stub,), {})
-        setattr(self, name, value)
-        return value
+        return _stub_attribute(self, name, Stub)
 
 
 class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
