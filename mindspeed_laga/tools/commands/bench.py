@@ -34,8 +34,8 @@ from ..spawn import under_torchrun as _torchrun
 from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, HYBRID, KERNELS, LAYOUTS  # noqa: F401
 from ...vocab.dims import ModelDims  # noqa: F401
-from .output import (MiB, check_output_path, dtype_arg, one_line_errors, pad as _pad,
-                     ratio as _ratio)
+from .output import MiB, check_output_path, dtype_arg, pad as _pad, ratio as _ratio
+from .parsers import command_parser
 from .bench_fit import check_block_size, check_fits
 from .plot import check_plot_path, write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
@@ -64,9 +64,7 @@ COLUMNS = (
 
 
 def add_parser(sub):
-    p = sub.add_parser("bench", help="measure bytes, saved activations, time and error per form",
-                       description=__doc__.split("\n\n")[1])
-    one_line_errors(p, "bench")
+    p = command_parser(sub, "bench", "measure bytes, saved activations, time and error per form", __doc__)
     p.add_argument("--cp", type=positive_int, default=4,
                    help="CP size: gloo processes to spawn (default 4); under torchrun the world size")
     p.add_argument("--cp-algo", choices=CP_ALGOS + ("both", HYBRID), default="both",

@@ -24,8 +24,8 @@ from ..runspec import standard_runs
 from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, HYBRID, LAYOUTS
 from ...vocab.dims import ModelDims
-from .output import (GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, one_line_errors,
-                     ratio as _ratio)
+from .output import GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, ratio as _ratio
+from .parsers import command_parser
 from .shapes import HEAD_DIMS, SizeFlag
 
 KERNEL_CHOICES = (cm.EAGER, cm.FUSED, cm.NPU, "both")
@@ -45,9 +45,7 @@ WIDTH = 100  # every line of the tables fits a 100-column terminal
 
 
 def add_parser(sub):
-    p = sub.add_parser("plan", help="model comm bytes, activation memory, FLOPs and time per form",
-                       description=__doc__.split("\n\n")[1])
-    one_line_errors(p, "plan")
+    p = command_parser(sub, "plan", "model comm bytes, activation memory, FLOPs and time per form", __doc__)
     p.add_argument("--preset", default="deepseek-v3",
                    help=f"MLA dims: one of {sorted(cm.PRESETS)} (default deepseek-v3); the dim "
                         "flags below override single values")
