@@ -25,7 +25,7 @@ from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, HYBRID, LAYOUTS
 from ...vocab.dims import ModelDims
 from .output import GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, ratio as _ratio
-from .parsers import command_parser
+from .parsers import add_cp_algo_args, command_parser
 from .shapes import HEAD_DIMS, SizeFlag
 
 KERNEL_CHOICES = (cm.EAGER, cm.FUSED, cm.NPU, "both")
@@ -61,12 +61,10 @@ def add_parser(sub):
                         "nodes: 2 x --npus-per-node, so traffic crosses nodes)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: each rank holds n/TP heads (default 1)")
-    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both", HYBRID), default="ulysses",
-                   help="both = allgather and ulysses; hybrid needs --ulysses-degree")
-    p.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
-                   help="hybrid CP: heads split inside groups of U consecutive CP ranks, the latent "
-                        "(explicit: K/V) across them; also the U of the node table's hybrid rows "
-                        "(default there: every U dividing CP)")
+    add_cp_algo_args(p, "ulysses", degree_type=int,  # checked with plan's other sizes
+                     degree_help="hybrid CP: heads split inside groups of U consecutive CP ranks, "
+                                 "the latent (explicit: K/V) across them; also the U of the node "
+                                 "table's hybrid rows (default there: every U dividing CP)")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="default: zigzag for allgather, contiguous for ulysses")
     docs = p.add_mutually_exclusive_group()
