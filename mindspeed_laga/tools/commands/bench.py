@@ -105,23 +105,18 @@ def add_parser(sub):
 # ---------------------------------------------------------------- what to run
 
 def parse_seq_lens(text: str) -> List[int]:
+    return parse_ints("--seq-lens", text, distinct=True, example="128,256", items="lengths")
+
+
+def parse_ints(flag: str, text: str, distinct: bool = False, example: str = "4096,1024",
+               items: str = "integers") -> List[int]:
+    """``flag``'s comma-separated positive ``items`` (each once with ``distinct``)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--seq-lens {text!r} must be comma-separated integers, e.g. 128,256")
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. {example}")
     if not values or any(v <= 0 for v in values):
-        raise ValueError(f"--seq-lens {text!r} must list positive lengths")
-    _once("--seq-lens", text, values)
-    return values
-
-
-def parse_ints(flag: str, text: str, distinct: bool = False) -> List[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 4096,1024")
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{flag} {text!r} must list positive integers")
+        raise ValueError(f"{flag} {text!r} must list positive {items}")
     if distinct:
         _once(flag, text, values)
     return values
