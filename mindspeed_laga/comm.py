@@ -238,55 +238,53 @@ def handshake(values: List[int], group, device) -> List[List[int]]:
 
 # ---------------------------------------------------------------- autograd wrappers
 
-# Each backward is again one of these Functions (the adjoint collective), so a double
-# backward (create_graph=True) differentiates through it and reaches the peers' grads.
-
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along dim 0 forward; reduce-scatter the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, tag, label, direction="forward"):
-        ctx.group, ctx.tag, ctx.label = group, tag, label
-        return all_gather_raw(x, group, direction, tag, label=label)
-
-    @staticmethod
-    def backward(ctx, grad):
-        local = _ReduceScatterSeq.apply(grad, ctx.group, ctx.tag, ctx.label)
-        return local, None, None, None, None
+def _copy_raw(x: torch.Tensor, group, direction: str, tag: str = "", label: str = ""):
+    """Identity: the tensor every rank of ``group`` already holds (see sum_grad)."""
+    return x.view_as(x)
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    """Reduce-scatter along dim 0 (a gather's backward); all-gather the gradient backward."""
+def _all_reduce_raw(x: torch.Tensor, group, direction: str, tag: str = "", label: str = ""):
+    """Sum over ``group`` into a new tensor.
 
-    @staticmethod
-    def forward(ctx, x, group, tag, label):
-        ctx.group, ctx.tag, ctx.label = group, tag, label
-        return reduce_scatter_raw(x, group, "backward", tag, label=label)
+    Only tensor parallelism uses it (sum_grad): the reduction Megatron's own
+    column-parallel layer makes of the same gradient, not CP traffic, so the byte counter
+    does not record it. Into a new tensor because megatron's
+    copy_to_tensor_model_parallel_region reduces ``grad.contiguous()`` in place and
+    returns ``grad``, dropping the sum when the incoming gradient is not contiguous.
+    """
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _GatherSeq.apply(grad, ctx.group, ctx.tag, ctx.label, "backward"), None, None, None
+
+# Each collective's backward is its adjoint collective, run again through _Collective, so a
+# double backward (create_graph=True) differentiates through it and reaches the peers' grads.
+_FORWARD = {"all_gather": all_gather_raw, "reduce_scatter": reduce_scatter_raw,
+            "all_to_all": all_to_all_raw, "copy": _copy_raw, "all_reduce": _all_reduce_raw}
+_ADJOINT = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
+            "all_to_all": "all_to_all", "copy": "all_reduce", "all_reduce": "all_reduce"}
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single forward; the same exchange of the gradient backward."""
+class _Collective(torch.autograd.Function):
+    """One collective (``kind``) forward; its adjoint on the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, group, tag, label, direction="forward"):
-        ctx.group, ctx.tag, ctx.label = group, tag, label
-        return all_to_all_raw(x, group, direction, tag, label=label)
+    def forward(ctx, x, kind, group, tag, label, direction="forward"):
+        ctx.kind, ctx.group, ctx.tag, ctx.label = kind, group, tag, label
+        return _FORWARD[kind](x, group, direction, tag, label=label)
 
     @staticmethod
     def backward(ctx, grad):
-        exchanged = _AllToAll.apply(grad, ctx.group, ctx.tag, ctx.label, "backward")
-        return exchanged, None, None, None, None
+        adjoint = _Collective.apply(grad, _ADJOINT[ctx.kind], ctx.group, ctx.tag, ctx.label,
+                                    "backward")
+        return adjoint, None, None, None, None, None
 
 
 def gather_seq(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> torch.Tensor:
     """[s, ...] on each rank -> [P*s, ...] in rank order; grads reduce-scattered."""
     if group_size(group) == 1:
         return x
-    return _GatherSeq.apply(x, group, tag, label)
+    return _Collective.apply(x, "all_gather", group, tag, label)
 
 
 def seq_to_heads(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> torch.Tensor:
@@ -297,7 +295,8 @@ def seq_to_heads(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> to
     s, b, n, d = x.shape
     # dim 0 of the send buffer must be the destination rank: its head group.
     send = x.reshape(s, b, size, n // size, d).permute(2, 0, 1, 3, 4)
-    recv = _AllToAll.apply(send, group, tag, label)  # [P(source rank), s, b, n/P, d]
+    # [P(source rank), s, b, n/P, d]
+    recv = _Collective.apply(send, "all_to_all", group, tag, label)
     return recv.reshape(size * s, b, n // size, d)
 
 
@@ -309,8 +308,21 @@ def heads_to_seq(x: torch.Tensor, group, tag: str = "", label: str = "cp") -> to
     total, b, h, d = x.shape
     s = total // size
     send = x.reshape(size, s, b, h, d)  # dim 0: the rank that owns those tokens
-    recv = _AllToAll.apply(send, group, tag, label)  # [P(source rank = head group), s, b, h, d]
+    # [P(source rank = head group), s, b, h, d]
+    recv = _Collective.apply(send, "all_to_all", group, tag, label)
     return recv.permute(1, 2, 0, 3, 4).reshape(s, b, size * h, d)
+
+
+def sum_grad(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward; the gradient summed over ``group`` backward.
+
+    Tensor parallelism: a tensor every TP rank holds whole (the latent, LoRA's A) that
+    meets only this rank's rows of a weight gets a partial gradient per rank; the sum is
+    its gradient, as Megatron's copy_to_tensor_model_parallel_region makes it.
+    """
+    if group_size(group) == 1:
+        return x
+    return _Collective.apply(x, "copy", group, "", "tp")
 
 
 # ---------------------------------------------------------------- hybrid CP groups

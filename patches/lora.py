@@ -29,13 +29,15 @@ and each active adapter ``a`` present in ``lora_A`` (``x``: the input):
 Under tensor parallelism ``lora_B`` is column-parallel like the base, so
 ``B_a A_a`` already holds this TP rank's rows. Its input's gradient is what
 ``lora_A`` learns from: without sequence parallelism that gradient is
-all-reduced over TP, so ``A_a`` enters through :class:`_SumGradOverTP`; with
+all-reduced over TP, so ``A_a`` enters through ``comm.sum_grad``; with
 it, each rank's is a partial sum (the host marks ``lora_A`` ``sequence_parallel``
 and Megatron sums it with the layer norms).
 """
 from __future__ import annotations
 
 import torch
+
+from mindspeed_laga import comm
 
 # (module, qualified name) of each forward whose arithmetic is mirrored here
 PEFT = "peft"
@@ -150,7 +152,7 @@ def _delta(linear, adapter: str, cclora: bool = False):
     lora_b = linear.lora_B[adapter].weight
     group = _grad_sum_group(linear, adapter, cclora)
     if group is not None:
-        lora_a = _SumGradOverTP.apply(lora_a, group)
+        lora_a = comm.sum_grad(lora_a, group)
     return linear.scaling[adapter] * (lora_b @ lora_a)
 
 
@@ -174,18 +176,3 @@ def _grad_sum_group(linear, adapter: str, cclora: bool):
         from megatron.core import parallel_state
         group = parallel_state.get_tensor_model_parallel_group()
     return group
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient over the TP group in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None

@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from mindspeed_laga import layout as layouts
 from mindspeed_laga import comm
 from mindspeed_laga.cp_algos import algo
-from mindspeed_laga.double_backward import once_differentiable
 from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, FORMS, KERNELS, LAYOUTS
 
 from . import releases
@@ -177,29 +176,6 @@ def _kv_norm(module, kv_compressed):
     return F.layer_norm(kv, (kv.shape[-1],), weight, getattr(fused, "layer_norm_bias", None), eps)
 
 
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient over the TP group backward.
-
-    megatron's copy_to_tensor_model_parallel_region all-reduces
-    ``grad.contiguous()`` in place and returns ``grad``: when the incoming
-    gradient is not contiguous the reduced copy is dropped. The core hands the
-    latent's gradient back contiguous, but this reduction does not depend on it.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    @once_differentiable("patch_megatron_mla's TP reduction of the latent's gradient",
-                         "second-order grads need tensor-parallel size 1")
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def _latent_to_tp_region(module, kv_latent):
     """The latent as linear_kv_up_proj's input would be: all s tokens, dgrad summed over TP.
 
@@ -213,7 +189,7 @@ def _latent_to_tp_region(module, kv_latent):
         return kv_latent
     if module.config.sequence_parallel:
         return gather_from_sequence_parallel_region(kv_latent, True, group=tp_group)
-    return _SumGradOverTP.apply(kv_latent, tp_group)
+    return comm.sum_grad(kv_latent, tp_group)
 
 
 def _query_heads(module, q_compressed):

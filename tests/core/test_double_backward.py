@@ -122,8 +122,38 @@ def _one_case(rank, world, variant, cp_algo, overlap):
         return str(exc)
 
 
+def _heads(t, rank, world, per_head=1):
+    """This TP rank's heads of ``t`` (dim 2 holds the heads), or of a weight's rows."""
+    if per_head > 1:  # kv_up_weight: [n*(d_n+d_v), d_c], heads major
+        rows = t.view(N, per_head, -1)
+        return rows[rank * N // world:(rank + 1) * N // world].reshape(-1, t.shape[-1])
+    return t[:, :, rank * N // world:(rank + 1) * N // world]
+
+
+def _tp_case(rank, world):
+    """Tensor parallelism: heads and kv_up_weight's rows split, the latent and the rope key
+    whole on every rank and passed through comm.sum_grad; halved directions for those two,
+    so the ranks' penalties add up to the single-device one."""
+    import torch.distributed as dist
+    from mindspeed_laga import comm
+    q, kv, kpe, w = tensors()
+    local = [_heads(q, rank, world).clone().requires_grad_(), kv.clone().requires_grad_(),
+             kpe.clone().requires_grad_(), _heads(w, rank, world, D_N + D_V).clone().requires_grad_()]
+    c, vs = directions()
+    c = _heads(c.view(S, B, N, D_V), rank, world).reshape(S, B, -1)
+    vs = [_heads(vs[0], rank, world), vs[1] / world, vs[2] / world,
+          _heads(vs[3], rank, world, D_N + D_V)]
+
+    def call(q, kv, kpe, w):
+        kv, kpe = comm.sum_grad(kv, dist.group.WORLD), comm.sum_grad(kpe, dist.group.WORLD)
+        return laga_attention(q, kv, kpe, w, softmax_scale=SCALE, kernel="eager")
+    return penalty_grads(call, local, c, vs)
+
+
 def _rank_worker(rank, world):
-    return {name: _one_case(rank, world, *case) for name, case in RANK_CASES.items()}
+    reports = {name: _one_case(rank, world, *case) for name, case in RANK_CASES.items()}
+    reports["tp"] = _tp_case(rank, world)
+    return reports
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +177,14 @@ def test_second_order_grads_on_two_ranks(rank_reports, name):
             assert torch.allclose(got[i], shard, rtol=1e-9, atol=1e-11), (rank, i)
     total = reports[0][3] + reports[1][3]  # each rank's partial sum of the weight's grad
     assert torch.allclose(total, want[3], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.timeout(200)
+def test_second_order_grads_through_tp_sum_grad(rank_reports):
+    """comm.sum_grad (the latent's gradient summed over TP) differentiates exactly twice."""
+    want = expected()
+    for rank, report in enumerate(rank_reports):
+        got = report["tp"]
+        expect = [_heads(want[0], rank, 2), want[1], want[2], _heads(want[3], rank, 2, D_N + D_V)]
+        for i, (a, b) in enumerate(zip(got, expect)):
+            assert torch.allclose(a, b, rtol=1e-9, atol=1e-11), (rank, i)

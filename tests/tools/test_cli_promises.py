@@ -1,8 +1,11 @@
 """The CLI's promises across subcommands: one dtype vocabulary (both spellings everywhere),
-every argument error one line with a non-zero exit, output paths proven writable first."""
+every argument error one line with a non-zero exit, output paths proven writable first, the
+shape flags setting the sizes they name."""
 import pytest
 
 from mindspeed_laga.tools import cli
+from mindspeed_laga.tools.cases import MLAShape
+from mindspeed_laga.tools.commands.shapes import shape_from_args
 
 SPELLINGS = [("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp32", "float32"),
              ("float32", "float32"), ("BF16", "bfloat16")]
@@ -39,3 +42,15 @@ def test_errors_are_one_line(capsys, argv, words):
     assert code == 2, captured
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and all(w in lines[0] for w in words), captured.err
+
+
+@pytest.mark.parametrize("command, seq_len_flag", [("verify", "--seq-len"), ("bench", "--seq-lens")])
+def test_shape_flags_set_the_sizes_they_name(command, seq_len_flag):
+    """A distinct value per flag, none a default, so a flag wired to another size (or to
+    none) shows."""
+    args = cli.build_parser().parse_args([
+        command, seq_len_flag, "17", "--micro-batch", "3", "--heads", "5", "--qk-head-dim", "7",
+        "--qk-pos-emb-head-dim", "11", "--v-head-dim", "13", "--kv-lora-rank", "19"])
+    shape = shape_from_args(args, 17 if command == "bench" else None)
+    assert shape == MLAShape(seq_len=17, batch=3, heads=5, qk_head_dim=7, rope_dim=11,
+                             v_head_dim=13, kv_lora_rank=19)

@@ -32,10 +32,10 @@ from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
 from ..spawn import under_torchrun as _torchrun
 from ...cp_algos import algo, takes_ulysses_degree
-from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, HYBRID, KERNELS, LAYOUTS  # noqa: F401
+from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, KERNELS, LAYOUTS  # noqa: F401
 from ...vocab.dims import ModelDims  # noqa: F401
-from .output import (MiB, check_output_path, dtype_arg, one_line_errors, pad as _pad,
-                     ratio as _ratio)
+from .output import MiB, check_output_path, dtype_arg, pad as _pad, ratio as _ratio
+from .parsers import add_cp_algo_args, command_parser
 from .bench_fit import check_block_size, check_fits
 from .plot import check_plot_path, write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
@@ -64,16 +64,12 @@ COLUMNS = (
 
 
 def add_parser(sub):
-    p = sub.add_parser("bench", help="measure bytes, saved activations, time and error per form",
-                       description=__doc__.split("\n\n")[1])
-    one_line_errors(p, "bench")
+    p = command_parser(sub, "bench", "measure bytes, saved activations, time and error per form", __doc__)
     p.add_argument("--cp", type=positive_int, default=4,
                    help="CP size: gloo processes to spawn (default 4); under torchrun the world size")
-    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both", HYBRID), default="both",
-                   help="both = allgather and ulysses; hybrid needs --ulysses-degree (spawned ranks)")
-    p.add_argument("--ulysses-degree", type=positive_int, default=None, metavar="U",
-                   help="hybrid CP: heads split inside groups of U consecutive ranks, the latent "
-                        "(explicit: K/V) across them")
+    add_cp_algo_args(p, "both", algo_note=" (spawned ranks)",
+                     degree_help="hybrid CP: heads split inside groups of U consecutive ranks, the "
+                                 "latent (explicit: K/V) across them")
     p.add_argument("--seq-lens", "--seq-len", dest="seq_lens", default="128,256,512",
                    help="comma-separated full sequence lengths (default 128,256,512; --seq-len "
                         "is the same flag)")
@@ -109,23 +105,18 @@ def add_parser(sub):
 # ---------------------------------------------------------------- what to run
 
 def parse_seq_lens(text: str) -> List[int]:
+    return parse_ints("--seq-lens", text, distinct=True, example="128,256", items="lengths")
+
+
+def parse_ints(flag: str, text: str, distinct: bool = False, example: str = "4096,1024",
+               items: str = "integers") -> List[int]:
+    """``flag``'s comma-separated positive ``items`` (each once with ``distinct``)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--seq-lens {text!r} must be comma-separated integers, e.g. 128,256")
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. {example}")
     if not values or any(v <= 0 for v in values):
-        raise ValueError(f"--seq-lens {text!r} must list positive lengths")
-    _once("--seq-lens", text, values)
-    return values
-
-
-def parse_ints(flag: str, text: str, distinct: bool = False) -> List[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 4096,1024")
-    if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{flag} {text!r} must list positive integers")
+        raise ValueError(f"{flag} {text!r} must list positive {items}")
     if distinct:
         _once(flag, text, values)
     return values

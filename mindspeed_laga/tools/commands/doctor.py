@@ -26,7 +26,8 @@ from ..spawn import under_torchrun as _torchrun
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS
 from ...vocab.segments import check_seq_len
 from . import doctor_report, environment, exactness
-from .output import check_output_path, one_line_errors
+from .output import check_output_path
+from .parsers import command_parser
 from .shapes import CPU_DEFAULT, positive_int
 from .verify import TOLERANCE
 
@@ -38,9 +39,7 @@ CHECK_HEADS = 16
 
 
 def add_parser(sub):
-    p = sub.add_parser("doctor", help="qualify this node: environment, exactness, CP, bench",
-                       description=__doc__.split("\n\n")[1])
-    one_line_errors(p, "doctor")
+    p = command_parser(sub, "doctor", "qualify this node: environment, exactness, CP, bench", __doc__)
     p.add_argument("--cp", type=positive_int, default=2,
                    help="CP size: gloo CPU ranks to spawn (default 2); under torchrun the world size")
     p.add_argument("--seq-len", type=positive_int, default=None,

@@ -24,36 +24,34 @@ from ..runspec import standard_runs
 from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, HYBRID, LAYOUTS
 from ...vocab.dims import ModelDims
-from .output import (GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, one_line_errors,
-                     ratio as _ratio)
+from .output import GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, ratio as _ratio
+from .parsers import add_cp_algo_args, command_parser
+from .shapes import HEAD_DIMS, SizeFlag
 
 KERNEL_CHOICES = (cm.EAGER, cm.FUSED, cm.NPU, "both")
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
-DIM_FLAGS = (("heads", "heads"), ("qk_head_dim", "qk_head_dim"), ("qk_pos_emb_head_dim", "rope_dim"),
-             ("v_head_dim", "v_head_dim"), ("kv_lora_rank", "kv_lora_rank"),
-             ("hidden_size", "hidden_size"), ("q_lora_rank", "q_lora_rank"))
-DIM_HELP = {"heads": "attention heads n (DeepSeek-V3: 128)",
-            "qk_head_dim": "per-head query/key width without RoPE, d_n (128)",
-            "qk_pos_emb_head_dim": "RoPE width shared by the heads, d_r (64)",
-            "v_head_dim": "per-head value width d_v (128)",
-            "kv_lora_rank": "latent width d_c (512); the gathered latent is d_c + d_r a token",
-            "hidden_size": "model width (7168); sizes the query projection LAGA's overlap hides behind",
-            "q_lora_rank": "query low-rank width (1536)"}
+# The dim flags: the head dims every command shares, with DeepSeek-V3's values, then the two
+# only plan models.
+DEEPSEEK_V3_NOTES = {"heads": "(DeepSeek-V3: 128)", "qk_head_dim": "(128)", "rope_dim": "(64)",
+                     "v_head_dim": "(128)",
+                     "kv_lora_rank": "(512); the gathered latent is d_c + d_r a token"}
+DIM_FLAGS = tuple(d._replace(what=f"{d.what} {DEEPSEEK_V3_NOTES[d.field]}") for d in HEAD_DIMS) + (
+    SizeFlag("hidden_size", "hidden_size",
+             "model width (7168); sizes the query projection LAGA's overlap hides behind"),
+    SizeFlag("q_lora_rank", "q_lora_rank", "query low-rank width (1536)"))
 DEFAULT_CP = 8
 WIDTH = 100  # every line of the tables fits a 100-column terminal
 
 
 def add_parser(sub):
-    p = sub.add_parser("plan", help="model comm bytes, activation memory, FLOPs and time per form",
-                       description=__doc__.split("\n\n")[1])
-    one_line_errors(p, "plan")
+    p = command_parser(sub, "plan", "model comm bytes, activation memory, FLOPs and time per form", __doc__)
     p.add_argument("--preset", default="deepseek-v3",
                    help=f"MLA dims: one of {sorted(cm.PRESETS)} (default deepseek-v3); the dim "
                         "flags below override single values")
     g = p.add_argument_group("MLA dims (override the preset)")
-    for flag, _ in DIM_FLAGS:
-        g.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=DIM_HELP[flag])
+    for size in DIM_FLAGS:
+        g.add_argument(size.flag, type=int, default=None, help=size.what)
     p.add_argument("--seq-len", type=int, default=16384,
                    help="full sequence length in tokens, before CP splits it (default 16384)")
     p.add_argument("--micro-batch", type=int, default=1,
@@ -63,12 +61,10 @@ def add_parser(sub):
                         "nodes: 2 x --npus-per-node, so traffic crosses nodes)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: each rank holds n/TP heads (default 1)")
-    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both", HYBRID), default="ulysses",
-                   help="both = allgather and ulysses; hybrid needs --ulysses-degree")
-    p.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
-                   help="hybrid CP: heads split inside groups of U consecutive CP ranks, the latent "
-                        "(explicit: K/V) across them; also the U of the node table's hybrid rows "
-                        "(default there: every U dividing CP)")
+    add_cp_algo_args(p, "ulysses", degree_type=int,  # checked with plan's other sizes
+                     degree_help="hybrid CP: heads split inside groups of U consecutive CP ranks, "
+                                 "the latent (explicit: K/V) across them; also the U of the node "
+                                 "table's hybrid rows (default there: every U dividing CP)")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="default: zigzag for allgather, contiguous for ulysses")
     docs = p.add_mutually_exclusive_group()
@@ -109,7 +105,7 @@ def add_parser(sub):
 
 def dims_from_args(args) -> ModelDims:
     dims = cm.preset(args.preset)
-    changes = {field: getattr(args, flag) for flag, field in DIM_FLAGS if getattr(args, flag) is not None}
+    changes = {d.field: getattr(args, d.dest) for d in DIM_FLAGS if getattr(args, d.dest) is not None}
     return replace(dims, **changes)
 
 

@@ -1,7 +1,9 @@
-"""Command-line options for an MLA shape, shared by ``verify`` and ``bench``."""
+"""Command-line options for an MLA shape, shared by ``verify`` and ``bench``; ``plan`` names
+the head dims from the same table."""
 from __future__ import annotations
 
 import argparse
+from typing import NamedTuple
 
 from ..cases import MLAShape
 
@@ -21,29 +23,43 @@ CPU_DEFAULT = MLAShape(seq_len=256, batch=1, heads=16, qk_head_dim=16, rope_dim=
                        v_head_dim=16, kv_lora_rank=64)
 
 
+class SizeFlag(NamedTuple):
+    """A size flag: its argparse dest, the MLAShape (or ModelDims) field it sets, what it is."""
+
+    dest: str
+    field: str
+    what: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+
+# The MLA head dims every command names alike: verify and bench take them as an MLAShape, plan
+# as overrides of a preset's ModelDims.
+HEAD_DIMS = (
+    SizeFlag("heads", "heads", "attention heads n"),
+    SizeFlag("qk_head_dim", "qk_head_dim", "per-head query/key width without RoPE, d_n"),
+    SizeFlag("qk_pos_emb_head_dim", "rope_dim", "RoPE width shared by the heads, d_r"),
+    SizeFlag("v_head_dim", "v_head_dim", "per-head value width d_v"),
+    SizeFlag("kv_lora_rank", "kv_lora_rank", "latent width d_c"),
+)
+SHAPE_ARGS = (SizeFlag("seq_len", "seq_len", "full sequence length in tokens"),
+              SizeFlag("micro_batch", "batch", "sequences per micro-batch")) + HEAD_DIMS
+
+
 def add_shape_args(parser: argparse.ArgumentParser, default: MLAShape = CPU_DEFAULT,
                    seq_len: bool = True):
     """The shape flags; ``seq_len=False`` for a command that takes its lengths elsewhere
     (bench's --seq-lens)."""
     g = parser.add_argument_group("MLA shape (defaults: DeepSeek-V3 dims / 8, 16 heads)")
-    if seq_len:
-        g.add_argument("--seq-len", type=positive_int, default=default.seq_len,
-                       help=f"full sequence length in tokens (default {default.seq_len})")
-    g.add_argument("--micro-batch", type=positive_int, default=default.batch,
-                   help=f"sequences per micro-batch (default {default.batch})")
-    g.add_argument("--heads", type=positive_int, default=default.heads,
-                   help=f"attention heads n (default {default.heads})")
-    g.add_argument("--qk-head-dim", type=positive_int, default=default.qk_head_dim,
-                   help=f"per-head query/key width without RoPE, d_n (default {default.qk_head_dim})")
-    g.add_argument("--qk-pos-emb-head-dim", type=positive_int, default=default.rope_dim,
-                   help=f"RoPE width shared by the heads, d_r (default {default.rope_dim})")
-    g.add_argument("--v-head-dim", type=positive_int, default=default.v_head_dim,
-                   help=f"per-head value width d_v (default {default.v_head_dim})")
-    g.add_argument("--kv-lora-rank", type=positive_int, default=default.kv_lora_rank,
-                   help=f"latent width d_c (default {default.kv_lora_rank})")
+    for size in SHAPE_ARGS:
+        if size.field == "seq_len" and not seq_len:
+            continue
+        value = getattr(default, size.field)
+        g.add_argument(size.flag, type=positive_int, default=value, help=f"{size.what} (default {value})")
 
 
 def shape_from_args(args, seq_len=None) -> MLAShape:
-    return MLAShape(seq_len=seq_len or args.seq_len, batch=args.micro_batch, heads=args.heads,
-                    qk_head_dim=args.qk_head_dim, rope_dim=args.qk_pos_emb_head_dim,
-                    v_head_dim=args.v_head_dim, kv_lora_rank=args.kv_lora_rank)
+    dims = {size.field: getattr(args, size.dest) for size in SHAPE_ARGS if size.field != "seq_len"}
+    return MLAShape(seq_len=seq_len or args.seq_len, **dims)

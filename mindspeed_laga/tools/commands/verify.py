@@ -15,16 +15,15 @@ from ..spawn import run_on_ranks
 from ...cp_algos import algo
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, SEQUENCE_LAYOUTS
 from ...vocab.segments import check_seq_len
-from .output import dtype_arg, one_line_errors
+from .output import dtype_arg
+from .parsers import command_parser
 from .shapes import add_shape_args, positive_int, shape_from_args
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
 
 
 def add_parser(sub):
-    p = sub.add_parser("verify", help="run the three forms on P gloo ranks and check them",
-                       description=__doc__.split("\n\n")[1])
-    one_line_errors(p, "verify")
+    p = command_parser(sub, "verify", "run the three forms on P gloo ranks and check them", __doc__)
     p.add_argument("--cp", type=positive_int, default=4, help="CP size (gloo processes), default 4")
     p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="both")
     p.add_argument("--layout", choices=SEQUENCE_LAYOUTS, default=None,
