@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mindspeed_laga import laga_attention
 from mindspeed_laga import layout as layouts
 from mindspeed_laga import start_latent_gather
 from mindspeed_laga.tools.spawn import run_on_ranks
