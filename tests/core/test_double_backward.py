@@ -148,7 +148,15 @@ def _tp_case(rank, world):
     def call(q, kv, kpe, w):
         kv, kpe = comm.sum_grad(kv, dist.group.WORLD), comm.sum_grad(kpe, dist.group.WORLD)
         return laga_attention(q, kv, kpe, w, softmax_scale=SCALE, kernel="eager")
-    return penalty_grads(call, local, c, vs)
+    out = call(*local)
+    first = torch.autograd.grad((out * c).sum(), local)
+    return out.detach(), first, penalty_grads(call, local, c, vs)
+
+
+def _tp_shards(full, rank):
+    """This TP rank's part of the single-device (q, kv_latent, k_pos_emb, kv_up_weight)
+    values: its heads and weight rows, the latent and the rope key whole."""
+    return [_heads(full[0], rank, 2), full[1], full[2], _heads(full[3], rank, 2, D_N + D_V)]
 
 
 def _rank_worker(rank, world):
@@ -182,10 +190,18 @@ def test_second_order_grads_on_two_ranks(rank_reports, name):
 
 @pytest.mark.timeout(200)
 def test_second_order_grads_through_tp_sum_grad(rank_reports):
-    """comm.sum_grad (the latent's gradient summed over TP) differentiates exactly twice."""
+    """comm.sum_grad (the latent's gradient summed over TP): each TP rank's output heads, and
+    its first- and second-order grads, equal the single-device reference's."""
+    inputs = [t.requires_grad_() for t in tensors()]
+    ref_out = reference(*inputs)
+    c, _ = directions()
+    ref_first = torch.autograd.grad((ref_out * c).sum(), inputs)
+    ref_out = ref_out.detach().view(S, B, N, D_V)
     want = expected()
     for rank, report in enumerate(rank_reports):
-        got = report["tp"]
-        expect = [_heads(want[0], rank, 2), want[1], want[2], _heads(want[3], rank, 2, D_N + D_V)]
-        for i, (a, b) in enumerate(zip(got, expect)):
-            assert torch.allclose(a, b, rtol=1e-9, atol=1e-11), (rank, i)
+        out, first, second = report["tp"]
+        assert torch.allclose(out, _heads(ref_out, rank, 2).reshape(S, B, -1), rtol=1e-9,
+                              atol=1e-11), rank
+        for order, got, full in (("first", first, ref_first), ("second", second, want)):
+            for i, (a, b) in enumerate(zip(got, _tp_shards(full, rank))):
+                assert torch.allclose(a, b, rtol=1e-9, atol=1e-11), (rank, order, i)
