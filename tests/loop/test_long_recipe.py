@@ -56,21 +56,17 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def long_loop(host_sources, tmp_path_factory):
-    """run(name, cp, laga, **recipe): one loop of the scaled-down 128k recipe, each name once."""
+    """run(name, cp, laga, cp_algo=..., **recipe): one loop of the scaled-down 128k recipe,
+    each name once."""
     require_loop_modules()
-    workdir = tmp_path_factory.mktemp("long-recipe")
-    ready = real_loop.prepare(host_sources, workdir, real_loop.default_documents())
-    runs = {}
 
-    def run(name, cp, laga, cp_algo="ulysses_cp_algo", **recipe):
-        if name not in runs:
-            argv = long_recipe.recipe(Path(ready["sources"]["MINDSPEED_LLM_SRC"]), cp, cp_algo,
-                                      laga, ready["data_path"], **recipe)
-            runs[name] = real_loop.run_loop(ready["sources"], workdir / name,
-                                            real_loop.ranks(argv), argv, timeout_s=RUN_TIMEOUT_S)
-        return runs[name]
+    def argv_for(ready, cp, laga, cp_algo="ulysses_cp_algo", **recipe):
+        argv = long_recipe.recipe(Path(ready["sources"]["MINDSPEED_LLM_SRC"]), cp, cp_algo,
+                                  laga, ready["data_path"], **recipe)
+        return argv, real_loop.ranks(argv)
 
-    return run
+    return real_loop.memoized_runs(host_sources, tmp_path_factory.mktemp("long-recipe"),
+                                   argv_for, RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
