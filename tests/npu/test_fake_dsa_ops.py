@@ -137,6 +137,15 @@ def test_indexer_rejects_what_the_op_rejects(change, words):
         indexer(**_indexer_args(**change))
 
 
+def test_the_environment_switch_takes_wide_dtypes_too(monkeypatch):
+    args = _indexer_args(query=torch.zeros(1, 4, 8, 128), key=torch.zeros(1, 4, 1, 128),
+                         weights=torch.zeros(1, 4, 8))
+    with pytest.raises(FakeNpuError, match="dtype"):
+        indexer(**args)
+    monkeypatch.setenv(fake_dsa_ops.WIDE_ENV, "1")
+    assert indexer(**args)[0].shape == (1, 4, 1, 2)
+
+
 def test_indexer_tnd_needs_cumulative_lengths():
     args = _indexer_args(query=torch.zeros(4, 8, 128, dtype=torch.bfloat16),
                          key=torch.zeros(4, 1, 128, dtype=torch.bfloat16),

@@ -55,10 +55,13 @@ Strictness: arguments the real op rejects raise ``FakeNpuError``. The one switch
 the op is :func:`wide_dtypes`: inside it float32 and float64 inputs are also taken and
 the math runs in that dtype, so exactness tests can compare against float64 references
 sharply; outside it, as on the NPU, only fp16/bf16 pass (the math runs in float32).
+``FAKE_TORCH_NPU_WIDE_DTYPES=1`` in the environment does the same for whole processes
+(ranks a test spawns, such as the real training loop's, which trains in float32).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -77,6 +80,8 @@ KL_QUERY_HEADS = (8, 16, 32, 64, 128)
 KL_INDEX_HEADS = (8, 16, 32, 64)
 
 _wide = [False]
+# the same switch for processes a test spawns (the real loop's ranks train in float32)
+WIDE_ENV = "FAKE_TORCH_NPU_WIDE_DTYPES"
 
 
 @contextlib.contextmanager
@@ -90,7 +95,8 @@ def wide_dtypes():
 
 
 def _allowed_dtypes():
-    return NPU_DTYPES + WIDE_DTYPES if _wide[-1] else NPU_DTYPES
+    wide = _wide[-1] or os.environ.get(WIDE_ENV) == "1"
+    return NPU_DTYPES + WIDE_DTYPES if wide else NPU_DTYPES
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
