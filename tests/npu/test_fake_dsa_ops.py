@@ -4,7 +4,8 @@ non-fused torch path, forward and backward, and their argument checks.
 The references come from the host's functions run in a subprocess
 (tests/support/dsa_host_reference.py): ``bf16_index`` + ``topk`` for the indexer,
 ``generate_sparse_mask`` + dense softmax attention for the sparse attention,
-``get_attn_scores`` + ``compute_dsa_indexer_loss`` for the KL loss. The host forces
+``get_attn_scores`` + ``compute_dsa_indexer_loss`` for the KL loss; the host's own fused
+callers run there on the stand-ins too. The host forces
 float32 on the index scores; the attention runs in float64 (``wide_dtypes``).
 """
 from __future__ import annotations
@@ -301,6 +302,28 @@ def test_kl_loss_takes_bf16_without_the_test_switch(host):
     with pytest.raises(FakeNpuError, match="dtype"):
         kl_loss(bsnd(x["q"]), bf["latent"], bf["index_q"], bf["index_k"], bf["weights"],
                 want["indices"].unsqueeze(2).to(torch.int32), smax, ssum, SCALE)
+
+
+# ------------------------------------------------------------ the host's fused callers on the stand-ins
+
+def test_the_hosts_fused_indexer_picks_what_its_torch_path_picks(host):
+    """``fused_lightning_indexer`` casts to bf16: its picks equal the torch path's on the same
+    bf16-rounded inputs; the kvallgather twin at CP 1 (two query halves against key
+    prefixes, causality from the lower-right vertex) equals the torch path unrounded (it
+    hands the op the model's dtype, float32 here, taken under the wide switch)."""
+    want = host["host"]
+    assert want["fused_indices"].dtype == torch.int32
+    assert torch.equal(want["fused_indices"].long(), want["rounded_torch_indices"])
+    assert torch.equal(want["kvallgather_indices"].long(), want["indices"])
+
+
+def test_the_hosts_fused_indexer_loss_equals_its_torch_loss(host):
+    """``fused_sparse_lightning_indexer_kl_loss`` (LILossTrain: the op's summed loss over
+    B*S, its grads scaled by the caller) against ``compute_dsa_indexer_loss``."""
+    want = host["host"]
+    close(want["fused_loss"].reshape(1), want["loss"].reshape(1), 1e-5)
+    for name in ("index_q", "index_k", "weights"):
+        close(want[f"fused_loss_d_{name}"], want[f"loss_d_{name}"], 1e-5)
 
 
 def test_the_standin_torch_npu_carries_the_dsa_ops():

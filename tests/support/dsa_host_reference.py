@@ -14,7 +14,9 @@ It draws seeded inputs and saves them with what the host's functions of
   the attention output (plain softmax attention over the absorbed MQA scores under
   that mask, written here) and its grads;
 - ``get_attn_scores`` and ``compute_dsa_indexer_loss``: the indexer's KL loss and the
-  grads of the indexer's query, key and weights.
+  grads of the indexer's query, key and weights;
+- the host's fused callers run on the stand-ins (``fused_callers``), so the tests see
+  that the host's own calls go through them as on the NPU.
 """
 from __future__ import annotations
 
@@ -104,13 +106,48 @@ def loss_reference(x: dict, mask: torch.Tensor) -> dict:
             "loss_d_weights": w.grad}
 
 
+def fused_callers(x: dict, indices: torch.Tensor) -> dict:
+    """The host's own fused callers on the stand-ins: ``fused_lightning_indexer``, its
+    kvallgather twin at CP 1 (two query halves against key prefixes: S1 < S2) and
+    ``fused_sparse_lightning_indexer_kl_loss`` (LILossTrain) with its grads."""
+    host = _host(use_flash_attn=True)
+    from megatron.core import parallel_state
+    parallel_state.get_context_parallel_group = lambda *a, **k: torch.distributed.group.WORLD
+    parallel_state.get_context_parallel_world_size = lambda *a, **k: 1
+    parallel_state.get_context_parallel_rank = lambda *a, **k: 0
+    q, k, w = (x[n].float() for n in ("index_q", "index_k", "weights"))
+    fused, _ = host.fused_lightning_indexer(q, k, w, TOPK)
+    halves, _ = host.fused_lightning_indexer_kvallgather(q, k, w, TOPK)
+    rounded = [t.bfloat16().float() for t in (q, k, w)]
+    torch_path, _ = host.DSAIndexer.forward_with_scores(torch.zeros(S, B, 1), *rounded, None, None, 0, TOPK)
+    import torch_npu
+    bsnd = [x[n].transpose(0, 1).contiguous() for n in ("q", "latent", "latent", "q_rope", "k_rope")]
+    _, smax, ssum = torch_npu.npu_sparse_flash_attention(
+        *bsnd[:3], indices.unsqueeze(2).to(torch.int32), SCALE, query_rope=bsnd[3], key_rope=bsnd[4],
+        attention_mode=2, return_softmax_lse=True)
+    leaves = {n: x[n].clone().requires_grad_() for n in ("index_q", "index_k", "weights")}
+    loss = host.fused_sparse_lightning_indexer_kl_loss(
+        x["q"], x["latent"], leaves["index_q"], leaves["index_k"], leaves["weights"],
+        indices.to(torch.int32), smax, ssum, SCALE, query_rope=x["q_rope"], key_rope=x["k_rope"])
+    loss.backward()
+    return {"fused_indices": fused, "kvallgather_indices": halves, "rounded_torch_indices": torch_path,
+            "fused_loss": loss.detach(), **{f"fused_loss_d_{n}": t.grad for n, t in leaves.items()}}
+
+
 def main(path: str) -> None:
-    from support import mindspeed_llm_real
+    from support import fake_dsa_ops, mindspeed_llm_real
     mindspeed_llm_real.prepare(register_laga=False)
+    import torch_npu  # prepare()'s import stub: the DSA ops join it
+    for name, op in fake_dsa_ops.OPS.items():
+        setattr(torch_npu, name, op)
+    os.environ[fake_dsa_ops.WIDE_ENV] = "1"  # float64 through LILossTrain
+    torch.distributed.init_process_group("gloo", init_method=f"file://{path}.rendezvous", rank=0,
+                                         world_size=1)
     x = inputs()
     found = indexer_reference(x)
     found.update(attention_reference(x, found["indices"]))
     found.update(loss_reference(x, found["mask"]))
+    found.update(fused_callers(x, found["indices"]))
     torch.save({"inputs": x, "host": found}, path)
 
 
