@@ -150,7 +150,8 @@ def test_the_environment_switch_takes_wide_dtypes_too(monkeypatch):
 def test_indexer_tnd_needs_cumulative_lengths():
     args = _indexer_args(query=torch.zeros(4, 8, 128, dtype=torch.bfloat16),
                          key=torch.zeros(4, 1, 128, dtype=torch.bfloat16),
-                         weights=torch.zeros(4, 8, dtype=torch.bfloat16), layout_query="TND", layout_key="TND")
+                         weights=torch.zeros(4, 8, dtype=torch.bfloat16), layout_query="TND",
+                         layout_key="TND")
     with pytest.raises(FakeNpuError, match="required with layout TND"):
         indexer(**args)
     with pytest.raises(FakeNpuError, match="end at the token count"):
@@ -307,14 +308,23 @@ def test_kl_loss_takes_bf16_without_the_test_switch(host):
 # ------------------------------------------------------------ the host's fused callers on the stand-ins
 
 def test_the_hosts_fused_indexer_picks_what_its_torch_path_picks(host):
-    """``fused_lightning_indexer`` casts to bf16: its picks equal the torch path's on the same
-    bf16-rounded inputs; the kvallgather twin at CP 1 (two query halves against key
+    """``fused_lightning_indexer`` casts to bf16: its picks equal the torch path's on the
+    same bf16-rounded inputs; the kvallgather twin at CP 1 (two query halves against key
     prefixes, causality from the lower-right vertex) equals the torch path unrounded (it
     hands the op the model's dtype, float32 here, taken under the wide switch)."""
     want = host["host"]
     assert want["fused_indices"].dtype == torch.int32
     assert torch.equal(want["fused_indices"].long(), want["rounded_torch_indices"])
     assert torch.equal(want["kvallgather_indices"].long(), want["indices"])
+
+
+def test_the_hosts_kvallgather_sparse_attention_equals_its_sparse_mask(host):
+    """``fused_sparse_flash_attention_kvallgather`` at CP 1 (float64 under the wide switch)
+    against the dense attention under ``generate_sparse_mask``, output and grads."""
+    want = host["host"]
+    close(want["fused_out"], want["out"], 1e-12)
+    for name in ("q", "q_rope", "latent", "k_rope"):
+        close(want[f"fused_d_{name}"], want[f"d_{name}"], 1e-12)
 
 
 def test_the_hosts_fused_indexer_loss_equals_its_torch_loss(host):

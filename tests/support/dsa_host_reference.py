@@ -108,8 +108,9 @@ def loss_reference(x: dict, mask: torch.Tensor) -> dict:
 
 def fused_callers(x: dict, indices: torch.Tensor) -> dict:
     """The host's own fused callers on the stand-ins: ``fused_lightning_indexer``, its
-    kvallgather twin at CP 1 (two query halves against key prefixes: S1 < S2) and
-    ``fused_sparse_lightning_indexer_kl_loss`` (LILossTrain) with its grads."""
+    kvallgather twin at CP 1 (two query halves against key prefixes: S1 < S2),
+    ``fused_sparse_flash_attention_kvallgather`` at CP 1 (likewise; K = V = the latent)
+    and ``fused_sparse_lightning_indexer_kl_loss`` (LILossTrain), with their grads."""
     host = _host(use_flash_attn=True)
     from megatron.core import parallel_state
     parallel_state.get_context_parallel_group = lambda *a, **k: torch.distributed.group.WORLD
@@ -130,8 +131,15 @@ def fused_callers(x: dict, indices: torch.Tensor) -> dict:
         x["q"], x["latent"], leaves["index_q"], leaves["index_k"], leaves["weights"],
         indices.to(torch.int32), smax, ssum, SCALE, query_rope=x["q_rope"], key_rope=x["k_rope"])
     loss.backward()
-    return {"fused_indices": fused, "kvallgather_indices": halves, "rounded_torch_indices": torch_path,
-            "fused_loss": loss.detach(), **{f"fused_loss_d_{n}": t.grad for n, t in leaves.items()}}
+    attn = {n: x[n].clone().requires_grad_() for n in ("q", "q_rope", "latent", "k_rope")}
+    out, _, _ = host.fused_sparse_flash_attention_kvallgather(
+        attn["q"], attn["latent"], attn["latent"], indices, attn["q_rope"], attn["k_rope"], SCALE,
+        torch.distributed.group.WORLD)
+    (out * x["grad_out"]).sum().backward()
+    found = {"fused_out": out.detach(), **{f"fused_d_{n}": t.grad for n, t in attn.items()}}
+    found.update(fused_indices=fused, kvallgather_indices=halves, rounded_torch_indices=torch_path)
+    return {**found, "fused_loss": loss.detach(),
+            **{f"fused_loss_d_{n}": t.grad for n, t in leaves.items()}}
 
 
 def main(path: str) -> None:
