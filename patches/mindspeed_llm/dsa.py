@@ -12,8 +12,8 @@ once and returns the attention output, the picks and the indexer's KL loss, whic
 the host's own loss tracker and loss auto-scaler exactly as the host's forward hands it.
 
 Under every mapped algorithm the queries stay local and no head is split (a ulysses
-recipe runs the gather form on its contiguous split): docs/HOSTS.md, section
-"Sparse MLA (DSA)".
+recipe runs the gather form on its contiguous split): docs/SPARSE_MLA.md, section
+"Ulysses recipes: the gather instead of the head split".
 """
 from __future__ import annotations
 
