@@ -15,6 +15,7 @@ from mindspeed_laga.cp_algos import algo
 from mindspeed_laga.vocab.names import HYBRID
 from mindspeed_laga.vocab.segments import seq_multiple
 
+from .dsa_checks import check_dsa
 from .laga_args import (CP_ALGO_MAP, DOCUMENT_CP_ALGO_MAP, FLAG, GENERAL_CP_ALGO_MAP,
                         context_parallel_algo, cp_algo_and_layout, general_mask)
 
@@ -30,9 +31,6 @@ _INCOMPATIBLE = (
      "training): drop {flag} or drop " + FLAG),
     ("use_sparse_flash_attn", "--use-sparse-flash-attn",
      "LAGA runs dense causal attention: drop {flag} or drop " + FLAG),
-    ("enable_dsa_indexer", "--enable-dsa-indexer",
-     "the DSA indexer needs sparse per-head attention that LAGA does not run: drop {flag} "
-     "or drop " + FLAG),
     ("neat_pack", "--neat-pack", _PACKED),
     ("tp_2d", "--tp-2d",
      "2-D tensor parallelism splits the CP batch in its own way, not one LAGA knows: "
@@ -70,13 +68,14 @@ def check_laga_args(args: Namespace) -> bool:
     cp_size = context_parallel_size(args)
     if cp_size == 1:
         return False
+    dsa = check_dsa(args)  # sparse MLA first: its refusals name DSA (dsa_checks.py)
     _check_incompatible(args)
     _check_lora(args)
     _check_attention_dropout(args)
     _check_documents(args)
     _check_general(args)
     cp_algo, layout = _check_cp_algo(args)
-    _check_split(args, cp_size, cp_algo, layout)
+    _check_split(args, cp_size, cp_algo, layout, heads_split=not dsa)
     _check_padded_lengths(args, cp_size, cp_algo, layout)
     _check_kernel(args)
     _check_options(args)
@@ -190,14 +189,17 @@ def _check_cp_algo(args: Namespace):
                      f"{', '.join(sorted(CP_ALGO_MAP))}, or drop {FLAG}")
 
 
-def _check_split(args: Namespace, cp_size: int, cp_algo: str, layout: str) -> None:
+def _check_split(args: Namespace, cp_size: int, cp_algo: str, layout: str,
+                 heads_split: bool = True) -> None:
+    """``heads_split`` False: LAGA keeps every head on every rank (DSA), whatever the
+    algorithm's own rule on heads."""
     heads = int(args.num_attention_heads)
     tp_size = int(getattr(args, "tensor_model_parallel_size", None) or 1)
     seq_length = int(args.seq_length)
     split = algo(cp_algo)
-    if split.takes_ulysses_degree:
+    if heads_split and split.takes_ulysses_degree:
         _check_hybrid(args, heads, tp_size, cp_size)
-    elif not _heads_divide(split, heads, tp_size, cp_size):
+    elif heads_split and not _heads_divide(split, heads, tp_size, cp_size):
         raise ValueError(
             f"{FLAG} with ulysses_cp_algo splits each TP rank's heads over CP: "
             f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "

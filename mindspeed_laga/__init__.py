@@ -6,12 +6,14 @@ check_torch()  # before the modules below meet an untested torch
 from .api import FORMS, absorbed_attention, explicit_attention, laga_attention
 from .comm import CommCounter, count_bytes
 from .forms.latent_source import LatentGather, start_latent_gather
+from .forms.sparse_mla import SparseResult, sparse_laga_attention
 from .reference import mla_attention_reference
 
 __version__ = "0.1.0"
 
 __all__ = ["laga_attention", "explicit_attention", "absorbed_attention", "FORMS",
            "count_bytes", "CommCounter", "start_latent_gather", "LatentGather", "mla_attention_reference",
+           "sparse_laga_attention", "SparseResult",
            "patch_megatron_mla", "unpatch_megatron_mla"]
 
 

@@ -40,6 +40,7 @@ from mindspeed_laga.features.laga_checks import padded_length_error, sequence_mu
 from ..attention_mask import key_padding_from_mask
 from ..common import check_weight_once, first_call, start_gather
 from ..lora import effective_weight
+from .dsa import is_dsa, laga_dsa_attention
 from .host import check_mindspeed_llm_forward, check_mindspeed_llm_module, release_of_module
 from .releases import deinterleave_rope_dims
 
@@ -103,6 +104,9 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     patches/attention_mask.py turns it into the core's key padding or refuses it)."""
     release = release or release_of_module(self)
     check_mindspeed_llm_module(self, release)
+    if is_dsa(self):  # sparse MLA: one gather of latent, rope key and index key (dsa.py)
+        return _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
+                              release)
     settings = laga_settings(megatron_args)
     key_padding = None
     if not settings.documents:  # packed documents: the boundaries carry the mask
@@ -138,6 +142,23 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
             launch_async_all2all_hook)
         core_out.register_hook(launch_async_all2all_hook)
     return self.linear_proj(core_out)
+
+
+def _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args, release):
+    """The DSA path: this adapter's query / latent / rope-key builder, with the host's DSA
+    rope, feeds patches/mindspeed_llm/dsa.py. The host's DSA forward ignores the layer's
+    attention mask (its picks are causal by position), and so does this path."""
+    rope_input = _rope_input(release, megatron_args)
+    kv_up_weight = _kv_up_weight(self)
+    check_weight_once(first_call(self), kv_up_weight, cp_group)
+
+    def mla_inputs(rope, parts):
+        return _mla_inputs(self, hidden_states, rotary_pos_emb, None, False,
+                           rope_input=rope_input, lora_scales=release.lora_scales, rope=rope,
+                           parts=parts)
+
+    return laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
+                              mla_inputs, kv_up_weight, softmax_scale(self, megatron_args))
 
 
 def _full_length(self, hidden_states, cp_group) -> int:
@@ -226,14 +247,16 @@ def _rope_input(release, megatron_args):
 
 
 def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_ranks=True,
-                rope_cu_seqlens=None, rope_input=None, lora_scales=True):
+                rope_cu_seqlens=None, rope_input=None, lora_scales=True, rope=None, parts=None):
     """query [s,b,n,d_n+d_r], kv_latent [s,b,d_c], k_pos_emb [s,b,d_r] as the original builds
     them, and the latent all-gather already started when ``overlap_group`` is given.
 
     ``rope_cu_seqlens``: what the original passes to rope as ``cu_seqlens``
     (``packed_seq_params`` under --reset-attention-mask, else None). ``rope_input``:
     applied to q_pos_emb and k_pos_emb before rope, as the release's forward does (None:
-    nothing). ``lora_scales``: whether the release scales the q/kv latents.
+    nothing). ``lora_scales``: whether the release scales the q/kv latents. ``rope``: the
+    rope to apply (None: the module's apply_rotary_pos_emb). ``parts``: a dict that
+    receives ``q_compressed`` (linear_qkv's query latent, before its layernorm).
 
     s is this CP rank's tokens, gathered over TP under sequence parallelism. The
     latent is finished first so its gather overlaps the query projection.
@@ -250,6 +273,8 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_r
     q_compressed, kv_compressed, k_pos_emb = torch.split(
         self.linear_qkv(hidden_states), [self.q_rank, self.kv_lora_rank, self.qk_pos_emb_head_dim],
         dim=-1)
+    if parts is not None:
+        parts["q_compressed"] = q_compressed
 
     kv_latent = self.kv_layernorm(kv_compressed)
     if lora_scales and self.mla_scale_kv_lora is not None:
@@ -263,7 +288,7 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_r
         # (the core hands the latent's grad back contiguous, which this region's
         # TP all-reduce needs: see mindspeed_laga.forms.common.concat_latent)
         kv_latent = copy_to_tensor_model_parallel_region(kv_latent)
-    apply_rotary_pos_emb = _rope(self)
+    apply_rotary_pos_emb = rope or _rope(self)
     k_pos_emb = k_pos_emb.view(s, b, 1, self.qk_pos_emb_head_dim)
     if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
         rotary_pos_emb = (rotary_pos_emb,) * 2

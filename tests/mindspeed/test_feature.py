@@ -136,7 +136,7 @@ def test_disabled_feature_validates_nothing():
 REJECTED = [
     (["--enable-mla-absorb"], "--enable-mla-absorb"),
     (["--use-sparse-flash-attn"], "--use-sparse-flash-attn"),
-    (["--enable-dsa-indexer"], "--enable-dsa-indexer"),
+    (["--enable-dsa-indexer"], "--context-parallel-algo megatron_cp_algo"),
     (["--reset-attention-mask", "--micro-batch-size", "2"], "--micro-batch-size 1"),
     (["--neat-pack"], "--neat-pack"),
     (["--shape-order", "TND"], "--shape-order TND"),
@@ -196,6 +196,43 @@ def test_unsupported_combinations_raise_value_error_naming_the_flag(extra, needl
         validate(VALID + extra)
     message = str(info.value)
     assert needle in message and "--mla-latent-all-gather" in message
+
+
+# sparse MLA (DSA): LAGA runs the host's non-fused path, heads never split
+DSA = ["--enable-dsa-indexer", "--context-parallel-algo", "kvallgather_cp_algo"]
+DSA_REJECTED = [
+    (["--use-sparse-flash-attn"], "--use-sparse-flash-attn"),
+    (["--use-fused-lightning-indexer"], "--use-fused-lightning-indexer"),
+    (["--use-fused-lightning-indexer-loss"], "--use-fused-lightning-indexer-loss"),
+    (["--enable-mla-absorb"], "npu_sparse_flash_attention"),
+    (["--kv-compress"], "--kv-compress"),
+    (["--index-topk-freq", "2"], "--index-topk-freq 2"),
+    (["--index-topk-pattern", "CSCS"], "--index-topk-pattern"),
+    (["--index-share-for-mtp-iteration"], "--index-share-for-mtp-iteration"),
+    (["--reset-attention-mask", "--micro-batch-size", "1"], "--reset-attention-mask"),
+    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
+    (["--sequence-parallel"], "--sequence-parallel"),
+    (["--context-parallel-algo", "megatron_cp_algo"], "megatron_cp_algo"),
+    (["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"],
+     "hybrid_cp_algo"),
+]
+
+
+@pytest.mark.parametrize("algo", ["ulysses_cp_algo", "kvallgather_cp_algo"])
+def test_dsa_validates_under_the_hosts_two_algorithms(algo):
+    # 8 heads at CP 16 under ulysses: LAGA's DSA path splits no head
+    validate(VALID[:-3] + ["--context-parallel-size", "16", "--seq-length", "128",
+                           "--enable-dsa-indexer", "--context-parallel-algo", algo,
+                           "--mla-latent-all-gather"])
+
+
+@pytest.mark.parametrize("extra,needle", DSA_REJECTED, ids=[" ".join(e) for e, _ in DSA_REJECTED])
+def test_dsa_refusals_name_the_flag(extra, needle):
+    with pytest.raises(ValueError) as info:
+        validate(VALID + DSA + extra)
+    message = str(info.value)
+    assert needle in message and "--enable-dsa-indexer" in message, message
+    assert "--mla-latent-all-gather" in message
 
 
 @pytest.mark.parametrize("targets", [["linear_qkv", "linear_kv_up_proj", "linear_proj"],

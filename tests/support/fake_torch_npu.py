@@ -1,4 +1,5 @@
-"""A CPU stand-in for ``torch_npu``: only ``npu_fusion_attention`` and its grad.
+"""A CPU stand-in for ``torch_npu``: ``npu_fusion_attention`` and its grad (and, from
+tests/support/fake_dsa_ops.py, the three sparse-attention ops of DSA).
 
 Tests install it as ``sys.modules["torch_npu"]`` so the ``kernel="npu"`` path
 of mindspeed_laga runs on CPU. The math uses plain torch ops (autograd works
@@ -595,6 +596,9 @@ def _build() -> types.ModuleType:
     module.reset_calls = reset_calls
     module.npu_fusion_attention = npu_fusion_attention
     module.npu_fusion_attention_grad = npu_fusion_attention_grad
+    from . import fake_dsa_ops  # the sparse-attention (DSA) ops, in their own file
+    for name, op in fake_dsa_ops.OPS.items():
+        setattr(module, name, op)
     return module
 
 

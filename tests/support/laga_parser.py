@@ -36,8 +36,13 @@ def upstream_flags(parser):
     for flag in ("--enable-mla-absorb", "--use-sparse-flash-attn", "--enable-dsa-indexer",
                  "--reset-attention-mask", "--reset-position-ids", "--neat-pack", "--tp-2d",
                  "--mla-up-proj-tp-overlap", "--recompute-mla-up-proj", "--mla-zero-memory",
-                 "--mla-swap-core-attn-out", "--add-qkv-bias", "--qlora"):
+                 "--mla-swap-core-attn-out", "--add-qkv-bias", "--qlora",
+                 # MindSpeed-LLM's DSA feature (sparse MLA)
+                 "--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
+                 "--kv-compress", "--index-share-for-mtp-iteration", "--sequence-parallel"):
         add(flag, action="store_true")
+    add("--index-topk-freq", type=int, default=1)
+    add("--index-topk-pattern", type=str, default=None)
 
 
 def parser_with_laga(feature=None):

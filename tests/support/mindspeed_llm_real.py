@@ -380,7 +380,7 @@ def _submodules(mla, args):
     if hasattr(mla, "get_mla_self_attn_submodules"):
         return mla.get_mla_self_attn_submodules(
             qk_layernorm=args.qk_layernorm, mla_mm_split=args.mla_mm_split,
-            enable_dsa_indexer=False)
+            enable_dsa_indexer=bool(getattr(args, "enable_dsa_indexer", False)))
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.identity_op import IdentityOp
     from mindspeed_llm.core.transformer.custom_layers.transformer_engine import PTNorm

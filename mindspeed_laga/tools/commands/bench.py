@@ -34,6 +34,7 @@ from ..spawn import under_torchrun as _torchrun
 from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, KERNELS, LAYOUTS  # noqa: F401
 from ...vocab.dims import ModelDims  # noqa: F401
+from . import bench_dsa
 from .output import MiB, check_output_path, dtype_arg, pad as _pad, ratio as _ratio
 from .parsers import add_cp_algo_args, command_parser
 from .bench_fit import check_block_size, check_fits
@@ -100,6 +101,7 @@ def add_parser(sub):
     p.add_argument("--backend", default=None,
                    help="torchrun only: process-group backend (default nccl on CUDA, hccl on NPU, gloo)")
     add_shape_args(p, CPU_DEFAULT, seq_len=False)
+    bench_dsa.add_args(p)
 
 
 # ---------------------------------------------------------------- what to run
@@ -413,6 +415,8 @@ def run(args) -> int:
     from ..measure import device_type as measure_device_type, worker
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if bench_dsa.wanted(args):
+        return bench_dsa.run(args, parse_seq_lens(args.seq_lens), shape_from_args(args, 1))
     check_output_path("--json", args.json)
     check_plot_path(args.plot)
     check_output_path("--plot", args.plot)

@@ -25,6 +25,7 @@ from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, HYBRID, LAYOUTS
 from ...vocab.dims import ModelDims
 from .output import GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, ratio as _ratio
+from . import plan_dsa
 from .parsers import add_cp_algo_args, command_parser
 from .shapes import HEAD_DIMS, SizeFlag
 
@@ -99,6 +100,7 @@ def add_parser(sub):
     p.add_argument("--terms", action="store_true",
                    help="also list every saved tensor of every variant (rank 0, last kernel)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan_dsa.add_args(p)
 
 
 # ---------------------------------------------------------------- config
@@ -534,6 +536,8 @@ def _print_nodes(nodes: dict) -> None:
 
 
 def run(args) -> int:
+    if plan_dsa.wanted(args):
+        return plan_dsa.run(args, DIM_FLAGS, DTYPES, DEFAULT_CP)
     plan = build_plan(args)
     plan["show_terms"] = bool(args.terms)
     if args.json:

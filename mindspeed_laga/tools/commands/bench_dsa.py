@@ -1,0 +1,159 @@
+"""``mindspeed-laga bench --dsa MODEL``: LAGA's sparse MLA measured on spawned CP ranks.
+
+Runs ``sparse_laga_attention`` (indexer top-k, absorbed attention over the picked keys,
+the indexer's KL loss) forward+backward on P gloo CPU ranks for each sequence length and
+puts the byte counter's collectives beside the cost model's (``costmodel/dsa.py``): the
+gather's widths are the model's own (d_c, d_r and the index head dim), the heads are the
+shape flags' (they stay local and move nothing). The host's two DSA paths run NPU ops,
+so they appear as model figures at the same S and CP. No plot.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import textwrap
+import time
+
+from ..costmodel import dsa
+from ..costmodel.config import DTYPE_BYTES
+from .output import check_output_path
+
+LAYOUTS = ("zigzag", "contiguous")
+# bench's flags the DSA run does not take: given, they are refused rather than ignored
+NOT_TAKEN = ("doc_lens", "num_docs", "kv_block_size", "backend")
+RUN_TIMEOUT_S = 1800.0
+HOST_KEYS = ("collectives", "values_per_token", "received_bytes")
+
+
+def add_args(p) -> None:
+    g = p.add_argument_group("sparse MLA (DSA)")
+    g.add_argument("--dsa", choices=sorted(dsa.DSA_PRESETS), default=None, metavar="MODEL",
+                   help="measure LAGA's sparse MLA instead, with MODEL's gather widths "
+                        f"({', '.join(sorted(dsa.DSA_PRESETS))}); layout zigzag or contiguous")
+    g.add_argument("--index-topk", type=int, default=64,
+                   help="keys each query picks (--dsa; default 64)")
+
+
+def wanted(args) -> bool:
+    return args.dsa is not None
+
+
+def check(args, seq_lens) -> None:
+    given = [f"--{f.replace('_', '-')}" for f in NOT_TAKEN if getattr(args, f, None) is not None]
+    if given:
+        raise ValueError(f"bench --dsa does not take {', '.join(given)}")
+    if args.layout not in (None,) + LAYOUTS:
+        raise ValueError(f"bench --dsa --layout must be one of {LAYOUTS}, got {args.layout!r}")
+    if args.index_topk <= 0:
+        raise ValueError(f"--index-topk must be positive, got {args.index_topk}")
+    for s in seq_lens:
+        if s % (2 * args.cp):
+            raise ValueError(f"--seq-lens {s} must be a multiple of 2 x --cp ({2 * args.cp})")
+
+
+def worker(rank, world_size, widths, shape, seq_len, layout, topk, dtype, repeat, warmup):
+    """One rank: seeded local inputs, ``warmup + repeat`` calls; the last call's records."""
+    import torch
+    import torch.distributed as dist
+    from ... import count_bytes, sparse_laga_attention
+
+    d_c, d_r, index_heads, index_dim = widths
+    s, b, n = seq_len // world_size, shape.batch, shape.heads
+    g = torch.Generator().manual_seed(rank)
+
+    def randn(*size):
+        return torch.randn(*size, generator=g).to(getattr(torch, dtype)).requires_grad_()
+
+    x = [randn(s, b, n, shape.qk_head_dim + d_r), randn(s, b, d_c), randn(s, b, d_r),
+         randn(n * (shape.qk_head_dim + shape.v_head_dim), d_c), randn(s, b, index_heads, index_dim),
+         randn(s, b, index_dim), randn(s, b, index_heads)]
+    seconds, records = [], []
+    for i in range(warmup + repeat):
+        start = time.perf_counter()
+        with count_bytes() as counter:
+            got = sparse_laga_attention(*x, index_topk=topk, softmax_scale=(shape.qk_head_dim + d_r) ** -0.5,
+                                        qk_head_dim=shape.qk_head_dim, v_head_dim=shape.v_head_dim,
+                                        cp_group=dist.group.WORLD, layout=layout,
+                                        indexer_loss_coeff=1.0)
+            (got.output.float().sum() + got.indexer_loss).backward()
+        if i >= warmup:
+            seconds.append(time.perf_counter() - start)
+        records = [(r.kind, r.direction, r.payload, r.wire) for r in counter.records]
+    return {"seconds": statistics.median(seconds), "records": records}
+
+
+def measured(records, direction: str) -> dict:
+    own = [r for r in records if r[1] == direction]
+    return {"collectives": len(own), "payload_bytes": sum(r[2] for r in own),
+            "wire_bytes": sum(r[3] for r in own)}
+
+
+def make_row(per_rank, dims, index, seq_len, cp, batch, elem) -> dict:
+    table = dsa.dsa_table(dims, index, seq_len, cp, batch, elem)["paths"]
+    tokens = seq_len // cp * batch
+    row = {"seq_len": seq_len, "ms": 1e3 * max(r["seconds"] for r in per_rank),
+           "host_model": {name: {d: {k: p[d][k] for k in HOST_KEYS} for d in ("forward", "backward")}
+                          for name, p in table.items() if name != "laga"}}
+    for d in ("forward", "backward"):
+        got = measured(per_rank[0]["records"], d)
+        model = table["laga"][d]
+        same = (got["wire_bytes"], got["collectives"]) == (model["received_bytes"], model["collectives"])
+        row[d] = {**got, "values_per_token": got["payload_bytes"] // (tokens * elem),
+                  "model_values_per_token": model["values_per_token"],
+                  "model_wire_bytes": model["received_bytes"], "model_collectives": model["collectives"],
+                  "counter_equals_model": same}
+    return row
+
+
+def run(args, seq_lens, shape) -> int:
+    from ..spawn import run_on_ranks, under_torchrun
+    if under_torchrun():
+        raise ValueError("bench --dsa spawns its own gloo ranks: run it without torchrun")
+    check(args, seq_lens)
+    check_output_path("--json", args.json)
+    dims, index = dsa.dsa_preset(args.dsa)
+    layout = args.layout or "zigzag"
+    elem = DTYPE_BYTES[args.dtype]
+    out = sys.stderr if args.json == "-" else sys.stdout
+    _say(f"bench --dsa {args.dsa}: {args.cp} spawned gloo CPU ranks, layout {layout}, {args.dtype}; "
+         f"gather widths d_c={dims.kv_lora_rank}, d_r={dims.rope_dim}, index {index.heads} x "
+         f"{index.head_dim}; n={shape.heads}, d_n={shape.qk_head_dim}, d_v={shape.v_head_dim}, "
+         f"b={shape.batch}, top-k {args.index_topk}; {args.warmup} warm-up + {args.repeat} timed", out)
+    widths = (dims.kv_lora_rank, dims.rope_dim, index.heads, index.head_dim)
+    rows = []
+    for s in seq_lens:
+        per_rank = run_on_ranks(worker, args.cp, widths, shape, s, layout, args.index_topk, args.dtype,
+                                args.repeat, args.warmup, timeout_s=RUN_TIMEOUT_S)
+        rows.append(make_row(per_rank, dims, index, s, args.cp, shape.batch, elem))
+    print_rows(rows, out)
+    doc = {"dsa": args.dsa, "cp_size": args.cp, "layout": layout, "dtype": args.dtype, "rows": rows}
+    if args.json and args.json != "-":
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"JSON: {args.json}", file=out)
+    if args.json == "-":
+        print(json.dumps(doc, indent=1), flush=True)
+    return 0
+
+
+def print_rows(rows, out) -> None:
+    print(f"{'S':>8} {'coll fwd/bwd':>12} {'values/token':>12} {'wire fwd':>12} {'model fwd':>12} "
+          f"{'wire bwd':>12} {'model bwd':>12} {'= model':>8} {'ms':>8}", file=out)
+    for r in rows:
+        f, b = r["forward"], r["backward"]
+        same = "yes" if f["counter_equals_model"] and b["counter_equals_model"] else "NO"
+        print(f"{r['seq_len']:>8} {f['collectives']:>5} / {b['collectives']:<4} "
+              f"{f['values_per_token']:>12,} "
+              f"{f['wire_bytes']:>12,} {f['model_wire_bytes']:>12,} {b['wire_bytes']:>12,} "
+              f"{b['model_wire_bytes']:>12,} {same:>8} {r['ms']:>8.1f}", file=out)
+    for name, host in rows[-1]["host_model"].items():
+        f = host["forward"]
+        _say(f"model, {name} at S={rows[-1]['seq_len']}: {f['collectives']} collectives, "
+             f"{f['values_per_token']:,} values/token, {f['received_bytes']:,} bytes received forward", out)
+    _say("wire: bytes rank 0 sends (= receives) per layer, the byte counter's measure; model: "
+         "costmodel/dsa.py's LAGA row; values/token: the forward payload per local token.", out)
+
+
+def _say(text: str, out) -> None:
+    print(textwrap.fill(text, 100, subsequent_indent="    "), file=out)

@@ -1,0 +1,148 @@
+"""Sparse MLA (DSA: DeepSeek-V3.2, GLM-5): what each CP path moves per token and layer.
+
+DSA's attention is absorbed MQA over the latent, picked per query by a lightning
+indexer (index heads x index head dim, one shared index key per token). Three paths,
+each a list of collectives with its per-token width, every width derived from the dims
+(read from MindSpeed-LLM's ``tasks/models/transformer/dsa_indexer.py`` and
+``multi_latent_attention.py``):
+
+- ``host kvallgather`` (the absorbed, fused path ``kvallgather_cp_algo`` takes): seven
+  all-gathers a layer: the index key for the indexer's top-k
+  (``fused_lightning_indexer_kvallgather``), the latent as K, the same latent again as V
+  and k_rope for the sparse attention (``fused_sparse_flash_attention_kvallgather``),
+  and the latent, the index key and k_rope again for the indexer's KL loss
+  (``fused_sparse_lightning_indexer_kl_loss_kvallgather``). Backward, a reduce-scatter
+  for each gather that has a gradient: K, V and k_rope of the attention and the loss's
+  index key (the indexer's top-k runs without grad; the loss op returns no grad for its
+  latent or k_rope).
+- ``host ulysses`` (the non-absorbed path of ``ulysses_cp_algo``): the indexer gathers
+  its query (index heads x index dim), its key and the hidden state
+  (``forward_with_index``); Q, K, V and the output go all-to-all (heads x (d_n + d_r)
+  for Q and K, heads x d_v for V and O); the loss gathers the per-head query and key
+  again (``get_attn_scores`` after the core attention). Backward: the indexer's three
+  gathers reduce-scatter (the loss reaches the index projections through them), the
+  four all-to-alls run again; the loss's gathers carry no grad (they are detached).
+- ``laga``: one all-gather of ``[kv_latent | k_pos_emb | index_key]`` serving the
+  indexer, the attention and the loss; backward, its reduce-scatter.
+
+Widths are values per token (TP 1: the head-split tensors hold every head). What a rank
+receives of a collective is the byte counter's ``wire`` (``comm.wire_bytes``): an
+all-gather or reduce-scatter ``(P-1) x`` the local payload, an all-to-all ``(P-1)/P x``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+from ...vocab.dims import ModelDims
+from .comm import wire_bytes
+
+ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = "all_gather", "reduce_scatter", "all_to_all"
+
+
+@dataclass(frozen=True)
+class IndexerDims:
+    """The lightning indexer's sizes: ``--index-n-heads`` and ``--index-head-dim``."""
+    heads: int = 64
+    head_dim: int = 128
+
+
+# The DSA models' MLA and indexer dims, from MindSpeed-LLM's own recipes
+# (examples/mcore/deepseek32/, examples/mcore/glm5/).
+DSA_PRESETS: Dict[str, Tuple[ModelDims, IndexerDims]] = {
+    "deepseek-v3.2": (ModelDims(heads=128, qk_head_dim=128, rope_dim=64, v_head_dim=128, kv_lora_rank=512,
+                                hidden_size=7168, q_lora_rank=1536), IndexerDims(64, 128)),
+    "glm-5": (ModelDims(heads=64, qk_head_dim=192, rope_dim=64, v_head_dim=256, kv_lora_rank=512,
+                        hidden_size=6144, q_lora_rank=2048), IndexerDims(32, 128)),
+}
+
+
+def dsa_preset(name: str) -> Tuple[ModelDims, IndexerDims]:
+    if name not in DSA_PRESETS:
+        raise ValueError(f"unknown DSA model {name!r}; use one of {sorted(DSA_PRESETS)}")
+    return DSA_PRESETS[name]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective: what it carries and its width in values per token."""
+    kind: str
+    what: str
+    width: int
+
+
+@dataclass(frozen=True)
+class DSAPath:
+    name: str
+    forward: Tuple[Transfer, ...]
+    backward: Tuple[Transfer, ...]
+
+    def values(self, direction: str) -> int:
+        return sum(t.width for t in getattr(self, direction))
+
+
+def host_kvallgather(dims: ModelDims, index: IndexerDims) -> DSAPath:
+    latent, rope, key = dims.kv_lora_rank, dims.rope_dim, index.head_dim
+    k = Transfer(ALL_GATHER, "latent as K (attention)", latent)
+    v = Transfer(ALL_GATHER, "latent as V (attention)", latent)
+    k_rope = Transfer(ALL_GATHER, "k_rope (attention)", rope)
+    loss_key = Transfer(ALL_GATHER, "index key (loss)", key)
+    forward = (Transfer(ALL_GATHER, "index key (indexer top-k)", key), k, v, k_rope,
+               Transfer(ALL_GATHER, "latent (loss)", latent), loss_key,
+               Transfer(ALL_GATHER, "k_rope (loss)", rope))
+    return DSAPath("host kvallgather", forward, tuple(_backward(t) for t in (k, v, k_rope, loss_key)))
+
+
+def host_ulysses(dims: ModelDims, index: IndexerDims) -> DSAPath:
+    qk = dims.heads * (dims.qk_head_dim + dims.rope_dim)
+    out = dims.heads * dims.v_head_dim
+    indexer = (Transfer(ALL_GATHER, "index query (indexer)", index.heads * index.head_dim),
+               Transfer(ALL_GATHER, "index key (indexer)", index.head_dim),
+               Transfer(ALL_GATHER, "hidden state (indexer)", _hidden(dims)))
+    heads = (Transfer(ALL_TO_ALL, "Q", qk), Transfer(ALL_TO_ALL, "K", qk), Transfer(ALL_TO_ALL, "V", out),
+             Transfer(ALL_TO_ALL, "O", out))
+    loss = (Transfer(ALL_GATHER, "per-head query (loss)", qk),
+            Transfer(ALL_GATHER, "per-head key (loss)", qk))
+    return DSAPath("host ulysses", indexer + heads + loss, tuple(_backward(t) for t in indexer + heads))
+
+
+def laga(dims: ModelDims, index: IndexerDims) -> DSAPath:
+    gather = Transfer(ALL_GATHER, "[kv_latent | k_pos_emb | index_key]",
+                      dims.kv_lora_rank + dims.rope_dim + index.head_dim)
+    return DSAPath("laga", (gather,), (_backward(gather),))
+
+
+def _hidden(dims: ModelDims) -> int:
+    if dims.hidden_size is None:
+        raise ValueError("the host's ulysses DSA path gathers the hidden state: give --hidden-size")
+    return dims.hidden_size
+
+
+def _backward(t: Transfer) -> Transfer:
+    return Transfer(REDUCE_SCATTER if t.kind == ALL_GATHER else t.kind, t.what, t.width)
+
+
+def dsa_paths(dims: ModelDims, index: IndexerDims) -> List[DSAPath]:
+    return [host_kvallgather(dims, index), host_ulysses(dims, index), laga(dims, index)]
+
+
+def received_bytes(path: DSAPath, direction: str, tokens_per_rank: int, cp_size: int, elem: int) -> int:
+    """Bytes one rank receives (= sends) in ``direction`` for one layer."""
+    return sum(wire_bytes(t.kind, tokens_per_rank * t.width * elem, cp_size)
+               for t in getattr(path, direction))
+
+
+def dsa_table(dims: ModelDims, index: IndexerDims, seq_len: int, cp_size: int, micro_batch: int,
+              elem: int) -> dict:
+    """Every path's collectives, values per token and bytes per rank and layer (JSON-able)."""
+    if seq_len % cp_size:
+        raise ValueError(f"--seq-len {seq_len} must be a multiple of --cp {cp_size}")
+    tokens = seq_len // cp_size * micro_batch
+    rows = {}
+    for path in dsa_paths(dims, index):
+        rows[path.name] = {d: {"collectives": len(getattr(path, d)), "values_per_token": path.values(d),
+                               "received_bytes": received_bytes(path, d, tokens, cp_size, elem),
+                               "transfers": [vars(t) for t in getattr(path, d)]}
+                           for d in ("forward", "backward")}
+    return {"seq_len": seq_len, "cp_size": cp_size, "micro_batch": micro_batch, "elem_bytes": elem,
+            "index_heads": index.heads, "index_head_dim": index.head_dim, "paths": rows}

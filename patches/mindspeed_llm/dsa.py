@@ -1,0 +1,104 @@
+"""LAGA for MindSpeed-LLM's sparse MLA (``CustomMLASelfAttention`` with the DSA indexer:
+DeepSeek-V3.2, GLM-5), the host's non-fused path.
+
+The module's own submodules build, from this rank's tokens only, what the host's
+non-fused forward (``mla_naive_attention``) builds: the query, the latent and the rope key
+(rope in complex form unless ``--apply-rope-no-in-complex``), and the indexer's query,
+key and weights (``DSAIndexer.forward_with_index``: from the detached hidden states and
+the detached query latent before its layernorm, as the host feeds it, but without the
+host's ulysses gathers of q, k and the hidden states). The core
+(``mindspeed_laga.sparse_laga_attention``) gathers ``[kv_latent | k_pos_emb | index_key]``
+once and returns the attention output, the picks and the indexer's KL loss, which goes to
+the host's own loss tracker and loss auto-scaler exactly as the host's forward hands it.
+
+Under every mapped algorithm the queries stay local and no head is split (a ulysses
+recipe runs the gather form on its contiguous split): docs/SPARSE_MLA.md, section
+"Ulysses recipes: the gather instead of the head split".
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from mindspeed_laga.features.laga_args import laga_settings
+from mindspeed_laga.forms.sparse_mla import sparse_laga_attention
+
+
+def is_dsa(module) -> bool:
+    """The module runs the DSA indexer (a layer that reuses another layer's picks, GLM-5.2's
+    index share, is refused before training: features/laga_checks.py)."""
+    return type(getattr(module, "dsa_indexer", None)).__name__ == "DSAIndexer"
+
+
+def laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
+                       mla_inputs, kv_up_weight, softmax_scale):
+    """Sparse MLA with LAGA as the core; returns ``linear_proj``'s (output, bias).
+
+    ``mla_inputs(rope, parts)``: the adapter's query / latent / rope-key builder
+    (forward.py), called with the DSA rope and a dict that receives ``q_compressed``."""
+    args = megatron_args
+    host = sys.modules[type(self).__module__]
+    parts = {}
+    query, kv_latent, k_pos_emb, _ = mla_inputs(_mla_rope(host, args), parts)
+    rope = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+    index_query, index_key, index_weights = index_inputs(
+        self.dsa_indexer, hidden_states.detach(), parts["q_compressed"].detach(), rope, args)
+    training = self.training and torch.is_grad_enabled()
+    result = sparse_laga_attention(
+        query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key.to(kv_latent.dtype),
+        index_weights, index_topk=args.index_topk, softmax_scale=softmax_scale,
+        qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim, cp_group=cp_group,
+        layout=laga_settings(args).layout,
+        indexer_loss_coeff=args.indexer_loss_coeff if training else None)
+    core_out = result.output
+    if result.indexer_loss is not None:
+        core_out = _attach_loss(self, host, args, core_out, result.indexer_loss)
+    return self.linear_proj(core_out)
+
+
+def _attach_loss(self, host, args, core_out, loss):
+    """What the host's forward does with its indexer loss: log it, and give it its
+    gradient (the main loss's scale) through the attention output."""
+    from megatron.core import parallel_state
+    host.DSAIndexerLossLoggingHelper.save_loss_to_tracker(
+        loss, host._get_layer_offset(args) + self.layer_number, self.config.num_layers,
+        avg_group=parallel_state.get_tensor_and_context_parallel_group())
+    return host.DSAIndexerLossAutoScaler.apply(core_out, loss)
+
+
+def _mla_rope(host, args):
+    """The rope the host's DSA forward applies to q_pos_emb / k_pos_emb, with the adapter's
+    call signature (t, freqs, config=, cu_seqlens=)."""
+    if getattr(args, "apply_rope_no_in_complex", False):
+        return None  # the module's apply_rotary_pos_emb, as without DSA
+
+    def in_complex(t, freqs, config=None, cu_seqlens=None):
+        return host.apply_rotary_pos_emb_bshd_in_complex(t, freqs, rotary_interleaved=False)
+
+    return in_complex
+
+
+def index_inputs(indexer, x, qr, rope, args):
+    """(index_query [s, b, H, D], index_key [s, b, D], index_weights [s, b, H]) of this
+    rank's tokens, as the host's ``DSAIndexer.forward_with_index`` computes them."""
+    host = sys.modules[type(indexer).__module__]
+    s, b, _ = x.shape
+    q = indexer.wq_b(qr).view(s, b, indexer.n_heads, indexer.head_dim)
+    rope_dim = indexer.rope_head_dim
+    q_pe, q_nope = torch.split(q, [rope_dim, indexer.head_dim - rope_dim], dim=-1)
+    q = torch.cat([_index_rope(host, indexer, q_pe, rope[0], args), q_nope], dim=-1)
+    k = indexer.k_norm(indexer.wk(x))
+    k_pe, k_nope = torch.split(k, [rope_dim, indexer.head_dim - rope_dim], dim=-1)
+    k_pe = _index_rope(host, indexer, k_pe.unsqueeze(2), rope[1], args).view(s, b, rope_dim)
+    k = torch.cat([k_pe, k_nope], dim=-1)
+    if not getattr(args, "no_use_sparse_c8_indexer", False):
+        q, k = host.rotate_activation(q), host.rotate_activation(k)
+    weights = indexer.weights_proj(x) * indexer.n_heads ** -0.5 * indexer.softmax_scale
+    return q, k, weights
+
+
+def _index_rope(host, indexer, t, freqs, args):
+    if getattr(args, "apply_rope_no_in_complex", False):
+        return host.apply_rotary_pos_emb(t, freqs, config=indexer.config)
+    return host.apply_rotary_pos_emb_bshd_in_complex(t, freqs, rotary_interleaved=True)
