@@ -10,7 +10,9 @@ Markers choose CI's extra legs (``.ci/run``): ``ascend`` tests also run on the A
 stack (Python 3.10, torch 2.7.1), ``mcore`` tests on the newest megatron-core (Python 3.12).
 The main leg runs every test but those marked ``hosts``: the matrix of real hosts, i.e.
 the MindSpeed-LLM release pairs other than master and the real training loop
-(``loop/``: LAGA trained through MindSpeed-LLM's own ``pretrain_gpt.py`` under torchrun).
+(``loop/``: LAGA trained through MindSpeed-LLM's own ``pretrain_gpt.py`` under torchrun),
+and the real-module comparisons that take minutes (peft's LoRA layers, sparse MLA's host
+forward at CP 1, 2 and 4).
 They are ``ascend`` tests and run in the Ascend leg, the stack they exercise.
 """
 # the real host sources (master; every release pair), unpacked once per run
@@ -22,7 +24,8 @@ MARKERS = {
     "ascend": "also runs in CI's Ascend leg (Python 3.10, torch 2.7.1)",
     "mcore": "also runs in CI's mcore leg (Python 3.12, the newest megatron-core)",
     "loop": "trains through MindSpeed-LLM's own pretrain_gpt.py under torchrun",
-    "hosts": "the real-host matrix (releases other than master, the real loop): Ascend leg only",
+    "hosts": ("the real-host matrix (releases other than master, the real loop, the slow "
+              "real-module comparisons): Ascend leg only"),
 }
 
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
+# minutes of float64 host forwards at CP 1, 2 and 4: the real-host matrix, run by the Ascend
+# leg only (tests/conftest.py)
+pytestmark = [pytest.mark.ascend, pytest.mark.hosts]
 
 
 @pytest.mark.timeout(1200)
