@@ -246,6 +246,15 @@ class Sdpa(Kernel):
     name = "sdpa"
     block = FusedBlock
     block_note = "fused block ops"
+    in_training_flag = False  # the Ascend training flag offers the kernels tested there
+    aliases = ("fused",)
+
+    @classmethod
+    def model_kind(cls, device_type):
+        # torch SDPA is the cost model's "sdpa" on CPU only: its accelerator kernels keep no
+        # score matrix ("fused")
+        return "sdpa" if device_type == "cpu" else "fused"
+
 
     @classmethod
     def picks_auto(cls, device, dtype, blockwise):
