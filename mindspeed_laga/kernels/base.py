@@ -65,7 +65,7 @@ class Kernel:
     def model_kind(cls, device_type: str) -> str:
         """The cost model's kernel kind of this kernel on ``device_type`` (its names:
         ``tools/costmodel/config.py``, ``MODEL_KERNELS``): how much it keeps for backward."""
-        return cls.name
+        raise NotImplementedError(f"kernel {cls.name!r} names no cost-model kind (Kernel.model_kind)")
 
     # ---- running
 

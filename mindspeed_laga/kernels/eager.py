@@ -105,5 +105,9 @@ class Eager(Kernel):
     def picks_auto(cls, device, dtype, blockwise):
         return True
 
+    @classmethod
+    def model_kind(cls, device_type):
+        return "eager"  # the score matrix is materialized and kept
+
     def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
         return attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces, keep=keep)

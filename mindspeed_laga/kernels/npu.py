@@ -372,6 +372,10 @@ class Npu(Kernel):
     def check_installed(cls):
         require_torch_npu()
 
+    @classmethod
+    def model_kind(cls, device_type):
+        return "npu"
+
     def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
         return attend_segment(q, k, v, scale=scale, causal=causal, pad_v=self.pad_v, pieces=pieces,
                               keep=keep)

@@ -1,4 +1,4 @@
-"""The choices a caller makes: forms, CP algorithms, layouts, kernels."""
+"""The choices a caller makes: forms, CP algorithms, layouts (kernels: ``kernels/registry.py``)."""
 from __future__ import annotations
 
 from ..cp_algos import ALGOS, Hybrid
@@ -18,7 +18,6 @@ HYBRID = Hybrid.name
 LAYOUTS = ("zigzag", "contiguous", "doc_zigzag")
 # The layouts of one unbroken sequence (doc_zigzag needs document boundaries).
 SEQUENCE_LAYOUTS = ("zigzag", "contiguous")
-KERNELS = ("auto", "eager", "sdpa", "npu")
 # What a query row that sees no key at all returns (left padding's pad rows under the causal
 # mask, or a sample that is all padding): "mean" = the mean of every value of its sequence,
 # what a softmax over a row filled with one finite mask value gives (Megatron's unfused
