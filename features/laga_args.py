@@ -40,9 +40,12 @@ from argparse import ArgumentParser, Namespace
 from dataclasses import dataclass
 from typing import Optional
 
+from mindspeed_laga.kernels.registry import TRAINING_KERNELS
+
 FEATURE_NAME = "mla-latent-all-gather"
 FLAG = "--" + FEATURE_NAME
-KERNEL_CHOICES = ("auto", "eager", "npu")
+# The kernels the training flag offers (kernels/registry.py: each says whether it is one).
+KERNEL_CHOICES = TRAINING_KERNELS
 
 CP_ALGO_MAP = {
     "ulysses_cp_algo": ("ulysses", "contiguous"),

@@ -127,13 +127,7 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
 
     Every CP rank must pass the same ``kv_up_weight`` (module docstring).
     """
-    options = AttnOptions(
-        form="laga", softmax_scale=softmax_scale, cp_group=cp_group, cp_algo=cp_algo,
-        layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
-        qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
-        ulysses_group=ulysses_group, key_padding_mask=key_padding_mask, empty_rows=empty_rows,
-        trim_causal_prefix=trim_causal_prefix,
-        recompute_kv=recompute_kv, kv_block_size=kv_block_size, latent_gather=latent_gather)
+    options = AttnOptions.of("laga", locals())
     return _run(laga_forward, (query, kv_latent, k_pos_emb, kv_up_weight), options, options.laga)
 
 
@@ -147,12 +141,7 @@ def _dense_form(form: str, forward, doc: str):
                   qk_head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
                   cu_seqlens=None, pad_v: bool = False,
                   ulysses_group=None, key_padding_mask=None, empty_rows: str = "mean"):
-        options = AttnOptions(
-            form=form, softmax_scale=softmax_scale, cp_group=cp_group, cp_algo=cp_algo,
-            layout=layout, causal=causal, kernel=kernel, check_ranks=check_ranks,
-            qk_head_dim=qk_head_dim, v_head_dim=v_head_dim, cu_seqlens=cu_seqlens, pad_v=pad_v,
-            ulysses_group=ulysses_group, key_padding_mask=key_padding_mask,
-            empty_rows=empty_rows)
+        options = AttnOptions.of(form, locals())
         return _run(forward, (query, kv_latent, k_pos_emb, kv_up_weight), options)
 
     attention.__name__ = attention.__qualname__ = f"{form}_attention"

@@ -22,7 +22,8 @@ from . import comm, handshake, kernels
 from .cp_algos import ALGOS, algo
 from .key_padding import check_empty_rows, check_key_padding, padding_counts
 from .options import AttnOptions
-from .vocab.names import ATTN_CP_ALGOS, EMPTY_ROWS, FORMS, KERNELS, LAYOUTS
+from .kernels.registry import KERNELS
+from .vocab.names import ATTN_CP_ALGOS, EMPTY_ROWS, FORMS, LAYOUTS
 from .vocab.attn_setup import AttnSetup
 from .vocab.dims import MLADims
 from .vocab.documents import resolve_documents

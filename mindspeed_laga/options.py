@@ -1,6 +1,7 @@
 """The options of one attention call, as one frozen record.
 
-``api.py`` builds it once from the keywords the caller passed (as passed:
+``api.py`` builds it once from the keywords the caller passed (``AttnOptions.of``: the
+public signatures name each field once more, and a test keeps the two equal; as passed:
 nothing is converted or checked here, so the types below are what a valid
 call passes); ``checks.check`` checks it once and turns it into the integers
 of the cross-rank handshake. The forms read the checked values from the
@@ -9,7 +10,7 @@ own options from :attr:`AttnOptions.laga`, never a second copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 
@@ -51,6 +52,13 @@ class AttnOptions:
     recompute_kv: bool = False
     kv_block_size: Optional[int] = None
     latent_gather: Optional[object] = None
+
+    @classmethod
+    def of(cls, form: str, passed: dict) -> "AttnOptions":
+        """The record of a call of the public ``form`` function, from its keywords as passed
+        (``locals()``: the signature's defaults included; the tensors are no field)."""
+        return cls(form=form, **{f.name: passed[f.name] for f in fields(cls)
+                                 if f.name != "form" and f.name in passed})
 
     @property
     def blockwise(self) -> bool:

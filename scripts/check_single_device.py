@@ -13,12 +13,13 @@ import torch
 
 from mindspeed_laga import api
 from mindspeed_laga.kernels.eager import Eager
-from mindspeed_laga.kernels.sdpa import Sdpa
+from mindspeed_laga.kernels.registry import CPU_KERNELS, KERNEL_TYPES
 from mindspeed_laga.tools import equivalence as eq
 
 OPTIONS = {"": {}, "trim": dict(trim_causal_prefix=True), "recompute": dict(recompute_kv=True),
            "blockwise": dict(recompute_kv=True, kv_block_size=128)}
-KERNELS = (Eager, Sdpa)
+# Every registered kernel that runs on any device (CPU, CUDA)
+KERNELS = tuple(KERNEL_TYPES[n] for n in CPU_KERNELS)
 # The recompute paths run the block kernel of the blockwise walk: checked here with the
 # eager one (the fused block ops are `mindspeed-laga doctor`'s and the tests').
 KERNELS_OF = {"recompute": (Eager,), "blockwise": (Eager,)}

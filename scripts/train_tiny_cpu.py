@@ -35,6 +35,8 @@ import torch.distributed as dist  # noqa: E402
 from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 
 from mindspeed_laga.cp_algos import algo  # noqa: E402
+from mindspeed_laga.kernels.registry import CPU_KERNELS, canonical  # noqa: E402
+from mindspeed_laga.vocab.names import ATTN_CP_ALGOS  # noqa: E402
 from mindspeed_laga.vocab.segments import check_seq_len  # noqa: E402
 
 
@@ -43,14 +45,14 @@ def parse_args(argv=None):
     p.add_argument("--laga", action="store_true", help="patch MLASelfAttention with LAGA")
     p.add_argument("--form", choices=("laga", "explicit"), default="laga",
                    help="core behind the patch (explicit: per-head K/V on the wire)")
-    p.add_argument("--cp-algo", choices=("allgather", "ulysses", "hybrid"), default="allgather")
+    p.add_argument("--cp-algo", choices=ATTN_CP_ALGOS, default="allgather")
     p.add_argument("--ulysses-degree", type=int, default=None,
                    help="hybrid: CP ranks per Ulysses group (batches get the hybrid zigzag)")
     p.add_argument("--layout", choices=("zigzag", "contiguous"), default=None,
                    help="how batches are split over CP (default: zigzag for allgather and "
                         "hybrid, contiguous for ulysses); the demo shards accordingly and tells "
                         "the patch")
-    p.add_argument("--kernel", choices=("auto", "eager", "sdpa"), default="auto")
+    p.add_argument("--kernel", type=canonical, choices=("auto",) + CPU_KERNELS, default="auto")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=0.5)

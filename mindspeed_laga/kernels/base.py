@@ -8,7 +8,7 @@ subclass in its own ``kernels/<backend>.py`` plus one line in ``kernels/registry
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional, Tuple
 
 
 class Kernel:
@@ -23,6 +23,15 @@ class Kernel:
     documents_need_build: ClassVar[bool] = False
     # What the blockwise path's block kernel is, for the doctor ("" = the name says it).
     block_note: ClassVar[str] = ""
+    # The one device type it runs on (None: any, CPU included). The commands that spawn gloo
+    # CPU ranks (verify, the CPU training demo) offer only kernels without one; bench offers
+    # the others under torchrun on ``device_host``.
+    device: ClassVar[Optional[str]] = None
+    device_host: ClassVar[str] = ""
+    # Whether MindSpeed-LLM's training flag (--mla-laga-kernel) offers it.
+    in_training_flag: ClassVar[bool] = True
+    # Other names the CLI flags accept for it (spellings older commands used).
+    aliases: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, pad_v: bool = False):
         self.pad_v = bool(pad_v) and self.pads_v
@@ -47,6 +56,16 @@ class Kernel:
     @classmethod
     def check(cls, device, dtype, blockwise: bool) -> None:
         """ValueError naming the fix when this kernel cannot run these tensors."""
+
+    @classmethod
+    def check_installed(cls) -> None:
+        """ValueError naming the fix when what it runs on is not installed here."""
+
+    @classmethod
+    def model_kind(cls, device_type: str) -> str:
+        """The cost model's kernel kind of this kernel on ``device_type`` (its names:
+        ``tools/costmodel/config.py``, ``MODEL_KERNELS``): how much it keeps for backward."""
+        raise NotImplementedError(f"kernel {cls.name!r} names no cost-model kind (Kernel.model_kind)")
 
     # ---- running
 

@@ -1,6 +1,6 @@
 """Attention of query rows against one rebuilt key block, for the blockwise LAGA.
 
-Interface every block kernel in ``BLOCK_KERNELS`` follows (the walk in
+Interface every block kernel (``Kernel.block``) follows (the walk in
 ``forms/laga_blockwise.py`` calls it once per (key block, run of query rows) pair; a
 run is a query segment, cut at document boundaries when there are documents).
 "float32" below is the accumulation dtype :func:`acc_dtype`: float32 for half
@@ -55,13 +55,10 @@ inputs, the input dtype (float32, float64) otherwise.
 from __future__ import annotations
 
 from ..vocab.blocks import SCORE_CHUNK_ELEMENTS  # noqa: F401  (its old home)
-from .eager import EagerBlock
-from .npu import NpuBlock, NpuBlockPadV
+from .eager import EagerBlock  # noqa: F401
+from .npu import NpuBlock, NpuBlockPadV  # noqa: F401
 from .registry import kernel_for
 from .sdpa import BACKENDS, FusedBlock, backend_for  # noqa: F401
-
-# The block kernels by name (what the registry's kernels hand out unpadded).
-BLOCK_KERNELS = {"eager": EagerBlock, "npu": NpuBlock, "sdpa": FusedBlock}
 
 
 def block_kernel(name: str, pad_v: bool = False):

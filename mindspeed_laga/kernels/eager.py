@@ -9,7 +9,7 @@ import torch
 
 from ..vocab.blocks import SCORE_CHUNK_ELEMENTS
 from .base import BlockKernel, Kernel
-from .masks import block_keep, bottom_right, keep_mask, pieces_keep_mask
+from .masks import block_keep, segment_keep
 from .precision import acc_dtype
 
 
@@ -24,13 +24,8 @@ def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None, keep=Non
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     compute = acc_dtype(q.dtype)
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
+    keep = segment_keep(q.shape[2], k.shape[2], causal, pieces, q.device, keep)
     if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    elif pieces is not None:
-        keep = pieces_keep_mask(pieces, q.shape[2], k.shape[2], causal, q.device)
-        scores = scores.masked_fill(~keep, float("-inf"))
-    elif causal:
-        keep = keep_mask(q.shape[2], k.shape[2], bottom_right(q.shape[2], k.shape[2]), q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, v)
@@ -109,6 +104,10 @@ class Eager(Kernel):
     @classmethod
     def picks_auto(cls, device, dtype, blockwise):
         return True
+
+    @classmethod
+    def model_kind(cls, device_type):
+        return "eager"  # the score matrix is materialized and kept
 
     def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
         return attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces, keep=keep)

@@ -47,6 +47,20 @@ def pieces_keep_mask(pieces: Sequence[Piece], q_len: int, k_len: int, causal: bo
     return keep
 
 
+def segment_keep(rows: int, keys: int, causal: bool, pieces, device,
+                 keep: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The visibility of a query segment's rows over its key window, chosen once for every
+    kernel: ``keep`` when given (key padding, :func:`padded_keep_mask`), else its document
+    pieces, else the causal mask bottom-right aligned; None = every key visible."""
+    if keep is not None:
+        return keep
+    if pieces is not None:
+        return pieces_keep_mask(pieces, rows, keys, causal, device)
+    if causal:
+        return keep_mask(rows, keys, bottom_right(rows, keys), device)
+    return None
+
+
 def block_keep(rows: int, keys: int, offset: Optional[int], pad, device):
     """The visibility a block kernel applies: the causal offset's [rows, keys] mask (None:
     all visible), and with key padding (``pad`` [b, keys], True = padding) that mask minus
@@ -67,11 +81,8 @@ def padded_keep_mask(rows: int, key_pad: torch.Tensor, causal: bool, pieces=None
     output fused ops leave unspecified); the caller overwrites its output.
     """
     keys, device = key_pad.shape[-1], key_pad.device
-    if pieces is not None:
-        base = pieces_keep_mask(pieces, rows, keys, causal, device)
-    elif causal:
-        base = keep_mask(rows, keys, bottom_right(rows, keys), device)
-    else:
+    base = segment_keep(rows, keys, causal, pieces, device)
+    if base is None:
         base = torch.ones(rows, keys, dtype=torch.bool, device=device)
     keep = base & ~key_pad[:, None, None, :]
     empty = ~keep.any(dim=-1, keepdim=True)

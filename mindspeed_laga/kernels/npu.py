@@ -357,6 +357,8 @@ class Npu(Kernel):
     name = "npu"
     pads_v = True
     documents_need_build = True
+    device = "npu"
+    device_host = "an Ascend host"
 
     @classmethod
     def picks_auto(cls, device, dtype, blockwise):
@@ -365,6 +367,14 @@ class Npu(Kernel):
     @classmethod
     def check(cls, device, dtype, blockwise):
         require_torch_npu()
+
+    @classmethod
+    def check_installed(cls):
+        require_torch_npu()
+
+    @classmethod
+    def model_kind(cls, device_type):
+        return "npu"
 
     def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
         return attend_segment(q, k, v, scale=scale, causal=causal, pad_v=self.pad_v, pieces=pieces,

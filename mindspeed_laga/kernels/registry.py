@@ -1,11 +1,15 @@
-"""The kernels by name, in ``kernel="auto"``'s order of preference.
+"""The kernels by name, in ``kernel="auto"``'s order of preference: the one place a kernel is named.
 
 Adding a kernel: a :class:`~mindspeed_laga.kernels.base.Kernel` subclass in its
-own ``kernels/<backend>.py`` and one line in ``_REGISTERED``.
+own ``kernels/<backend>.py`` and one line in ``_REGISTERED``. Validation, the
+CLI's choices, the cost model's kind, the doctor, the training flags and the
+tests' kernel axis all read the lists below; what a command offers is the
+kernel's own property (``device``, ``in_training_flag``, ``aliases``).
 """
 from __future__ import annotations
 
-from typing import Dict, Type
+from types import SimpleNamespace
+from typing import Dict, Optional, Tuple, Type
 
 from .base import Kernel
 from .eager import Eager
@@ -18,6 +22,37 @@ _REGISTERED = (
     Eager,
 )
 KERNEL_TYPES: Dict[str, Type[Kernel]] = {k.name: k for k in _REGISTERED}
+# The names in the CLI's order, the most general first (auto's order reversed).
+KERNEL_NAMES: Tuple[str, ...] = tuple(reversed(KERNEL_TYPES))
+# What a caller may ask for.
+KERNELS: Tuple[str, ...] = ("auto",) + KERNEL_NAMES
+# Those that run on CPU tensors (what the commands spawning gloo CPU ranks offer).
+CPU_KERNELS: Tuple[str, ...] = tuple(n for n in KERNEL_NAMES if KERNEL_TYPES[n].device is None)
+# What MindSpeed-LLM's --mla-laga-kernel offers.
+TRAINING_KERNELS: Tuple[str, ...] = ("auto",) + tuple(n for n in KERNEL_NAMES
+                                                       if KERNEL_TYPES[n].in_training_flag)
+ALIASES: Dict[str, str] = {a: k.name for k in _REGISTERED for a in k.aliases}
+
+
+def canonical(name: str) -> str:
+    """A CLI flag's kernel name with an older spelling replaced by the registry's
+    (argparse ``type=``: its ``choices`` then check the result)."""
+    return ALIASES.get(name, name)
+
+
+def device_of(kernel: str) -> Optional[str]:
+    """The one device type ``kernel`` runs on (None: any, or "auto")."""
+    found = KERNEL_TYPES.get(kernel)
+    return None if found is None else found.device
+
+
+def model_kind(kernel: str, device_type: str) -> str:
+    """The cost model's kernel kind of ``kernel`` run on ``device_type``; ``auto``
+    resolves as the forms resolve it (dense path)."""
+    if kernel == "auto":
+        device = SimpleNamespace(type=device_type)
+        kernel = next(k.name for k in _REGISTERED if k.picks_auto(device, None, False))
+    return KERNEL_TYPES[kernel].model_kind(device_type)
 
 
 def kernel_for(kernel, pad_v: bool = False) -> Kernel:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..double_backward import once_differentiable
 from .base import BlockKernel, Kernel
 from .eager import expand_kv
-from .masks import bottom_right, keep_mask, pieces_keep_mask
+from .masks import bottom_right, segment_keep
 from .merge import merge_lse
 from .precision import acc_dtype
 
@@ -160,25 +160,19 @@ class FusedSegment(torch.autograd.Function):
 
 def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None, keep=None):
     """``keep`` [b, 1, s_q, W] bool (key padding): SDPA with that mask."""
-    if keep is not None:
-        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
-    if q.device.type == "cpu" and pieces is None:
+    plain = keep is None and pieces is None  # no padding, no documents: causal or nothing
+    if q.device.type == "cpu" and plain:
         # keys - queries: the bottom-right causal diagonal of a segment ending at the prefix end
         offset = bottom_right(q.shape[2], k.shape[2]) if causal else None
         return FusedSegment.apply(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), scale,
                                   offset)
-    # Documents (a block-diagonal mask per segment) and other devices: SDPA with a mask.
+    # Padding, documents (a block-diagonal mask per segment) and other devices: SDPA with a
+    # mask, except a square causal segment: SDPA's is_causal is top-left aligned, which is
+    # bottom-right there (a segment ending at the prefix end needs the bottom-right mask).
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    mask = None
-    if pieces is not None:
-        mask = pieces_keep_mask(pieces, q.shape[2], k.shape[2], causal, q.device)
-    elif causal and q.shape[2] != k.shape[2]:
-        # SDPA's is_causal is top-left aligned; a query segment ending at the
-        # prefix end needs the bottom-right alignment.
-        mask = keep_mask(q.shape[2], k.shape[2], bottom_right(q.shape[2], k.shape[2]), q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                          is_causal=causal and mask is None, scale=scale)
+    square_causal = plain and causal and q.shape[2] == k.shape[2]
+    mask = None if square_causal else segment_keep(q.shape[2], k.shape[2], causal, pieces, q.device, keep)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=square_causal, scale=scale)
 
 
 # ---- the block kernel of the blockwise walk (contract: kernels/block.py)
@@ -246,6 +240,14 @@ class Sdpa(Kernel):
     name = "sdpa"
     block = FusedBlock
     block_note = "fused block ops"
+    in_training_flag = False  # the Ascend training flag offers the kernels tested there
+    aliases = ("fused",)
+
+    @classmethod
+    def model_kind(cls, device_type):
+        # torch SDPA is the cost model's "sdpa" on CPU only: its accelerator kernels keep no
+        # score matrix ("fused")
+        return "sdpa" if device_type == "cpu" else "fused"
 
     @classmethod
     def picks_auto(cls, device, dtype, blockwise):

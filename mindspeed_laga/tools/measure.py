@@ -262,12 +262,9 @@ def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: 
 
 def model_kernel(kernel: str, device_type: str) -> str:
     """The cost model's kernel kind of ``kernel`` run on ``device_type``: ``auto`` resolves
-    as the forms resolve it; torch SDPA is the model's ``sdpa`` on CPU only (its
-    accelerator kernels keep no score matrix: ``fused``)."""
-    from . import costmodel as cm
-    if kernel == "auto":
-        kernel = {"cpu": cm.SDPA, "npu": cm.NPU}.get(device_type, cm.FUSED)
-    return cm.FUSED if kernel == cm.SDPA and device_type != "cpu" else kernel
+    as the forms resolve it; each kernel names its kind (``Kernel.model_kind``)."""
+    from ..kernels.registry import model_kind
+    return model_kind(kernel, device_type)
 
 
 def shape_dims(shape):

@@ -1,20 +1,23 @@
-"""The choices a caller makes: forms, CP algorithms, layouts, kernels."""
+"""The choices a caller makes: forms, CP algorithms, layouts (kernels: ``kernels/registry.py``)."""
 from __future__ import annotations
 
-from ..cp_algos import ALGOS
+from ..cp_algos import ALGOS, Hybrid
 
 FORMS = ("explicit", "absorbed", "laga")
-# Every CP algorithm (cp_algos/: one class each), and those the cost model's one-link
-# tables and the CLI's "both" enumerate. Hybrid CP (Ulysses inside a group of U ranks,
-# the latent across the CP group) is offered by plan and bench on its own and in the
-# two-link node table.
+# Every CP algorithm (cp_algos/: one class each, named there only), and those the cost
+# model's one-link tables and the CLI's "both" enumerate. Hybrid CP (Ulysses inside a group
+# of U ranks, the latent across the CP group) is offered by plan and bench on its own and in
+# the two-link node table.
 ATTN_CP_ALGOS = tuple(ALGOS)
 CP_ALGOS = tuple(name for name, a in ALGOS.items() if a.in_tables)
-HYBRID = "hybrid"
+# Those plan and bench offer on their own, beside "both" (not in the one-link tables).
+OWN_CP_ALGOS = tuple(name for name, a in ALGOS.items() if not a.in_tables)
+# Those verify offers (its "both" runs them all) and the tests' equivalence axis enumerates.
+VERIFY_CP_ALGOS = tuple(name for name, a in ALGOS.items() if a.in_verify)
+HYBRID = Hybrid.name
 LAYOUTS = ("zigzag", "contiguous", "doc_zigzag")
 # The layouts of one unbroken sequence (doc_zigzag needs document boundaries).
 SEQUENCE_LAYOUTS = ("zigzag", "contiguous")
-KERNELS = ("auto", "eager", "sdpa", "npu")
 # What a query row that sees no key at all returns (left padding's pad rows under the causal
 # mask, or a sample that is all padding): "mean" = the mean of every value of its sequence,
 # what a softmax over a row filled with one finite mask value gives (Megatron's unfused

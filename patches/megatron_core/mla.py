@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from mindspeed_laga import layout as layouts
 from mindspeed_laga import comm
 from mindspeed_laga.cp_algos import algo
-from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, FORMS, KERNELS, LAYOUTS
+from mindspeed_laga.kernels.registry import KERNELS
+from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, FORMS, LAYOUTS
 
 from . import releases
 from ..common import check_weight_once, first_call, start_gather

@@ -27,7 +27,8 @@ import inspect
 from mindspeed_laga import checks
 from mindspeed_laga.api import explicit_attention, laga_attention
 from mindspeed_laga.options import AttnOptions
-from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, KERNELS, LAYOUTS
+from mindspeed_laga.kernels.registry import KERNEL_TYPES, KERNELS
+from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, LAYOUTS
 
 from .host import SUPPORTED_MEGATRON_CORE, check_megatron_core
 from .hybrid import check_ulysses_degree
@@ -95,9 +96,8 @@ def make_settings(cp_algo="allgather", kernel="auto", form="laga", layout=None,
     degree = check_ulysses_degree(cp_algo, ulysses_degree)
     if kernel not in KERNELS:
         raise ValueError(f"patch_megatron_mla(kernel={kernel!r}) is unknown; use one of {KERNELS}")
-    if kernel == "npu":
-        from mindspeed_laga.kernels import npu
-        npu.require_torch_npu()
+    if kernel != "auto":  # e.g. npu: torch_npu
+        KERNEL_TYPES[kernel].check_installed()
     if form not in TRAINING_FORMS:
         raise ValueError(
             f"patch_megatron_mla(form={form!r}) is not a training form; use one of "

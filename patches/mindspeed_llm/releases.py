@@ -2,17 +2,20 @@
 by the host's own source, and the small differences of their MLA forward.
 
 MindSpeed-LLM and MindSpeed declare no release version (their ``setup.py``
-versions are placeholders that no release changes), so a release is named by
-facts of its source, read without importing it (importing MindSpeed-LLM
-patches Megatron):
+versions are placeholders that no release changes, and an installed source
+records no commit), so a release is named by the facts of its pair, read
+without importing it (importing MindSpeed-LLM patches Megatron):
 
 - MindSpeed-LLM: from ``mindspeed_llm/tasks/models/transformer/multi_latent_attention.py``,
-  parsed, what ``CustomMLASelfAttention`` and its module define (see
-  :func:`mindspeed_llm_facts`);
-- MindSpeed: which of a few files exist (see :data:`MINDSPEED_FILES`).
+  parsed, which of :data:`LLM_NAMES` ``CustomMLASelfAttention`` and its module
+  define, and the rope types it de-interleaves (see :func:`mindspeed_llm_facts`);
+- MindSpeed: which of the files :data:`MINDSPEED_FILES` names exist.
 
 Each release is a pair (a MindSpeed-LLM branch and the MindSpeed branch it
-names); a host whose facts match no tested pair is refused, naming the pairs.
+names), identified by both facts together: two releases may share an MLA
+module as long as their pairs differ. A fact is a name a row lists (a new
+fact edits only the rows that have it); a host whose pair matches no tested
+release is refused, naming the pairs.
 
 What differs in the MLA forward LAGA reproduces is a field of :class:`Release`
 (``lora_scales``, ``rope_deinterleave``, ``documents_refused``); the forward
@@ -25,27 +28,49 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 MLA_MODULE = os.path.join("tasks", "models", "transformer", "multi_latent_attention.py")
 MLA_CLASS = "CustomMLASelfAttention"
 
-# MindSpeed: files that appeared branch by branch (relative to the mindspeed package)
-MINDSPEED_FILES = (
-    os.path.join("auto_settings", "mindspeed_adaptor", "__init__.py"),  # 2.3.0 on
-    os.path.join("core", "dist_checkpointing", "__init__.py"),  # 26.0.0 on
-    os.path.join("core", "hccl_buffer", "hccl_op_mode_adaptor.py"),  # 26.1.0 on
-    os.path.join("core", "distill", "__init__.py"),  # master (028de58c)
-)
+# MindSpeed: files that appeared branch by branch (relative to the mindspeed package), by
+# the name a release row lists when its MindSpeed has the file
+MINDSPEED_FILES = {
+    "auto_settings": os.path.join("auto_settings", "mindspeed_adaptor", "__init__.py"),  # 2.3.0 on
+    "dist_checkpointing": os.path.join("core", "dist_checkpointing", "__init__.py"),  # 26.0.0 on
+    "hccl_op_mode": os.path.join("core", "hccl_buffer", "hccl_op_mode_adaptor.py"),  # 26.1.0 on
+    "distill": os.path.join("core", "distill", "__init__.py"),  # master (028de58c)
+}
+# MindSpeed-LLM: names its MLA module may define, and how (the module imports it, the class
+# assigns ``self.<name>``, or the module defines the function), in the order the error
+# messages list them: the up-projection's recompute gate, shared DSA indices, the kv latent's
+# scale, the submodule builder
+LLM_NAMES = {"should_recompute_mla_up_proj": "imports", "_dsa_index_share": "assigns",
+             "mla_scale_kv_lora": "assigns", "get_mla_self_attn_submodules": "defines"}
 
 
 class LLMFacts(NamedTuple):
     """What a MindSpeed-LLM release's MLA module shows (:func:`mindspeed_llm_facts`)."""
-    reads_up_proj_recompute_gate: bool   # imports should_recompute_mla_up_proj
-    shares_dsa_indices: bool             # assigns self._dsa_index_share
-    kv_lora_scale: bool                  # assigns self.mla_scale_kv_lora
-    submodule_builder: bool              # module-level get_mla_self_attn_submodules
-    rope_deinterleaved: Tuple[str, ...]  # rope types the forward de-interleaves
+    defines: FrozenSet[str]              # which of LLM_NAMES it defines
+    rope_deinterleaved: Tuple[str, ...] = ()  # rope types the forward de-interleaves
+
+
+def defines(*names: str, rope_deinterleaved: Tuple[str, ...] = ()) -> LLMFacts:
+    """A row's MindSpeed-LLM facts: the names of :data:`LLM_NAMES` its MLA module defines."""
+    _known(names, LLM_NAMES)
+    return LLMFacts(frozenset(names), tuple(sorted(rope_deinterleaved)))
+
+
+def has_files(*files: str) -> FrozenSet[str]:
+    """A row's MindSpeed facts: the names of :data:`MINDSPEED_FILES` its MindSpeed has."""
+    _known(files, MINDSPEED_FILES)
+    return frozenset(files)
+
+
+def _known(names, known) -> None:
+    unknown = sorted(set(names) - set(known))
+    if unknown:  # a typo in a row would silently never match
+        raise ValueError(f"release facts {unknown} are not among {list(known)}")
 
 
 @dataclass(frozen=True)
@@ -57,9 +82,10 @@ class Release:
     mindspeed_commit: str
     cann: Optional[str]  # the CANN and torch_npu the release names (master: none)
     torch_npu: Optional[str]
-    # what the host's source shows (mindspeed_llm_facts / mindspeed_facts)
+    # what the host's source shows (mindspeed_llm_facts / mindspeed_facts): together they
+    # identify the release
     llm_facts: LLMFacts
-    mindspeed_facts: Tuple[bool, ...]
+    mindspeed_facts: FrozenSet[str]
     # --- the differences of the MLA forward -------------------------------------------
     # the forward scales the q/kv latents by mla_scale_q_lora / mla_scale_kv_lora
     lora_scales: bool = True
@@ -70,6 +96,13 @@ class Release:
     # release (None: every one LAGA maps) and why not the others
     document_algos: Optional[Tuple[str, ...]] = None
     documents_refused: Optional[str] = None
+
+    def archives(self) -> Tuple[str, str]:
+        """The names of its MindSpeed-LLM and MindSpeed source archives (the tests' host
+        sources): the release (none for master) and the commit."""
+        tag = "" if self.name == "master" else f"{self.name}-"
+        return (f"mindspeed-llm-{tag}{self.mindspeed_llm_commit}.tar.gz",
+                f"mindspeed-{tag}{self.mindspeed_commit}.tar.gz")
 
     def label(self) -> str:
         return (f"MindSpeed-LLM {self.name} ({self.mindspeed_llm_commit}) with MindSpeed "
@@ -84,25 +117,27 @@ class Release:
 
 RELEASES = (
     Release("master", "c77308a1", "master", "028de58c", None, None,
-            llm_facts=LLMFacts(True, True, True, True, ()),
-            mindspeed_facts=(True, True, True, True)),
+            llm_facts=defines("should_recompute_mla_up_proj", "_dsa_index_share",
+                              "mla_scale_kv_lora", "get_mla_self_attn_submodules"),
+            mindspeed_facts=has_files("auto_settings", "dist_checkpointing", "hccl_op_mode",
+                                      "distill")),
     Release("26.1.0", "ad615b3b", "26.1.0_core_r0.12.1", "57a33053", "9.1.0", "26.1.0",
-            llm_facts=LLMFacts(False, True, True, True, ()),
-            mindspeed_facts=(True, True, True, False)),
+            llm_facts=defines("_dsa_index_share", "mla_scale_kv_lora", "get_mla_self_attn_submodules"),
+            mindspeed_facts=has_files("auto_settings", "dist_checkpointing", "hccl_op_mode")),
     Release("26.0.0", "4a035628", "26.0.0_core_r0.12.1", "3c44c134", "9.0.0", "26.0.0",
-            llm_facts=LLMFacts(False, False, True, True, ()),
-            mindspeed_facts=(True, True, False, False)),
+            llm_facts=defines("mla_scale_kv_lora", "get_mla_self_attn_submodules"),
+            mindspeed_facts=has_files("auto_settings", "dist_checkpointing")),
     Release("2.3.0", "62d4640b", "2.3.0_core_r0.12.1", "674226a1", "8.5.0", "7.3.0",
-            llm_facts=LLMFacts(False, False, False, True, ("plm", "yarn")),
-            mindspeed_facts=(True, False, False, False),
+            llm_facts=defines("get_mla_self_attn_submodules", rope_deinterleaved=("plm", "yarn")),
+            mindspeed_facts=has_files("auto_settings"),
             lora_scales=False, rope_deinterleave=("yarn", "plm"),
             document_algos=("megatron_cp_algo",),
             documents_refused=(
                 "its MindSpeed splits packed documents per document (zigzag, after padding) "
                 "for every CP algorithm, which only megatron_cp_algo's attention follows")),
     Release("2.2.0", "337813b0", "2.2.0_core_r0.12.1", "a654440c", "8.3.RC1", "7.2.0",
-            llm_facts=LLMFacts(False, False, False, False, ("yarn",)),
-            mindspeed_facts=(False, False, False, False),
+            llm_facts=defines(rope_deinterleaved=("yarn",)),
+            mindspeed_facts=has_files(),
             lora_scales=False, rope_deinterleave=("yarn",), document_algos=(),
             documents_refused=(
                 "its MLA forward hands rope packed_seq_params.cu_seqlens_q (a tensor) while "
@@ -137,8 +172,8 @@ def mindspeed_llm_facts(mla_path: str) -> Tuple:
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
                 and t.value.id == "self"}
     top_level = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-    return LLMFacts("should_recompute_mla_up_proj" in imported, "_dsa_index_share" in assigned,
-                    "mla_scale_kv_lora" in assigned, "get_mla_self_attn_submodules" in top_level,
+    found = {"imports": imported, "assigns": assigned, "defines": top_level}
+    return LLMFacts(frozenset(n for n, how in LLM_NAMES.items() if n in found[how]),
                     _rope_types_deinterleaved(cls))
 
 
@@ -157,8 +192,9 @@ def _rope_types_deinterleaved(cls: ast.ClassDef) -> Tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def mindspeed_facts(mindspeed_package: str) -> Tuple[bool, ...]:
-    return tuple(os.path.isfile(os.path.join(mindspeed_package, p)) for p in MINDSPEED_FILES)
+def mindspeed_facts(mindspeed_package: str) -> FrozenSet[str]:
+    return frozenset(name for name, path in MINDSPEED_FILES.items()
+                     if os.path.isfile(os.path.join(mindspeed_package, path)))
 
 
 # --- identification -------------------------------------------------------------------------
@@ -176,30 +212,50 @@ def package_dir(name: str) -> Optional[str]:
 
 
 def identify(llm_package: str, mindspeed_package: Optional[str]) -> Release:
-    """The tested release whose facts these packages show; raises UnknownHostRelease."""
-    llm = identify_mindspeed_llm(os.path.join(llm_package, MLA_MODULE))
+    """The tested release whose pair of facts these packages show; raises UnknownHostRelease."""
+    candidates = _llm_candidates(os.path.join(llm_package, MLA_MODULE))
+    first = candidates[0]
     if mindspeed_package is None:
-        raise UnknownHostRelease(f"MindSpeed-LLM {llm.name} found but MindSpeed is not "
-                                 f"importable; install MindSpeed {llm.mindspeed_branch}")
+        raise UnknownHostRelease(f"MindSpeed-LLM {_names(candidates)} found but MindSpeed is not "
+                                 f"importable; install MindSpeed {first.mindspeed_branch}")
     found = mindspeed_facts(mindspeed_package)
-    if found != llm.mindspeed_facts:
+    matching = [r for r in candidates if r.mindspeed_facts == found]
+    if not matching:
         paired = [r.mindspeed_branch for r in RELEASES if r.mindspeed_facts == found]
         raise UnknownHostRelease(
-            f"MindSpeed-LLM {llm.name} is tested with MindSpeed {llm.mindspeed_branch}, but the "
+            f"MindSpeed-LLM {_names(candidates)} is tested with MindSpeed "
+            f"{' or '.join(r.mindspeed_branch for r in candidates)}, but the "
             f"MindSpeed at {mindspeed_package} is "
             f"{('branch ' + paired[0]) if paired else 'none of the tested branches'}. Install "
             f"the pair (tested: {tested()})")
-    return llm
+    if len(matching) > 1:  # rows no fact separates: a test keeps them apart (every pair differs)
+        raise UnknownHostRelease(f"the host's facts match MindSpeed-LLM {_names(matching)}; "
+                                 f"releases.py needs a fact that separates them")
+    return matching[0]
 
 
-def identify_mindspeed_llm(mla_path: str) -> Release:
+def identify_mindspeed_llm(mla_path: str, mindspeed_package: Optional[str] = None) -> Release:
+    """The release whose MLA module is ``mla_path``; where releases share that module, told
+    apart by MindSpeed (``mindspeed_package``, else the importable one)."""
+    candidates = _llm_candidates(mla_path)
+    if len(candidates) == 1:
+        return candidates[0]
+    llm_package = os.path.realpath(mla_path)[:-len(MLA_MODULE) - 1]
+    return identify(llm_package, mindspeed_package or package_dir("mindspeed"))
+
+
+def _llm_candidates(mla_path: str) -> List[Release]:
     facts = _cached_facts(os.path.realpath(mla_path))
-    for release in RELEASES:
-        if release.llm_facts == facts:
-            return release
-    raise UnknownHostRelease(
-        f"the MindSpeed-LLM at {mla_path} is not a tested release (its MLA module shows "
-        f"{describe(facts)}); LAGA's adapter is tested with: {tested()}")
+    found = [r for r in RELEASES if r.llm_facts == facts]
+    if not found:
+        raise UnknownHostRelease(
+            f"the MindSpeed-LLM at {mla_path} is not a tested release (its MLA module shows "
+            f"{describe(facts)}); LAGA's adapter is tested with: {tested()}")
+    return found
+
+
+def _names(releases) -> str:
+    return " or ".join(r.name for r in releases)
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,12 +267,10 @@ def _cached_facts(mla_path: str) -> Tuple:
 
 
 def describe(facts: Tuple) -> str:
-    names = ("should_recompute_mla_up_proj", "_dsa_index_share", "mla_scale_kv_lora",
-             "get_mla_self_attn_submodules", "rope de-interleave for")
-    if len(facts) != len(names):
+    if not isinstance(facts, LLMFacts):
         return str(facts)
-    parts = [f"{'+' if have else '-'}{name}" for name, have in zip(names[:4], facts[:4])]
-    return ", ".join(parts + [f"{names[4]} {list(facts[4])}"])
+    parts = [f"{'+' if name in facts.defines else '-'}{name}" for name in LLM_NAMES]
+    return ", ".join(parts + [f"rope de-interleave for {list(facts.rope_deinterleaved)}"])
 
 
 def installed_release() -> Release:

@@ -17,6 +17,7 @@ from mindspeed_laga import count_bytes
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import case_runs
+from support.variants import CPU_KERNELS, PLAIN_ALGOS
 from support.documents import FORMS, SCALE, compared, doc_zigzag_ok, document_sets, full_inputs
 
 LAGA_OPTIONS = [{}, {"trim_causal_prefix": True}, {"recompute_kv": True},
@@ -27,7 +28,7 @@ def cases_for(cp):
     out = []
     docs = document_sets(cp)
     for form, algo, lay, (doc_name, bounds), causal in itertools.product(
-            FORMS, ("allgather", "ulysses"), ("contiguous", "zigzag", "doc_zigzag"), docs.items(),
+            FORMS, PLAIN_ALGOS, ("contiguous", "zigzag", "doc_zigzag"), docs.items(),
             (True, False)):
         if lay == "doc_zigzag" and not doc_zigzag_ok(bounds, cp):
             continue
@@ -35,7 +36,7 @@ def cases_for(cp):
             continue
         options = LAGA_OPTIONS if form == "laga" else [{}]
         for opts in options:
-            for kernel in ("eager", "sdpa"):
+            for kernel in CPU_KERNELS:
                 out.append(dict(form=form, cp_algo=algo, layout=lay, docs=doc_name, bounds=bounds,
                                 causal=causal, kernel=kernel, options=opts))
     return out

@@ -9,13 +9,13 @@ import pytest
 
 from mindspeed_laga.tools import equivalence as eq
 from mindspeed_laga.tools.runspec import standard_runs
-from mindspeed_laga.vocab.names import CP_ALGOS, SEQUENCE_LAYOUTS as LAYOUTS
+from mindspeed_laga.vocab.names import SEQUENCE_LAYOUTS as LAYOUTS
 from support.references import assert_matches_reference, case_id, cp_matrix
+from support.variants import CPU_KERNELS as KERNELS, PLAIN_ALGOS as CP_ALGOS
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 FORMS = standard_runs(forms_only=True)  # explicit, absorbed, LAGA without options
-KERNELS = ("eager", "sdpa")
 DTYPES = ("float32", "bfloat16")
 
 CASES = [eq.Case(spec=f, cp_algo=a, layout=l, kernel=k, dtype=d)

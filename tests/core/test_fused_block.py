@@ -20,6 +20,7 @@ from mindspeed_laga.kernels.sdpa import block_calls
 from mindspeed_laga.checks import resolve_kernel
 
 from support.references import assert_matches_reference, case_id, cp_matrix
+from support.variants import PLAIN_ALGOS
 
 
 # ------------------------------------------------------------- one block
@@ -142,13 +143,13 @@ OPTION_SETS = {
     "block5+trim": (("recompute_kv", True), ("kv_block_size", 5), ("trim_causal_prefix", True)),
 }
 CASES = [eq.Case(form="laga", cp_algo=a, layout=l, kernel="sdpa", dtype=d, shape=SHAPE, options=opts)
-         for opts, a, l, d in itertools.product(OPTION_SETS.values(), ("allgather", "ulysses"),
+         for opts, a, l, d in itertools.product(OPTION_SETS.values(), PLAIN_ALGOS,
                                                 ("zigzag", "contiguous"), ("float32", "bfloat16"))]
 CASES += [eq.Case(form="laga", kernel="sdpa", causal=False, shape=SHAPE, cp_algo=a, dtype=d,
                   options=OPTION_SETS["block7"])
-          for a, d in itertools.product(("allgather", "ulysses"), ("float32", "bfloat16"))]
+          for a, d in itertools.product(PLAIN_ALGOS, ("float32", "bfloat16"))]
 CASES += [eq.Case(form="laga", kernel="auto", shape=SHAPE, cp_algo=a, options=OPTION_SETS["block7"])
-          for a in ("allgather", "ulysses")]
+          for a in PLAIN_ALGOS]
 
 
 matrix = cp_matrix(CASES, cp_sizes=(1, 2), timeout_s=240)

@@ -21,6 +21,7 @@ from mindspeed_laga import start_latent_gather
 from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support.raise_together import assert_raised_together, outcome
+from support.variants import KERNELS, runs_on_accelerator
 from mindspeed_laga.vocab.segments import query_segments, rank_segments
 
 from support import fake_torch_npu
@@ -47,11 +48,11 @@ LAGA_OPTIONS = {
     "all": dict(recompute_kv=True, kv_block_size=8, trim_causal_prefix=True, latent_gather=True),
 }
 CASES = [(f, lay, k, "plain") for f, lay, k in itertools.product(
-    ("explicit", "absorbed", "laga"), ("zigzag", "contiguous"), ("eager", "sdpa", "npu"))]
+    ("explicit", "absorbed", "laga"), ("zigzag", "contiguous"), KERNELS)]
 CASES += [("laga", lay, k, opt) for lay, opt in itertools.product(("zigzag", "contiguous"), LAGA_OPTIONS)
           for k in (("eager", "npu") if "recompute_kv" in LAGA_OPTIONS[opt] else ("eager", "sdpa"))]
 # The stand-in npu kernel runs float32 (as the fused kernel); the rest float64.
-DTYPE = {"npu": torch.float32, "eager": torch.float64, "sdpa": torch.float64}
+DTYPE = {k: torch.float32 if runs_on_accelerator(k) else torch.float64 for k in KERNELS}
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 

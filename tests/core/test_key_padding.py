@@ -13,6 +13,7 @@ import torch
 from mindspeed_laga import count_bytes
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import case_runs
+from support.variants import CPU_KERNELS, algos_for
 from support.key_padding import FORMS_BY_NAME as FORMS
 from support.key_padding import (SCALE, assemble, full_inputs, local_inputs, padding_mask,
                                  reference, run_case, worker)
@@ -22,10 +23,9 @@ LAGA_OPTIONS = [{}, {"trim_causal_prefix": True},
 
 
 def cases_for(cp):
-    algos = ("allgather", "ulysses") + (("hybrid",) if cp == 4 else ())
     out = []
     for form, algo, lay, side, kernel in itertools.product(
-            FORMS, algos, ("contiguous", "zigzag"), ("right", "left"), ("eager", "sdpa")):
+            FORMS, algos_for(cp), ("contiguous", "zigzag"), ("right", "left"), CPU_KERNELS):
         # layouts x kernels at every form would repeat the same code paths: the layout is
         # crossed with the form, the kernel with the padding side
         if (lay == "zigzag") != (kernel == "sdpa") and side == "right":

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from support import case_runs
+from support.variants import KERNELS, algos_for, runs_on_accelerator
 from support.key_padding import (D_N, D_V, HEADS, SCALE, assemble, full_inputs, grad_out,
                                  padding_mask, reference, run_case, worker)
 
@@ -79,15 +80,15 @@ def test_the_reference_is_hugging_faces_padded_attention(side):
 
 def cases(cp):
     """Every form with every kernel once, the padding side and the algorithm alternating."""
-    algos = ("allgather", "ulysses") + (("hybrid",) if cp == 4 else ())
+    algos = algos_for(cp)
     out = []
     for i, (form, kernel) in enumerate((f, k) for f in ("explicit", "absorbed", "laga")
-                                       for k in ("eager", "sdpa", "npu")):
+                                       for k in KERNELS):
         algo = algos[i % len(algos)]
         out.append(dict(form=form, cp_algo=algo, kernel=kernel, side=("right", "left")[i % 2],
                         layout="contiguous" if algo == "ulysses" else "zigzag", causal=True,
                         empty_rows="mean", options={}, quiet_empty_rows=True,
-                        dtype=torch.float32 if kernel == "npu" else torch.float64))
+                        dtype=torch.float32 if runs_on_accelerator(kernel) else torch.float64))
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.tools.cases import INPUTS, MLAShape, full_inputs as shape_inputs
-from support.variants import attention_variants
+from support.variants import CPU_KERNELS, attention_variants
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -52,7 +52,7 @@ def _call(variant, tensors, kernel, causal, documents, **kw):
               **options, **kw)
 
 
-CASES = [(v, k, c, d) for v in VARIANTS for k in ("eager", "sdpa") for c in (True, False)
+CASES = [(v, k, c, d) for v in VARIANTS for k in CPU_KERNELS for c in (True, False)
          for d in (None, DOCS)]
 
 

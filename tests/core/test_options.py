@@ -9,24 +9,25 @@ import pytest
 from mindspeed_laga.tools import equivalence as eq
 
 from support.references import assert_matches_reference, case_id, cp_matrix
+from support.variants import CPU_KERNELS, PLAIN_ALGOS
 
 SHAPE = eq.MLAShape(seq_len=64)
 ALL_ON = (("recompute_kv", True), ("kv_block_size", 8), ("trim_causal_prefix", True), ("overlap", True))
 OPTION_SETS = {
-    "trim": ((("trim_causal_prefix", True),), ("eager", "sdpa")),
+    "trim": ((("trim_causal_prefix", True),), CPU_KERNELS),
     "recompute": ((("recompute_kv", True),), ("eager",)),
     "blockwise": ((("recompute_kv", True), ("kv_block_size", 8)), ("eager",)),
     "blockwise-uneven": ((("recompute_kv", True), ("kv_block_size", 7)), ("eager",)),
-    "overlap": ((("overlap", True),), ("eager", "sdpa")),
+    "overlap": ((("overlap", True),), CPU_KERNELS),
     "all": (ALL_ON, ("eager",)),
 }
 CASES = [eq.Case(form="laga", cp_algo=a, layout=l, kernel=k, dtype=d, shape=SHAPE, options=opts)
          for (opts, kernels), a, l, d in itertools.product(
-             OPTION_SETS.values(), ("allgather", "ulysses"), ("zigzag", "contiguous"),
+             OPTION_SETS.values(), PLAIN_ALGOS, ("zigzag", "contiguous"),
              ("float32", "bfloat16"))
          for k in kernels]
 CASES += [eq.Case(form="laga", kernel="eager", causal=False, shape=SHAPE, options=ALL_ON, cp_algo=a)
-          for a in ("allgather", "ulysses")]
+          for a in PLAIN_ALGOS]
 
 
 matrix = cp_matrix(CASES)  # one spawn per CP size (1, 2, 4, 8)

@@ -287,12 +287,13 @@ _untested_forward = CustomMLASelfAttention.forward
 
 def test_wrapping_an_untested_forward_names_the_tested_releases():
     from mindspeed_laga.patches.mindspeed_llm.host import SUPPORTED_MINDSPEED_LLM
+    from mindspeed_laga.patches.mindspeed_llm.releases import RELEASES
     from mindspeed_laga.patches.common import UnsupportedHostError
     from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
     with pytest.raises(UnsupportedHostError) as info:
         laga_mla_forward_wrapper(_untested_forward)
     message = str(info.value)
-    assert SUPPORTED_MINDSPEED_LLM == ("master", "26.1.0", "26.0.0", "2.3.0", "2.2.0")
+    assert SUPPORTED_MINDSPEED_LLM == tuple(r.name for r in RELEASES)
     for name in SUPPORTED_MINDSPEED_LLM:
         assert f"MindSpeed-LLM {name} (" in message, name
     assert "-mla_scale_kv_lora" in message and "--mla-latent-all-gather" in message

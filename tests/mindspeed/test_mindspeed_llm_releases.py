@@ -5,7 +5,9 @@ as that release; a mismatched pair and an untested MindSpeed-LLM are refused,
 naming the tested releases, at feature validation (before training) and by
 ``mindspeed-laga doctor``'s environment report, which names the release found.
 """
+import dataclasses
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -15,9 +17,11 @@ import torch
 from mindspeed_laga.tools.commands.environment import mindspeed_llm_release, report
 from mindspeed_laga.features import LAGAFeature
 from mindspeed_laga.patches.common import UnsupportedHostError
-from mindspeed_laga.patches.mindspeed_llm.releases import (BY_NAME, MLA_MODULE, RELEASES,
-                                                           UnknownHostRelease,
-                                                           deinterleave_rope_dims, identify,
+from mindspeed_laga.patches.mindspeed_llm import releases
+from mindspeed_laga.patches.mindspeed_llm.releases import (BY_NAME, MINDSPEED_FILES, MLA_MODULE,
+                                                           RELEASES, UnknownHostRelease,
+                                                           deinterleave_rope_dims, has_files,
+                                                           identify, identify_mindspeed_llm,
                                                            installed_release)
 from support.laga_parser import parse
 from support.thirdparty import RELEASE_NAMES, release_sources
@@ -72,7 +76,30 @@ def test_each_release_pair_is_identified(release):
 
 def test_the_releases_are_the_tested_pairs():
     assert [r.name for r in RELEASES] == list(RELEASE_NAMES)
-    assert len({r.llm_facts for r in RELEASES}) == len({r.mindspeed_facts for r in RELEASES}) == 5
+    # a release is identified by its pair of facts: no two pairs may be equal (two releases
+    # may share an MLA module, test below)
+    assert len({(r.llm_facts, r.mindspeed_facts) for r in RELEASES}) == len(RELEASES)
+
+
+def test_two_releases_with_the_same_mla_module_are_told_apart_by_mindspeed(monkeypatch, tmp_path):
+    """A later release that left master's MLA module alone, paired with another MindSpeed:
+    both rows exist, and each pair is identified as its own release (the MLA module alone
+    names both; MindSpeed decides)."""
+    master = BY_NAME["master"]
+    later = dataclasses.replace(master, name="later", mindspeed_branch="later",
+                                mindspeed_facts=has_files("auto_settings"))
+    monkeypatch.setattr(releases, "RELEASES", RELEASES + (later,))
+    llm, mindspeed = packages(release_sources("master"))
+    other = tmp_path / "mindspeed"
+    (other / MINDSPEED_FILES["auto_settings"]).parent.mkdir(parents=True)
+    (other / MINDSPEED_FILES["auto_settings"]).write_text("")
+    assert identify(llm, mindspeed) is master
+    assert identify(llm, str(other)) is later
+    mla = os.path.join(llm, MLA_MODULE)
+    assert identify_mindspeed_llm(mla, mindspeed) is master
+    assert identify_mindspeed_llm(mla, str(other)) is later
+    with pytest.raises(UnknownHostRelease, match="master or later found but MindSpeed"):
+        identify(llm, None)
 
 
 def test_a_mismatched_pair_names_the_mindspeed_it_needs():

@@ -14,11 +14,12 @@ from mindspeed_laga.tools.spawn import run_on_ranks
 from support.references import assemble_by_case, assert_matches_reference, case_id
 
 from support import fake_torch_npu
+from support.variants import PLAIN_ALGOS
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 SHAPE = eq.MLAShape(seq_len=32)
-ALGOS, LAYOUTS = ("allgather", "ulysses"), ("zigzag", "contiguous")
+ALGOS, LAYOUTS = PLAIN_ALGOS, ("zigzag", "contiguous")
 RECOMPUTE = (("recompute_kv", True),)
 BLOCK_OPTIONS = [RECOMPUTE,
                  RECOMPUTE + (("kv_block_size", 6), ("trim_causal_prefix", True), ("overlap", True)),

@@ -40,22 +40,19 @@ from pathlib import Path
 
 import pytest
 
+from mindspeed_laga.patches.mindspeed_llm.releases import RELEASES as TESTED_RELEASES
+
 REPO = Path(__file__).resolve().parents[2]
+# release -> (MindSpeed-LLM archive, MindSpeed archive): the pairs the adapter is tested with,
+# named by the release rows (patches/mindspeed_llm/releases.py: release and commits)
+RELEASES = {r.name: r.archives() for r in TESTED_RELEASES}
 # environment variable -> (archive, its one top-level folder); the commits the tests pin
 ARCHIVES = {
-    "MINDSPEED_LLM_SRC": ("mindspeed-llm-c77308a1.tar.gz", "MindSpeed-LLM"),
-    "MINDSPEED_SRC": ("mindspeed-028de58c.tar.gz", "MindSpeed"),
+    "MINDSPEED_LLM_SRC": (RELEASES["master"][0], "MindSpeed-LLM"),
+    "MINDSPEED_SRC": (RELEASES["master"][1], "MindSpeed"),
     "MEGATRON_SRC": ("megatron-lm-core_v0.12.1.tar.gz", "Megatron-LM"),
 }
 MEGATRON = ARCHIVES["MEGATRON_SRC"]
-# release -> (MindSpeed-LLM archive, MindSpeed archive): the pairs the adapter is tested with
-RELEASES = {
-    "master": (ARCHIVES["MINDSPEED_LLM_SRC"][0], ARCHIVES["MINDSPEED_SRC"][0]),
-    "26.1.0": ("mindspeed-llm-26.1.0-ad615b3b.tar.gz", "mindspeed-26.1.0-57a33053.tar.gz"),
-    "26.0.0": ("mindspeed-llm-26.0.0-4a035628.tar.gz", "mindspeed-26.0.0-3c44c134.tar.gz"),
-    "2.3.0": ("mindspeed-llm-2.3.0-62d4640b.tar.gz", "mindspeed-2.3.0-674226a1.tar.gz"),
-    "2.2.0": ("mindspeed-llm-2.2.0-337813b0.tar.gz", "mindspeed-2.2.0-a654440c.tar.gz"),
-}
 RELEASE_NAMES = tuple(RELEASES)
 HOST_MODULES = {"six": "six", "regex": "regex", "yaml": "pyyaml", "tqdm": "tqdm",
                 "einops": "einops"}  # import name -> pip name

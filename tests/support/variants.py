@@ -1,8 +1,12 @@
 """Every attention path a test sweeps, by name: LAGA (plain, trimming the causal prefix,
-recomputing K/V by segment and by key block), explicit and absorbed."""
+recomputing K/V by segment and by key block), explicit and absorbed; and the kernel and
+CP-algorithm axes, from the registries."""
 from __future__ import annotations
 
 from mindspeed_laga import absorbed_attention, explicit_attention, laga_attention
+from mindspeed_laga.cp_algos import ALGOS
+from mindspeed_laga.kernels.registry import CPU_KERNELS as _CPU_KERNELS, KERNEL_NAMES, KERNEL_TYPES
+from mindspeed_laga.vocab.names import VERIFY_CP_ALGOS
 
 
 def attention_variants(kv_block_size: int) -> dict:
@@ -16,3 +20,27 @@ def attention_variants(kv_block_size: int) -> dict:
         "explicit": (explicit_attention, {}),
         "absorbed": (absorbed_attention, {}),
     }
+
+
+# ---- the kernel and CP-algorithm axes, read from the registries (a new kernel or
+# algorithm joins every sweep below without a test edit)
+
+# Every registered kernel, in the CLI's order (the npu one runs through the stand-in
+# torch_npu where a test installs it).
+KERNELS = KERNEL_NAMES
+# The kernels that run on CPU tensors: a CPU sweep's kernel axis.
+CPU_KERNELS = _CPU_KERNELS
+# The CP algorithms that run without a Ulysses degree (verify's, the equivalence axis).
+PLAIN_ALGOS = VERIFY_CP_ALGOS
+# Those that take a Ulysses degree U (hybrid): swept where the CP size has a 1 < U < P.
+DEGREE_ALGOS = tuple(n for n, a in ALGOS.items() if a.takes_ulysses_degree)
+
+
+def algos_for(cp: int) -> tuple:
+    """The CP algorithms a sweep at CP size ``cp`` runs (those taking U from CP 4 on)."""
+    return PLAIN_ALGOS + (DEGREE_ALGOS if cp >= 4 else ())
+
+
+def runs_on_accelerator(kernel: str) -> bool:
+    """Whether ``kernel`` runs on one device type only (npu: the stand-in, float32 there)."""
+    return KERNEL_TYPES[kernel].device is not None

@@ -25,6 +25,7 @@ from mindspeed_laga.vocab.blocks import query_block_rows
 from mindspeed_laga.vocab.names import LAYOUTS
 from mindspeed_laga.vocab.segments import rank_segments
 from mindspeed_laga.vocab.dims import ModelDims
+from support.variants import CPU_KERNELS
 
 # d_v != d_n + d_r (MLA-like: CPU SDPA takes its math path) and d_v == d_n + d_r (flash).
 SHAPES = {
@@ -35,7 +36,7 @@ SHAPES = {
 }
 ALGO_LAYOUTS = (("allgather", "zigzag"), ("ulysses", "contiguous"), ("allgather", "contiguous"),
                 ("ulysses", "zigzag"))
-KERNELS = ("eager", "sdpa")
+KERNELS = CPU_KERNELS  # the registry's CPU kernels (torch SDPA: the model's "sdpa" on CPU)
 DTYPES = ("float32", "bfloat16")
 
 

@@ -21,6 +21,7 @@ from mindspeed_laga.tools.commands import environment, exactness
 
 from support import fake_torch_npu
 from support.cli_runs import assert_one_line_error, run_cli
+from support.variants import KERNELS
 
 CP, CHECK_S = 2, 16
 
@@ -89,7 +90,7 @@ def test_exactness_rows_cover_every_path_and_pass(report):
     assert all(r["status"] == "pass" and r["max_rel_err"] <= r["tolerance"] for r in rows)
     seen = {(r["form"], r["kernel"], r["shape"]) for r in rows if r["kind"] == "reference"}
     for form in ("explicit", "absorbed", "laga"):
-        for kernel in ("eager", "sdpa", "npu"):
+        for kernel in KERNELS:
             for shape in ("small", "deepseek_dims"):
                 assert (form, kernel, shape) in seen
     options = {tuple(sorted(r["options"])) for r in rows if r["form"] == "laga"}

@@ -15,7 +15,7 @@ def test_default_is_deepseek_v3_ulysses_cp8_both_kernels(capsys):
     code, out, err = run_cli(capsys, "plan")
     assert code == 0, err
     assert "n=128 d_n=128 d_r=64 d_v=128 d_c=512, S=16384, b=1, CP=8, TP=1, bfloat16" in out
-    assert "cp_algo=ulysses" in out and "saved eager" in out and "saved fused" in out
+    assert "cp_algo=ulysses" in out and "saved eager" in out and "saved sdpa" in out
     for name in ("explicit", "absorbed", "laga"):
         assert f"\n{name} " in out
     assert out.count("fastest:") == 2  # 910B intra-node and cross-node
@@ -27,7 +27,7 @@ def test_json_carries_the_deepseek_v3_figures(capsys):
     code, out, _ = run_cli(capsys, "plan", "--json", "--cp-algo", "both")
     assert code == 0
     plan = json.loads(out)
-    rows = plan["algos"]["allgather"]["kernels"]["fused"]
+    rows = plan["algos"]["allgather"]["kernels"]["sdpa"]
     # allgather: explicit gathers K and V of every head, 128 * (192 + 128) = 40,960
     # values a token; LAGA the latent, 512 + 64 = 576.
     assert rows["explicit"]["comm"]["forward"]["payload"] == 40_960 * 2048 * 2
@@ -53,7 +53,7 @@ def test_tiny_config_bytes_from_shapes(capsys):
     kernel, zigzag: each rank's queries are two segments of 16."""
     code, out, _ = run_cli(capsys, "plan", *TINY)
     assert code == 0
-    rows = json.loads(out)["algos"]["allgather"]["kernels"]["fused"]
+    rows = json.loads(out)["algos"]["allgather"]["kernels"]["sdpa"]
     # Forward: explicit gathers K [32, 1, 4, 12] and V [32, 1, 4, 8]; LAGA the latent [32, 1, 20].
     assert rows["explicit"]["comm"]["forward"]["payload"] == 32 * 4 * (12 + 8) * 4 == 10_240
     assert rows["laga"]["comm"]["forward"]["payload"] == 32 * 20 * 4 == 2_560
@@ -86,7 +86,7 @@ def test_fit_check_and_custom_machine(capsys):
             saved = plan["algos"]["ulysses"]["kernels"][kernel][name]["saved_bytes"]["worst"]
             assert r["bytes"] == 2 * saved
             assert r["fits"] == (2 * saved <= 2 ** 30)
-    assert not fit["eager"]["explicit"]["fits"] and fit["fused"]["laga+blockwise"]["fits"]
+    assert not fit["eager"]["explicit"]["fits"] and fit["sdpa"]["laga+blockwise"]["fits"]
     assert list(plan["time"]) == ["custom"]
     m = plan["time"]["custom"]
     assert (m["link_gbps"], m["tflops"]) == (50, 100)
@@ -144,7 +144,7 @@ def test_documents_cut_attention_work_not_bytes(capsys):
     _, one, _ = run_cli(capsys, "plan", *base)
     code, docs, err = run_cli(capsys, "plan", *base, "--num-docs", "16")
     assert code == 0, err
-    one, docs = (json.loads(x)["algos"]["allgather"]["kernels"]["fused"] for x in (one, docs))
+    one, docs = (json.loads(x)["algos"]["allgather"]["kernels"]["sdpa"] for x in (one, docs))
     for name in ("laga+blockwise", "laga+blockwise+trim"):
         a, b = (r[name]["flops"]["attention_fwd"]["average"] for r in (one, docs))
         assert 1 / 16 <= b / a < 1.1 / 16, name
@@ -160,7 +160,7 @@ def test_documents_cut_attention_work_not_bytes(capsys):
 def test_peak_column_and_terms(capsys):
     code, out, err = run_cli(capsys, "plan", "--kernel", "fused", "--terms")
     assert code == 0, err
-    assert "peak fused" in out and "peak terms, rank 0, fused kernel" in out
+    assert "peak sdpa" in out and "peak terms, rank 0, sdpa kernel" in out
     code, out, _ = run_cli(capsys, "plan", "--json", "--kernel", "eager")
     rows = json.loads(out)["algos"]["ulysses"]["kernels"]["eager"]
     for name, r in rows.items():
@@ -236,3 +236,11 @@ def test_trim_rows_show_where_trimming_differs(capsys):
     assert rows["laga+trim"][1:-1] == rows["laga"][1:-1]  # worst-rank columns
     assert float(rows["laga+trim"][-1]) < 0.9 * float(rows["laga"][-1])  # rank average
     assert "laga+trim            = laga in every column (every rank sees every key)" in ulysses
+
+
+def test_the_kernel_names_are_the_registrys_and_fused_is_an_alias_of_sdpa(capsys):
+    """One kernel vocabulary across commands: plan's --kernel takes the registry's names (as
+    bench, verify and the training flag do) and still accepts its old spelling."""
+    code, sdpa, _ = run_cli(capsys, "plan", "--kernel", "sdpa", "--cp", "4", "--seq-len", "4096")
+    code_alias, fused, _ = run_cli(capsys, "plan", "--kernel", "fused", "--cp", "4", "--seq-len", "4096")
+    assert code == code_alias == 0 and sdpa == fused and "saved sdpa" in sdpa

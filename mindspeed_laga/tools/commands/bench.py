@@ -32,7 +32,8 @@ from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
 from ..spawn import under_torchrun as _torchrun
 from ...cp_algos import algo, takes_ulysses_degree
-from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, KERNELS, LAYOUTS  # noqa: F401
+from ...kernels.registry import CPU_KERNELS, KERNEL_TYPES, KERNELS, canonical, device_of
+from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS  # noqa: F401
 from ...vocab.dims import ModelDims  # noqa: F401
 from . import bench_dsa
 from .output import MiB, check_output_path, dtype_arg, pad as _pad, ratio as _ratio
@@ -83,7 +84,7 @@ def add_parser(sub):
                            "value): the forms get cu_seqlens; batch 1")
     docs.add_argument("--num-docs", default=None, metavar="N[,N...]",
                       help="N equal documents per sequence; a list (e.g. 1,4,16) runs each")
-    p.add_argument("--kernel", choices=KERNELS, default="sdpa",
+    p.add_argument("--kernel", type=canonical, choices=KERNELS, default="sdpa",
                    help="attention kernel of the non-recomputing variants (default sdpa); "
                         "recompute variants use 'auto' (fused block ops on CPU/CUDA, npu on NPU)")
     p.add_argument("--dtype", type=dtype_arg(("float32", "bfloat16")), default="float32",
@@ -461,19 +462,20 @@ def run(args) -> int:
 
 
 def check_kernel(kernel: str, device_type: str, torchrun: bool) -> None:
-    """--kernel npu needs NPU tensors: torchrun on an Ascend host with torch_npu (checked
-    here, before any rank starts)."""
-    if kernel != "npu":
+    """A kernel that runs on one device type only (npu: NPU tensors) needs torchrun on such
+    a host with what it runs on installed (checked here, before any rank starts)."""
+    needs = device_of(kernel)
+    if needs is None:
         return
+    on_cpu = "/".join(reversed(CPU_KERNELS))
     if not torchrun:
-        raise ValueError("--kernel npu runs on NPU tensors, but without torchrun bench spawns "
-                         "gloo CPU ranks; run it under torchrun on an Ascend host, or use "
-                         "--kernel sdpa/eager on CPU")
-    from ...kernels import npu
-    npu.require_torch_npu()
-    if device_type != "npu":
-        raise ValueError(f"--kernel npu runs on NPU tensors, but this torchrun job runs on "
-                         f"{device_type}; use --kernel sdpa/eager/auto here")
+        raise ValueError(f"--kernel {kernel} runs on {needs.upper()} tensors, but without torchrun "
+                         f"bench spawns gloo CPU ranks; run it under torchrun on "
+                         f"{KERNEL_TYPES[kernel].device_host}, or use --kernel {on_cpu} on CPU")
+    KERNEL_TYPES[kernel].check_installed()
+    if device_type != needs:
+        raise ValueError(f"--kernel {kernel} runs on {needs.upper()} tensors, but this torchrun job "
+                         f"runs on {device_type}; use --kernel {on_cpu}/auto here")
 
 
 def peak_note(device_type: str, unmeasured: Optional[str] = None) -> str:

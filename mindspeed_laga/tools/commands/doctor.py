@@ -23,6 +23,7 @@ from typing import List, Optional
 from ..cases import Case, MLAShape
 from ..runspec import standard_runs
 from ..spawn import under_torchrun as _torchrun
+from ...kernels.registry import KERNEL_TYPES
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS
 from ...vocab.segments import check_seq_len
 from . import doctor_report, environment, exactness
@@ -276,8 +277,9 @@ def _run(args, ranks: Ranks) -> int:
     paths = environment.laga_paths(device) if ranks.rank == 0 else None
     _say(ranks, f"doctor: exactness on {device} ({', '.join(dtypes)}); CP on {ranks.where}")
 
-    kernels = ["eager", "sdpa"] + (["npu"] if environment.torch_npu_module() is not None else [])
-    npu_docs = "npu" in kernels and environment.npu_documents_supported()
+    kernels = environment.installed_kernels()
+    npu_docs = any(KERNEL_TYPES[k].documents_need_build for k in kernels) and \
+        environment.npu_documents_supported()
     if device.type == "npu":
         torch.npu.set_device(device)
     mine = exactness.run_all(exactness.plan(kernels, dtypes, npu_docs), device)

@@ -17,7 +17,7 @@ import importlib.metadata as metadata
 import importlib.util
 import os
 import platform
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -246,6 +246,19 @@ def laga_paths(device: torch.device) -> Dict[str, str]:
 def dtypes_for(device: torch.device):
     """The dtypes checked on a device: training's bfloat16 on an accelerator, and float32."""
     return (torch.float32,) if device.type == "cpu" else (torch.bfloat16, torch.float32)
+
+
+def installed_kernels() -> List[str]:
+    """The registry's kernels whose runtime imports here (npu: torch_npu), in the CLI's order."""
+    from ...kernels.registry import KERNEL_NAMES, KERNEL_TYPES
+    out = []
+    for name in KERNEL_NAMES:
+        try:
+            KERNEL_TYPES[name].check_installed()
+        except Exception:  # noqa: BLE001 - a broken install is reported as "not importable"
+            continue
+        out.append(name)
+    return out
 
 
 def npu_documents_supported() -> bool:

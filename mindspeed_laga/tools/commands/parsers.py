@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ...vocab.names import CP_ALGOS, HYBRID
+from ...cp_algos import ALGOS
+from ...vocab.names import CP_ALGOS, OWN_CP_ALGOS
 from .output import one_line_errors
 from .shapes import positive_int
 
@@ -22,7 +23,9 @@ def add_cp_algo_args(parser: argparse.ArgumentParser, default: str, degree_help:
     """--cp-algo (allgather, ulysses, both of them, or hybrid) and the --ulysses-degree U that
     hybrid needs. The command's own: the default algo, what U means there, a note on hybrid,
     and U's type (``int`` where the command checks it with its other sizes)."""
-    parser.add_argument("--cp-algo", choices=CP_ALGOS + ("both", HYBRID), default=default,
-                        help="both = allgather and ulysses; hybrid needs --ulysses-degree" + algo_note)
+    with_degree = " and ".join(n for n, a in ALGOS.items() if a.takes_ulysses_degree)
+    parser.add_argument("--cp-algo", choices=CP_ALGOS + ("both",) + OWN_CP_ALGOS, default=default,
+                        help=f"both = {' and '.join(CP_ALGOS)}; {with_degree} needs --ulysses-degree"
+                             + algo_note)
     parser.add_argument("--ulysses-degree", type=degree_type, default=None, metavar="U",
                         help=degree_help)

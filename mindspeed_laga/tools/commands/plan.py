@@ -2,7 +2,7 @@
 
 Per layer and per CP rank, for every form and LAGA option: collective bytes
 (the paper's payload*(P-1)/P and the wire bytes a rank sends), activation
-bytes saved for backward by the attention block (eager and fused kernels),
+bytes saved for backward by the attention block (eager and sdpa kernels),
 attention and K/V-rebuild FLOPs, each beside explicit. With --device-memory
 and --num-layers: whether each form's attention activations fit. With the
 910B link/throughput defaults (or yours): an estimated per-layer time for
@@ -22,6 +22,7 @@ from typing import Dict, List
 from .. import costmodel as cm
 from ..runspec import standard_runs
 from ...cp_algos import algo, takes_ulysses_degree
+from ...kernels.registry import CPU_KERNELS, KERNEL_NAMES, canonical, model_kind
 from ...vocab.names import CP_ALGOS, HYBRID, LAYOUTS
 from ...vocab.dims import ModelDims
 from .output import GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, ratio as _ratio
@@ -29,7 +30,9 @@ from . import plan_dsa
 from .parsers import add_cp_algo_args, command_parser
 from .shapes import HEAD_DIMS, SizeFlag
 
-KERNEL_CHOICES = (cm.EAGER, cm.FUSED, cm.NPU, "both")
+KERNEL_CHOICES = KERNEL_NAMES + ("both",)
+# plan models accelerator ranks: a kernel's cost-model kind there (torch SDPA: flash-style)
+DEVICE_TYPE = "accelerator"
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
 # The dim flags: the head dims every command shares, with DeepSeek-V3's values, then the two
@@ -76,9 +79,9 @@ def add_parser(sub):
                       help="N equal documents (N divides --seq-len)")
     p.add_argument("--dtype", type=dtype_arg(("bfloat16", "float16", "float32")), default="bf16",
                    help="bf16 (default), fp16 or fp32 (bfloat16/float16/float32 alike)")
-    p.add_argument("--kernel", choices=KERNEL_CHOICES, default="both",
-                   help="eager (scores kept), fused (flash-style), npu (npu_fusion_attention), "
-                        "both = eager and fused (default)")
+    p.add_argument("--kernel", type=canonical, choices=KERNEL_CHOICES, default="both",
+                   help="eager (scores kept), sdpa (flash-style; 'fused' is the same), npu "
+                        f"(npu_fusion_attention), both = {' and '.join(CPU_KERNELS)} (default)")
     p.add_argument("--kv-block-size", type=int, default=2048,
                    help="keys per rebuilt block for the blockwise LAGA rows (default 2048)")
     p.add_argument("--device-memory", type=finite_float, default=None, metavar="GiB",
@@ -180,7 +183,7 @@ def machines_from_args(args) -> List[cm.Machine]:
 # ---------------------------------------------------------------- the plan
 
 def kernels_from_args(args) -> List[str]:
-    return [cm.EAGER, cm.FUSED] if args.kernel == "both" else [args.kernel]
+    return list(CPU_KERNELS) if args.kernel == "both" else [args.kernel]
 
 
 def build_plan(args) -> dict:
@@ -195,8 +198,8 @@ def build_plan(args) -> dict:
         "algos": {}}
     plan["config"]["cp_algo"] = [c.cp_algo for c in configs]
     for cfg in configs:
-        per_kernel = {k: {v.name: cm.rank_summary(replace(cfg, kernel=k), v) for v in variants}
-                      for k in kernels}
+        per_kernel = {k: {v.name: cm.rank_summary(replace(cfg, kernel=model_kind(k, DEVICE_TYPE)), v)
+                          for v in variants} for k in kernels}
         plan["algos"][cfg.cp_algo] = {"layout": cfg.seq_layout, "ulysses_degree": cfg.ulysses_degree,
                                       "kernels": per_kernel,
                                       "notes": trade_off_notes(per_kernel[kernels[-1]])}
@@ -481,7 +484,7 @@ def _print_times(times: dict) -> None:
     for name, m in times.items():
         print()
         _say(f"estimated per-layer fwd+bwd time in ms, {name} (link {m['link_gbps']:g} GB/s per rank, "
-             f"{m['tflops']:g} TFLOPS effective, fused kernel, worst rank; serial compute + comm, "
+             f"{m['tflops']:g} TFLOPS effective, sdpa kernel, worst rank; serial compute + comm, "
              "minus what the overlapped latent gather hides behind the query projection):")
         algos = list(m["rows"])
         label = {a: f"hybrid U={m.get('ulysses_degree')}" if takes_ulysses_degree(a) else a for a in algos}
@@ -507,7 +510,7 @@ def _print_nodes(nodes: dict) -> None:
     print()
     _say(f"estimated per-layer fwd+bwd time on nodes of {c['devices_per_node']} devices ({c['name']}: "
          f"intra-node {c['intra_gbps']:g} GB/s, inter-node {c['inter_gbps']:g} GB/s per rank, "
-         f"{c['tflops']:g} TFLOPS effective; fused kernel, worst rank; a group inside a node runs at the "
+         f"{c['tflops']:g} TFLOPS effective; sdpa kernel, worst rank; a group inside a node runs at the "
          "intra-node link, an all-to-all across nodes sends to its node's peers intra-node and to the "
          "rest inter-node, a gather across nodes runs at the inter-node link):")
     head = (f"  {'cp_algo':<14} {'variant':<20} {'ms':>9} {'compute':>9} {'comm':>8} "

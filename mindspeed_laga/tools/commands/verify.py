@@ -13,7 +13,8 @@ from ..runspec import standard_runs
 from ..measure import worker
 from ..spawn import run_on_ranks
 from ...cp_algos import algo
-from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, SEQUENCE_LAYOUTS
+from ...kernels.registry import CPU_KERNELS, canonical
+from ...vocab.names import DEFAULT_LAYOUT, SEQUENCE_LAYOUTS, VERIFY_CP_ALGOS
 from ...vocab.segments import check_seq_len
 from .output import dtype_arg
 from .parsers import command_parser
@@ -25,10 +26,10 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
 def add_parser(sub):
     p = command_parser(sub, "verify", "run the three forms on P gloo ranks and check them", __doc__)
     p.add_argument("--cp", type=positive_int, default=4, help="CP size (gloo processes), default 4")
-    p.add_argument("--cp-algo", choices=CP_ALGOS + ("both",), default="both")
+    p.add_argument("--cp-algo", choices=VERIFY_CP_ALGOS + ("both",), default="both")
     p.add_argument("--layout", choices=SEQUENCE_LAYOUTS, default=None,
-                   help="default: zigzag for allgather, contiguous for ulysses")
-    p.add_argument("--kernel", choices=("eager", "sdpa"), default="sdpa")
+                   help="default: " + ", ".join(f"{DEFAULT_LAYOUT[a]} for {a}" for a in VERIFY_CP_ALGOS))
+    p.add_argument("--kernel", type=canonical, choices=CPU_KERNELS, default="sdpa")
     p.add_argument("--dtype", type=dtype_arg(tuple(TOLERANCE)), default="float32",
                    help="float32 (default) or bfloat16 (fp32/bf16 alike)")
     p.add_argument("--repeat", type=positive_int, default=3, help="timed runs after one warm-up")
@@ -37,7 +38,7 @@ def add_parser(sub):
 
 def cases_from_args(args):
     shape = shape_from_args(args)
-    algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
+    algos = VERIFY_CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
     return [eq.Case(spec=v, cp_algo=a, layout=args.layout or DEFAULT_LAYOUT[a], kernel=args.kernel,
                     dtype=args.dtype, shape=shape) for a in algos for v in standard_runs(forms_only=True)]
 
