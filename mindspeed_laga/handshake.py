@@ -56,7 +56,8 @@ LABELS = {"local_len": "the local sequence length", "micro_batch": "the micro-ba
           "kv_lora_rank": "the kv_lora_rank", "dtype": "the dtype",
           "requires_grad": "which inputs need grads (requires_grad under grad mode)",
           "ulysses_degree": "the size of ulysses_group", "documents": "documents (cu_seqlens)",
-          "key_padding": "key_padding_mask (padding keys per sample)"}
+          "key_padding": "key_padding_mask (which keys are padding; shown: padding keys "
+                         "per sample)"}
 UNKNOWN = -1
 # The dtypes the forms run (float8 and the rest are refused by name), as handshake codes.
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
