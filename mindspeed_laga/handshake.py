@@ -196,7 +196,8 @@ def _raise(failure) -> None:
 
 
 def check_same_weight(weight, cp_group, name: str = "kv_up_weight",
-                      settings: Optional[Dict[str, Sequence[object]]] = None) -> None:
+                      settings: Optional[Dict[str, Sequence[object]]] = None,
+                      failure: Optional[BaseException] = None) -> None:
     """Raise on every rank unless every CP rank holds the same ``weight`` (bit for bit).
 
     One exchange of one int64 (a checksum of the weight's bits, computed where
@@ -205,19 +206,25 @@ def check_same_weight(weight, cp_group, name: str = "kv_up_weight",
     ``settings``: {name: (this rank's value, its choices)} sent in the same exchange
     (an adapter's configuration, before it builds any group); ranks that differ
     raise "CP ranks disagree on <name>" with the values by rank.
+    ``failure``: this rank could not produce the weight (``weight`` None then, e.g. an
+    adapter it cannot read): it re-raises it and its peers raise with its message, at once.
     """
     if comm.group_size(cp_group) == 1:
+        _raise(failure)
         return
     settings = settings or {}
     codes = [_setting_code(value, choices) for value, choices in settings.values()]
-    table = comm.handshake([weight_checksum(weight)] + codes, cp_group, weight.device)
-    for i, (label, (_, choices)) in enumerate(settings.items(), start=1):
+    device = exchange_device("meta" if failure is not None else weight.device, cp_group)
+    checksum = 0 if failure is not None else weight_checksum(weight)
+    table = comm.handshake([int(failure is not None), checksum] + codes, cp_group, device)
+    _raise_on_rejection(table, failure, cp_group, device)
+    for i, (label, (_, choices)) in enumerate(settings.items(), start=2):
         values = [row[i] for row in table]
         if len(set(values)) > 1:
             shown = [choices[v] if choices and 0 <= v < len(choices) else v for v in values]
             raise ValueError(f"CP ranks disagree on {label}: {shown} (by rank); every CP rank "
                              "must be configured alike (no process group was built)")
-    sums = [row[0] for row in table]
+    sums = [row[1] for row in table]
     if len(set(sums)) > 1:
         differ = [r for r, s in enumerate(sums) if s != sums[0]]
         raise ValueError(

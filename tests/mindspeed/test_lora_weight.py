@@ -131,6 +131,16 @@ def test_lora_dropout_is_refused_naming_the_module(lora):
 
 
 @pytest.mark.hosts
+def test_lora_dropout_in_eval_mode_is_base_plus_delta(lora):
+    """In eval mode the dropout passes its input through: the forward is W x + s B A x."""
+    module = _wrapped(lora, dropout=0.1).eval()
+    grads = _same_as_forward(module, ["default"])
+    assert {"lora_A.default.weight", "lora_B.default.weight"} <= grads.keys()
+    with pytest.raises(UnsupportedLoRAError, match="lora_dropout 0.1"):
+        effective_weight(module.train(), "linear_kv_up_proj")
+
+
+@pytest.mark.hosts
 def test_dora_and_nested_adapters_are_refused(lora):
     module = _wrapped(lora)
     module.use_dora = {"default": True}  # what peft >= 0.9 records for a DoRA adapter
