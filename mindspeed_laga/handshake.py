@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import comm
+from . import comm, skipped
 
 # Every value a rank puts in its row, in order. -1 = not known at this stage.
 FIELDS = ("rejected", "stage", "check_ranks", "form", "cp_algo", "layout", "causal",
@@ -120,8 +120,13 @@ def agree(values: Dict[str, int], failure, cp_group, device,
     ``details``: per field, this rank's full value behind a code (the document
     boundaries behind their hash), gathered only when ranks differ on it.
     """
-    if comm.group_size(cp_group) == 1 or (skips(cp_group) and not force):
+    if comm.group_size(cp_group) == 1:
         _raise(failure)
+        return
+    if skips(cp_group) and not force:  # no exchange: a failure reaches the peers by the store
+        skipped.count(cp_group)
+        if failure is not None:
+            raise skipped.tell_peers(_as_exception(failure), cp_group)
         return
     row, failure = _pack(values, failure)
     device = exchange_device(device, cp_group)
@@ -192,7 +197,11 @@ def _describe(failure) -> str:
 def _raise(failure) -> None:
     if failure is None:
         return
-    raise failure if isinstance(failure, BaseException) else ValueError(failure)
+    raise _as_exception(failure)
+
+
+def _as_exception(failure) -> BaseException:
+    return failure if isinstance(failure, BaseException) else ValueError(failure)
 
 
 def check_same_weight(weight, cp_group, name: str = "kv_up_weight",
