@@ -10,13 +10,12 @@ writes what it raised and leaves at once (its peer is stuck until it leaves).
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from mindspeed_laga import laga_attention
 from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks
 from support.key_padding import SCALE, full_inputs, local_inputs, padding_mask
+from support.raise_together import report_and_leave
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -39,14 +38,7 @@ def _attend(rank, **kw):
 
 def _worker(rank, world, out_dir, case):
     _attend(rank)  # every rank passed check_ranks=False: the group skips from here on
-    try:
-        _attend(rank, **(CASES[case][0] if rank == 1 else {}))
-        text = "no error"
-    except Exception as exc:  # noqa: BLE001 -- the report is the text
-        text = f"{type(exc).__name__}: {exc}"
-    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-        f.write(text)
-    os._exit(0)
+    report_and_leave(out_dir, rank, lambda: _attend(rank, **(CASES[case][0] if rank else {})))
 
 
 @pytest.mark.timeout(300)

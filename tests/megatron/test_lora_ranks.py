@@ -18,21 +18,11 @@ from torch import nn
 
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support.thirdparty import require_peft
+from support.unknown_adapter import UnknownAdapter
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 PEER_WAIT_S = 60
-
-
-class UnknownAdapter(nn.Module):
-    """A wrapper LAGA has never read: it keeps the module as ``base_layer``, as peft does."""
-
-    def __init__(self, base):
-        super().__init__()
-        self.base_layer = base
-
-    def forward(self, x):
-        return self.base_layer(x) * 2
 
 
 def _kv_up_proj(rank, variant):

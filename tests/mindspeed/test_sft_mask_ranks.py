@@ -28,10 +28,14 @@ def tune_mask(padding: torch.Tensor) -> torch.Tensor:
     return (~visible)[:, None]
 
 
+def _group():
+    import torch.distributed as dist
+    return dist.group.WORLD
+
+
 def _adapter_step(rank, mask, first):
     """What the adapter does per layer call: read the mask, then the core."""
-    import torch.distributed as dist
-    group = dist.group.WORLD
+    group = _group()
     x = full_inputs()
     inputs, _ = local_inputs(x, "zigzag", 2, rank)
     padding = key_padding_from_mask(mask, S, B, group)
@@ -63,14 +67,9 @@ def _worker(rank, world):
     forty = [torch.zeros(1, 40, dtype=torch.bool) for _ in range(2)]
     forty[0][0, 32:], forty[1][0, :24] = True, True
     _, report["right 8 vs left 24"] = _try(
-        lambda: key_padding_from_mask(tune_mask(forty[rank]), 40, 1, handshake_group()))
+        lambda: key_padding_from_mask(tune_mask(forty[rank]), 40, 1, _group()))
     handshake.reset()
     return report
-
-
-def handshake_group():
-    import torch.distributed as dist
-    return dist.group.WORLD
 
 
 @pytest.mark.timeout(300)
