@@ -20,7 +20,7 @@ import torch
 
 from . import comm, handshake, kernels
 from .cp_algos import ALGOS, algo
-from .key_padding import check_empty_rows, check_key_padding, padding_counts
+from .key_padding import check_empty_rows, check_key_padding, padding_code, padding_counts
 from .options import AttnOptions
 from .kernels.registry import KERNELS
 from .vocab.names import ATTN_CP_ALGOS, EMPTY_ROWS, FORMS, LAYOUTS
@@ -380,8 +380,7 @@ def _exchange(o: AttnOptions, tensors, dims, documents, failure) -> None:
     if failure is None:
         values["documents"] = documents_code(documents)
         mask = o.key_padding_mask
-        values["key_padding"] = 0 if mask is None else (
-            handshake.weight_checksum(mask.to(torch.uint8)) or 1)
+        values["key_padding"] = padding_code(mask)
         details = {"documents": list(documents or ()),
                    "key_padding": [] if mask is None else padding_counts(mask)}
     query = tensors[0]

@@ -30,6 +30,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from . import skipped
+
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 GROUPS = ("cp", "ulysses", "ring")
 DIRECTIONS = ("forward", "backward")
@@ -123,22 +125,37 @@ def _record(kind: str, direction: str, payload: int, wire: int, size: int, tag: 
 class Pending:
     """An async collective's handle; ``wait()`` adds the blocked time to its records."""
 
-    def __init__(self, work, records):
-        self.work, self.records = work, records
+    def __init__(self, work, records, group=None):
+        self.work, self.records, self.group = work, records, group
 
     def wait(self):
         start = time.perf_counter()
-        self.work.wait()
+        with _peer_failures(self.group):
+            self.work.wait()
         for record in self.records:
             record.seconds += time.perf_counter() - start
 
 
-def _run(collective, records, async_op: bool):
+@contextlib.contextmanager
+def _peer_failures(group):
+    """A data collective that fails because a peer rejected its arguments in a call that
+    skipped the exchange raises that peer's error (skipped.py), not the backend's."""
+    try:
+        yield
+    except RuntimeError as exc:
+        cause = skipped.peer_failure(group)
+        if cause is None:
+            raise
+        raise cause from exc
+
+
+def _run(collective, records, async_op: bool, group=None):
     """Issue a collective; sync calls are timed, async ones return a :class:`Pending`."""
     start = time.perf_counter()
-    work = collective(async_op)
+    with _peer_failures(group):
+        work = collective(async_op)
     if async_op:
-        return Pending(work, records)
+        return Pending(work, records, group)
     for record in records:
         record.seconds += time.perf_counter() - start
     return None
@@ -197,7 +214,8 @@ def all_gather_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     records = _record("all_gather", direction, _nbytes(x), (size - 1) * _nbytes(x), size, tag,
                       label)
-    pending = _run(lambda a: _all_gather_tensor(out, x, group=group, async_op=a), records, async_op)
+    pending = _run(lambda a: _all_gather_tensor(out, x, group=group, async_op=a), records, async_op,
+                   group)
     return (out, pending) if async_op else out
 
 
@@ -210,7 +228,7 @@ def reduce_scatter_raw(x: torch.Tensor, group, direction: str, tag: str = "", as
     records = _record("reduce_scatter", direction, _nbytes(out), (size - 1) * _nbytes(out), size, tag,
                       label)
     pending = _run(lambda a: _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group,
-                                                    async_op=a), records, async_op)
+                                                    async_op=a), records, async_op, group)
     return (out, pending) if async_op else out
 
 
@@ -222,7 +240,7 @@ def all_to_all_raw(x: torch.Tensor, group, direction: str, tag: str = "",
     out = torch.empty_like(x)
     records = _record("all_to_all", direction, _nbytes(x), _nbytes(x) * (size - 1) // size, size, tag,
                       label)
-    _run(lambda a: dist.all_to_all_single(out, x, group=group, async_op=a), records, False)
+    _run(lambda a: dist.all_to_all_single(out, x, group=group, async_op=a), records, False, group)
     return out
 
 

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import comm
+from . import comm, skipped
 
 # Every value a rank puts in its row, in order. -1 = not known at this stage.
 FIELDS = ("rejected", "stage", "check_ranks", "form", "cp_algo", "layout", "causal",
@@ -56,7 +56,8 @@ LABELS = {"local_len": "the local sequence length", "micro_batch": "the micro-ba
           "kv_lora_rank": "the kv_lora_rank", "dtype": "the dtype",
           "requires_grad": "which inputs need grads (requires_grad under grad mode)",
           "ulysses_degree": "the size of ulysses_group", "documents": "documents (cu_seqlens)",
-          "key_padding": "key_padding_mask (padding keys per sample)"}
+          "key_padding": "key_padding_mask (which keys are padding; shown: padding keys "
+                         "per sample)"}
 UNKNOWN = -1
 # The dtypes the forms run (float8 and the rest are refused by name), as handshake codes.
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -119,8 +120,13 @@ def agree(values: Dict[str, int], failure, cp_group, device,
     ``details``: per field, this rank's full value behind a code (the document
     boundaries behind their hash), gathered only when ranks differ on it.
     """
-    if comm.group_size(cp_group) == 1 or (skips(cp_group) and not force):
+    if comm.group_size(cp_group) == 1:
         _raise(failure)
+        return
+    if skips(cp_group) and not force:  # no exchange: a failure reaches the peers by the store
+        skipped.count(cp_group)
+        if failure is not None:
+            raise skipped.tell_peers(_as_exception(failure), cp_group)
         return
     row, failure = _pack(values, failure)
     device = exchange_device(device, cp_group)
@@ -191,11 +197,16 @@ def _describe(failure) -> str:
 def _raise(failure) -> None:
     if failure is None:
         return
-    raise failure if isinstance(failure, BaseException) else ValueError(failure)
+    raise _as_exception(failure)
+
+
+def _as_exception(failure) -> BaseException:
+    return failure if isinstance(failure, BaseException) else ValueError(failure)
 
 
 def check_same_weight(weight, cp_group, name: str = "kv_up_weight",
-                      settings: Optional[Dict[str, Sequence[object]]] = None) -> None:
+                      settings: Optional[Dict[str, Sequence[object]]] = None,
+                      failure: Optional[BaseException] = None) -> None:
     """Raise on every rank unless every CP rank holds the same ``weight`` (bit for bit).
 
     One exchange of one int64 (a checksum of the weight's bits, computed where
@@ -204,19 +215,25 @@ def check_same_weight(weight, cp_group, name: str = "kv_up_weight",
     ``settings``: {name: (this rank's value, its choices)} sent in the same exchange
     (an adapter's configuration, before it builds any group); ranks that differ
     raise "CP ranks disagree on <name>" with the values by rank.
+    ``failure``: this rank could not produce the weight (``weight`` None then, e.g. an
+    adapter it cannot read): it re-raises it and its peers raise with its message, at once.
     """
     if comm.group_size(cp_group) == 1:
+        _raise(failure)
         return
     settings = settings or {}
     codes = [_setting_code(value, choices) for value, choices in settings.values()]
-    table = comm.handshake([weight_checksum(weight)] + codes, cp_group, weight.device)
-    for i, (label, (_, choices)) in enumerate(settings.items(), start=1):
+    device = exchange_device("meta" if failure is not None else weight.device, cp_group)
+    checksum = 0 if failure is not None else weight_checksum(weight)
+    table = comm.handshake([int(failure is not None), checksum] + codes, cp_group, device)
+    _raise_on_rejection(table, failure, cp_group, device)
+    for i, (label, (_, choices)) in enumerate(settings.items(), start=2):
         values = [row[i] for row in table]
         if len(set(values)) > 1:
             shown = [choices[v] if choices and 0 <= v < len(choices) else v for v in values]
             raise ValueError(f"CP ranks disagree on {label}: {shown} (by rank); every CP rank "
                              "must be configured alike (no process group was built)")
-    sums = [row[0] for row in table]
+    sums = [row[1] for row in table]
     if len(set(sums)) > 1:
         differ = [r for r, s in enumerate(sums) if s != sums[0]]
         raise ValueError(

@@ -12,9 +12,14 @@ mask split by CP) is refused by name on every CP rank before any data
 collective: LAGA never runs a different mask than the host's. A plain causal
 mask (no padding) gives None: the fast path.
 
-The check costs one comparison of the mask per distinct mask object (a block
-of rows at a time, so nothing of [S, S] is allocated): the verdict is kept (a weak reference and the tensor's version), so the layers of
-one forward, and its recompute, check it once.
+The check costs one comparison of the mask per distinct mask state (a block
+of rows at a time, so nothing of [S, S] is allocated): the verdict is kept for
+the same object at the same version counter and last row, so the layers of one
+forward, and its recompute, check it once, and an edit through ``.data`` or
+numpy (which bumps no version counter) is read again. With CP every call
+exchanges the verdict and a digest of the padding (``key_padding.padding_code``),
+the mask's or None: the ranks raise together on any difference, whatever their
+calls' mask objects.
 """
 from __future__ import annotations
 
@@ -24,23 +29,33 @@ from typing import Optional
 import torch
 
 from mindspeed_laga import handshake
+from mindspeed_laga.key_padding import padding_code, padding_counts
 
 COMPRESSED_MASK_SIZE = 2048  # MindSpeed's compressed causal mask (flash attention, sparse mode 2/3)
 
 
 class MaskVerdict:
-    """The last mask seen and what it means: (key padding or None, error message or None)."""
+    """The last mask seen and what it means: (key padding or None, error or None).
+
+    Kept for the same object at the same version counter *and* the same last row (the
+    padding, [b|1, S], compared on every call): an edit through ``.data`` or numpy
+    bumps no version counter, and a stale verdict would hand the core old padding."""
 
     def __init__(self):
-        self.ref, self.version, self.result = None, None, None
+        self.ref, self.state, self.row, self.result = None, None, None, None
 
-    def lookup(self, mask):
-        if self.ref is not None and self.ref() is mask and self.version == mask._version:
-            return self.result
-        return None
+    def lookup(self, mask, *shape):
+        same = self.ref is not None and self.ref() is mask and self.state == (mask._version, shape)
+        return self.result if same and torch.equal(self.row, _last_row(mask)) else None
 
-    def keep(self, mask, result):
-        self.ref, self.version, self.result = weakref.ref(mask), mask._version, result
+    def keep(self, mask, result, *shape):
+        self.ref, self.state = weakref.ref(mask), (mask._version, shape)
+        self.row, self.result = _last_row(mask).clone(), result
+
+
+def _last_row(mask: torch.Tensor) -> torch.Tensor:
+    """What the padding is read from: the last query's row (the whole tensor below 2-D)."""
+    return mask[..., -1, :] if mask.dim() >= 2 else mask
 
 
 _VERDICT = MaskVerdict()
@@ -52,12 +67,27 @@ def key_padding_from_mask(mask, seq_len: int, micro_batch: int, cp_group,
 
     ``length_error(S)``: the message for a full length the CP split cannot take, or None
     (the mask's S is the batch's padded length, which --no-pad-to-seq-lengths varies).
-    Raises ValueError on every CP rank alike when any rank's mask is not causal + key
-    padding over the full sequence, or the ranks' masks differ (the verdict and a
-    checksum of the padding are exchanged before any data moves)."""
+    Raises on every CP rank alike when any rank's mask is not causal + key padding over
+    the full sequence, or the ranks' masks differ: with CP every call exchanges the
+    verdict and a digest of the padding, a mask or None, before any data moves (whether
+    a rank's mask is new, reused or absent is its own business, so no call may skip it:
+    a rank that skipped would meet its peers' exchange with its data collective)."""
+    padding, failure = _verdict(mask, seq_len, micro_batch, length_error)
+    if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
+        device = mask.device if mask is not None else handshake.exchange_device("meta", cp_group)
+        handshake.agree({"key_padding": padding_code(padding)}, failure, cp_group, device,
+                        force=True, details={"key_padding": padding_counts(padding)
+                                             if padding is not None else []})
+    if failure is not None:
+        raise failure
+    return padding
+
+
+def _verdict(mask, seq_len: int, micro_batch: int, length_error):
+    """(key padding or None, this rank's error or None), checked once per mask state."""
     if mask is None:
-        return None
-    result = _VERDICT.lookup(mask)
+        return None, None
+    result = _VERDICT.lookup(mask, seq_len, micro_batch)
     if result is None:
         try:
             length = mask.shape[-1] if mask.dim() else 0
@@ -66,20 +96,8 @@ def key_padding_from_mask(mask, seq_len: int, micro_batch: int, cp_group,
             result = (_key_padding(mask, seq_len, micro_batch), None)
         except ValueError as exc:
             result = (None, exc)
-        # every rank meets here on a new mask (the same batch reaches every CP rank)
-        if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
-            padding = result[0]
-            code = 0 if padding is None else handshake.weight_checksum(padding.to(torch.uint8)) or 1
-            try:
-                handshake.agree({"key_padding": code}, result[1], cp_group, mask.device,
-                                force=True)
-            except ValueError as exc:
-                result = (None, exc)
-        _VERDICT.keep(mask, result)
-    padding, failure = result
-    if failure is not None:
-        raise failure
-    return padding
+        _VERDICT.keep(mask, result, seq_len, micro_batch)
+    return result
 
 
 def _key_padding(mask: torch.Tensor, seq_len: int, micro_batch: int) -> Optional[torch.Tensor]:

@@ -24,13 +24,23 @@ def first_call(module) -> bool:
     return first
 
 
-def check_weight_once(first: bool, kv_up_weight, cp_group, settings=None) -> None:
-    """On a module's first call: every CP rank must hold the same kv_up_weight (ValueError on
-    every rank otherwise; one exchange of one int64, docs/RESULTS.md has its cost), and
-    agree on ``settings`` ({name: (value, choices)}, in the same exchange)."""
-    if first:
-        meet_peers(cp_group)
-        handshake.check_same_weight(kv_up_weight, cp_group, settings=settings)
+def check_weight_once(first: bool, read_weight, cp_group, settings=None):
+    """``read_weight()``: the kv_up_weight, returned. On a module's first call every CP rank
+    must hold the same one (ValueError on every rank otherwise; one exchange of one int64,
+    docs/RESULTS.md has its cost) and agree on ``settings`` ({name: (value, choices)}, in
+    the same exchange). The weight is read after the ranks met: a rank whose read raises
+    (an adapter LAGA cannot read, on that rank only) sends its error in that exchange, so
+    its peers raise with it at once instead of waiting for it in :func:`meet_peers`."""
+    if not first:
+        return read_weight()
+    meet_peers(cp_group)
+    weight = failure = None
+    try:
+        weight = read_weight()
+    except Exception as exc:  # noqa: BLE001 -- whatever failed, the peers must hear of it
+        failure = exc
+    handshake.check_same_weight(weight, cp_group, settings=settings, failure=failure)
+    return weight
 
 
 PEER_WAIT_ENV = "MINDSPEED_LAGA_PEER_WAIT_S"

@@ -10,10 +10,12 @@ the module's own forward gives them.
 
 Only forwards read line by line are accepted, each named in ``_FORWARDS``; a
 wrapped module with any other forward, or an option those forwards would apply
-in a way a weight cannot express (dropout, DoRA, a LoRA bias, a row-parallel
-base), raises :class:`UnsupportedLoRAError` naming the module's type before
-anything is computed. Every CP rank holds the same module types, so they raise
-together.
+in a way a weight cannot express (dropout in training mode, DoRA, a LoRA bias, a
+row-parallel base), raises :class:`UnsupportedLoRAError` naming the module's type before
+anything is computed. On a module's first call the adapters read the weight after
+the CP ranks met and send a rank's error in the same-weight exchange
+(``patches.common.check_weight_once``), so a rank configured otherwise (dropout on
+one rank only) makes every rank raise at once with its cause.
 
 What the accepted forwards compute, for a column-parallel (or plain) base ``W``
 and each active adapter ``a`` present in ``lora_A`` (``x``: the input):
@@ -138,7 +140,9 @@ def _check_adapter(linear, adapter: str, kind: str, what: str) -> None:
         raise UnsupportedLoRAError(f"{what} with fan_in_fan_out=True (a transposed base weight); "
                                    "LAGA reads [out, in] weights only")
     dropout = linear.lora_dropout[adapter] if adapter in linear.lora_dropout else None
-    if kind == PEFT and dropout is not None and getattr(dropout, "p", 0.0) > 0:
+    # in eval mode the dropout passes its input through: the weight expresses that forward
+    if kind == PEFT and dropout is not None and getattr(dropout, "p", 0.0) > 0 \
+            and getattr(dropout, "training", True):
         raise UnsupportedLoRAError(
             f"{what}: adapter {adapter!r} has lora_dropout {dropout.p}, which drops inputs of "
             "the LoRA branch per token; a weight cannot express it. Use lora_dropout=0.0 (as "

@@ -246,7 +246,7 @@ def check_first_call(module, settings: MegatronPatchSettings, cp_group) -> bool:
     never build. Returns whether this is the module's first call."""
     first = first_call(module)
     check = first and settings.core_options.get("check_ranks", True) is not False
-    check_weight_once(check, kv_up_weight_of(module), cp_group, {
+    check_weight_once(check, lambda: kv_up_weight_of(module), cp_group, {
         "patch_megatron_mla(form=)": (settings.form, FORMS),
         "patch_megatron_mla(cp_algo=)": (settings.cp_algo, ATTN_CP_ALGOS),
         "patch_megatron_mla(ulysses_degree=)": (settings.ulysses_degree, None),

@@ -108,15 +108,15 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
         return _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
                               release)
     settings = laga_settings(megatron_args)
+    check_ranks = first_call(self)
+    # (a LoRA-wrapped module it cannot read raises here, on every CP rank on the first call)
+    kv_up_weight = check_weight_once(check_ranks, lambda: _kv_up_weight(self), cp_group)
     key_padding = None
     if not settings.documents:  # packed documents: the boundaries carry the mask
         key_padding = key_padding_from_mask(
             attention_mask, _full_length(self, hidden_states, cp_group), hidden_states.shape[1],
             cp_group, _length_error(settings, megatron_args, cp_group))
     overlap = settings.overlap and torch.distributed.get_world_size(cp_group) > 1
-    kv_up_weight = _kv_up_weight(self)  # (a LoRA-wrapped module it cannot read raises here)
-    check_ranks = first_call(self)
-    check_weight_once(check_ranks, kv_up_weight, cp_group)
     rope_input = _rope_input(release, megatron_args)
     query, kv_latent, k_pos_emb, gather = _mla_inputs(self, hidden_states, rotary_pos_emb,
                                                       cp_group if overlap else None, check_ranks,

@@ -6,7 +6,7 @@ import torch
 
 from mindspeed_laga import laga_attention
 from mindspeed_laga.tools.spawn import run_on_ranks
-from support.key_padding import SCALE, full_inputs, local_inputs, padding_mask
+from support.key_padding import S, SCALE, full_inputs, local_inputs, padding_mask
 
 
 def _call(**kwargs):
@@ -39,7 +39,22 @@ def test_documents_with_key_padding_are_refused():
                        key_padding_mask=padding_mask("right")[:1])
 
 
-CASES = {"other padding": "[[7, 3], [7, 4]]", "no mask on one rank": "key_padding_mask"}
+# padding a linear checksum (per row, the sum of 2*col+1 over padded keys) could not tell
+# apart: rank 0 {0,1,2,3} and {1,2}, rank 1 {3,4} and {0,3} (16 and 8 on both); and masks
+# with the same pad counts at other positions ({1,2} and {0,3}: the counts cannot show it)
+COLLIDING = {0: ((0, 1, 2, 3), (1, 2)), 1: ((3, 4), (0, 3))}
+SAME_COUNTS = {0: ((1, 2), (1, 2)), 1: ((0, 3), (1, 2))}
+CASES = {"other padding": "[[7, 3], [7, 4]]", "no mask on one rank": "key_padding_mask",
+         "colliding checksums": "[[4, 2], [2, 2]]",
+         "same counts elsewhere": "which keys are padding"}
+
+
+def padding_at(columns) -> torch.Tensor:
+    """[len(columns), S] bool: sample i pads the keys ``columns[i]``."""
+    mask = torch.zeros(len(columns), S, dtype=torch.bool)
+    for i, cols in enumerate(columns):
+        mask[i, list(cols)] = True
+    return mask
 
 
 def _worker(rank, cp, cases):
@@ -53,6 +68,10 @@ def _worker(rank, cp, cases):
             mask = padding_mask("left", pads=(7, 4))
         if rank == 1 and case == "no mask on one rank":
             mask = None
+        if case == "colliding checksums":
+            mask = padding_at(COLLIDING[rank])
+        if case == "same counts elsewhere":
+            mask = padding_at(SAME_COUNTS[rank])
         try:
             laga_attention(*inputs.values(), x["kv_up_weight"], softmax_scale=SCALE,
                            cp_group=dist.group.WORLD, key_padding_mask=mask, check_ranks=True)

@@ -11,6 +11,7 @@ pytest.importorskip("megatron.core")
 from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 
 from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks  # noqa: E402
+from support.raise_together import report_and_leave  # noqa: E402
 
 pytestmark = pytest.mark.mcore  # the leg that runs it (tests/conftest.py)
 
@@ -59,14 +60,8 @@ def _one_rank_patched_worker(rank, world, out_dir):
     if rank == 0:
         mindspeed_laga.patch_megatron_mla()
     tiny = mc.TinyMLA()
-    try:
-        mc.train(mc.build_tiny_mla_gpt(tiny, cp=2), mc.make_batches(tiny, 1))
-        text = "no error"
-    except Exception as exc:  # noqa: BLE001 -- the report is the text
-        text = f"{type(exc).__name__}: {exc}"
-    with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-        f.write(text)
-    os._exit(0)
+    report_and_leave(out_dir, rank, lambda: mc.train(mc.build_tiny_mla_gpt(tiny, cp=2),
+                                                     mc.make_batches(tiny, 1)))
 
 
 @pytest.mark.timeout(300)

@@ -17,19 +17,9 @@ from torch import nn
 
 from mindspeed_laga.patches.lora import UnsupportedLoRAError, effective_weight
 from support.thirdparty import require_peft
+from support.unknown_adapter import UnknownAdapter
 
 pytestmark = pytest.mark.ascend
-
-
-class UnknownAdapter(nn.Module):
-    """A wrapper LAGA has never read: it keeps the module as ``base_layer``, as peft does."""
-
-    def __init__(self, base):
-        super().__init__()
-        self.base_layer = base
-
-    def forward(self, x):
-        return self.base_layer(x) * 2
 
 
 def test_a_plain_linear_is_its_weight():
@@ -51,7 +41,7 @@ def test_an_unknown_wrapper_on_the_kv_up_projection_raises_by_name(mm_split):
         _kv_up_weight(module)
     name = "linear_v" if mm_split else "linear_kv_up_proj"
     message = str(info.value)
-    assert f"{name} is wrapped by {__name__}.UnknownAdapter" in message
+    assert f"{name} is wrapped by {UnknownAdapter.__module__}.UnknownAdapter" in message
     assert "--lora-target-modules" in message and "--mla-latent-all-gather" in message
 
 
@@ -128,6 +118,16 @@ def test_merged_adapters_are_not_added_twice_and_disabled_ones_not_at_all(lora):
 def test_lora_dropout_is_refused_naming_the_module(lora):
     with pytest.raises(UnsupportedLoRAError, match="linear_kv_up_proj .*lora_dropout 0.1"):
         effective_weight(_wrapped(lora, dropout=0.1), "linear_kv_up_proj")
+
+
+@pytest.mark.hosts
+def test_lora_dropout_in_eval_mode_is_base_plus_delta(lora):
+    """In eval mode the dropout passes its input through: the forward is W x + s B A x."""
+    module = _wrapped(lora, dropout=0.1).eval()
+    grads = _same_as_forward(module, ["default"])
+    assert {"lora_A.default.weight", "lora_B.default.weight"} <= grads.keys()
+    with pytest.raises(UnsupportedLoRAError, match="lora_dropout 0.1"):
+        effective_weight(module.train(), "linear_kv_up_proj")
 
 
 @pytest.mark.hosts

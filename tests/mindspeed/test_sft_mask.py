@@ -50,6 +50,22 @@ def test_the_sft_mask_becomes_its_key_padding(side):
     assert torch.equal(got, tokens == 0)
 
 
+@pytest.mark.parametrize("how", ["in place", ".data", "numpy"])
+def test_a_mask_edited_after_its_first_read_is_read_again(how):
+    """The verdict is kept per mask; an edit that bumps no version counter (``.data``, a
+    numpy view) must not leave the old padding in place."""
+    mask = tune_mask(valid("right"))
+    assert torch.equal(key_padding_from_mask(mask, S, B, None), valid("right") == 0)
+    edited = tune_mask(valid("left"))
+    if how == "in place":
+        mask.copy_(edited)
+    elif how == ".data":
+        mask.data.copy_(edited)
+    else:
+        mask.numpy()[...] = edited.numpy()
+    assert torch.equal(key_padding_from_mask(mask, S, B, None), valid("left") == 0)
+
+
 def test_a_causal_mask_takes_the_fast_path():
     causal = torch.ones(S, S, dtype=torch.bool).triu(1)
     assert key_padding_from_mask(causal[None, None], S, B, None) is None
@@ -109,7 +125,8 @@ def _ranks_worker(rank, world, case):
 
 @pytest.mark.timeout(300)
 def test_ranks_raise_together_before_any_data_moves():
-    for case, needle in (("one rank's mask differs", "key_padding_mask (padding keys per sample)"),
+    for case, needle in (("one rank's mask differs", "key_padding_mask (which keys are padding; "
+                          "shown: padding keys per sample): [[3, 6], [3, 5]]"),
                          ("one rank's mask is refused", "rejected their arguments")):
         errors = run_on_ranks(_ranks_worker, 2, case, timeout_s=120)
         assert errors[0] and needle in errors[0], (case, errors)
