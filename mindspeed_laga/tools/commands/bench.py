@@ -30,16 +30,18 @@ from typing import Dict, List, Optional
 
 from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
-from ..spawn import under_torchrun as _torchrun
+from ..torchrun_env import torchrun_rank, under_torchrun as _torchrun, world_size
 from ...cp_algos import algo, takes_ulysses_degree
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, KERNELS, LAYOUTS  # noqa: F401
 from ...vocab.dims import ModelDims  # noqa: F401
 from .output import MiB, check_output_path, dtype_arg, pad as _pad, ratio as _ratio
 from .parsers import add_cp_algo_args, command_parser
 from .bench_fit import check_block_size, check_fits
-from .plot import check_plot_path, write_plot
+from .plot import check_plot_path, matplotlib_missing, write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
 
+DEFAULT_CP = 4
+DEFAULT_PLOT = "bench.png"
 # How long spawned ranks may take for the whole benchmark before they count as hung: a
 # bench at model dims on CPU runs for many minutes, which is not a hang.
 RUN_TIMEOUT_S = 3600.0
@@ -65,9 +67,11 @@ COLUMNS = (
 
 def add_parser(sub):
     p = command_parser(sub, "bench", "measure bytes, saved activations, time and error per form", __doc__)
-    p.add_argument("--cp", type=positive_int, default=4,
-                   help="CP size: gloo processes to spawn (default 4); under torchrun the world size")
-    add_cp_algo_args(p, "both", algo_note=" (spawned ranks)",
+    p.add_argument("--cp", type=positive_int, default=None,
+                   help=f"CP size: gloo processes to spawn (default {DEFAULT_CP}, at most what "
+                        "this machine's cores and memory hold); under torchrun the world size "
+                        "(a different --cp is refused)")
+    add_cp_algo_args(p, "both", algo_note=" (default both; hybrid: spawned ranks)",
                      degree_help="hybrid CP: heads split inside groups of U consecutive ranks, the "
                                  "latent (explicit: K/V) across them")
     p.add_argument("--seq-lens", "--seq-len", dest="seq_lens", default="128,256,512",
@@ -95,10 +99,12 @@ def add_parser(sub):
                    help="only explicit, absorbed and LAGA (no LAGA options)")
     p.add_argument("--json", default="bench.json", metavar="PATH",
                    help="write every figure here (default bench.json; '-' = stdout only)")
-    p.add_argument("--plot", default="bench.png", metavar="PATH",
-                   help="PNG plots (needs matplotlib; default bench.png; '' = none)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help=f"PNG plots (needs matplotlib: refused without it; default {DEFAULT_PLOT}, "
+                        "skipped with a note at the start when matplotlib is missing; '' = none)")
     p.add_argument("--backend", default=None,
-                   help="torchrun only: process-group backend (default nccl on CUDA, hccl on NPU, gloo)")
+                   help="torchrun only (refused without it): process-group backend (default nccl "
+                        "on CUDA, hccl on NPU, gloo)")
     add_shape_args(p, CPU_DEFAULT, seq_len=False)
 
 
@@ -411,23 +417,27 @@ def _run_torchrun(args, runs, repeat, warmup):
 def run(args) -> int:
     from ..spawn import run_on_ranks
     from ..measure import device_type as measure_device_type, worker
+    cp_size = world_size(args.cp, args.backend, DEFAULT_CP)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    out = sys.stderr if args.json == "-" else sys.stdout  # --json -: stdout is the JSON's
+    plot_note = resolve_plot(args)
     check_output_path("--json", args.json)
     check_plot_path(args.plot)
     check_output_path("--plot", args.plot)
     torchrun = _torchrun()
-    cp_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.cp
     device_type = measure_device_type(args.backend) if torchrun else "cpu"
     check_kernel(args.kernel, device_type, torchrun)
     runs, models = build_runs(args, cp_size, device_type)
     check_fits(runs, models, int(os.environ.get("LOCAL_WORLD_SIZE", cp_size)) if torchrun else cp_size)
     where = f"torchrun, world size {cp_size}" if torchrun else f"{cp_size} spawned gloo CPU ranks"
     s = runs[0].shape
-    out = sys.stderr if args.json == "-" else sys.stdout  # --json -: stdout is the JSON's
-    print(f"bench: {where}; {len(runs)} runs ({args.warmup} warm-up + {args.repeat} timed each); "
-          f"b={s.batch}, n={s.heads}, d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, "
-          f"d_c={s.kv_lora_rank}, {args.dtype}, kernel={args.kernel}", file=out, flush=True)
+    if torchrun_rank() == 0:  # every torchrun rank runs this; one says what runs
+        print(f"bench: {where}; {len(runs)} runs ({args.warmup} warm-up + {args.repeat} timed each); "
+              f"b={s.batch}, n={s.heads}, d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, "
+              f"d_c={s.kv_lora_rank}, {args.dtype}, kernel={args.kernel}", file=out, flush=True)
+        if plot_note:
+            print(plot_note, file=out, flush=True)
     start = time.perf_counter()
     if torchrun:
         per_rank, rank = _run_torchrun(args, runs, args.repeat, args.warmup)
@@ -454,6 +464,20 @@ def run(args) -> int:
     print(f"wall time: {time.perf_counter() - start:.1f} s", file=out)
     _write_outputs(args, rows, cp_size, where, out)
     return 0
+
+
+def resolve_plot(args) -> Optional[str]:
+    """--plot's path: the default, or refused when asked for without matplotlib; returns the
+    note to print at the start when the default plot is skipped for want of it."""
+    if args.plot is None:
+        args.plot = DEFAULT_PLOT
+        if matplotlib_missing():
+            args.plot = ""
+            return "plot: none (matplotlib is not installed; pip install matplotlib for the PNG)"
+    elif args.plot and matplotlib_missing():
+        raise ValueError(f"--plot {args.plot!r} needs matplotlib, which is not installed: "
+                         "pip install matplotlib, or drop --plot")
+    return None
 
 
 def check_kernel(kernel: str, device_type: str, torchrun: bool) -> None:
@@ -526,7 +550,6 @@ def _write_outputs(args, rows, cp_size, where, out) -> None:
         print(f"JSON: {args.json}", file=out)
     if args.plot:
         written = write_plot(rows, args.plot, figure_title(args, rows, cp_size, where))
-        print(f"plot: {written}" if written else
-              "plot: skipped (matplotlib is not installed; pip install matplotlib)", file=out)
+        print(f"plot: {written}", file=out)
     if args.json == "-":
         print(json.dumps(doc, indent=1, default=str), flush=True)

@@ -51,6 +51,11 @@ COLOURS = ("tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:pu
 BASE_FORMS = ("explicit", "absorbed", "laga")
 
 
+def matplotlib_missing() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("matplotlib") is None
+
+
 def check_plot_path(path: Optional[str]) -> None:
     """ValueError naming --plot when matplotlib cannot write ``path``'s format (before the run)."""
     if not path:
