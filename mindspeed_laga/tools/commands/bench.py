@@ -41,7 +41,10 @@ from .plot import check_plot_path, matplotlib_missing, write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
 
 DEFAULT_CP = 4
-DEFAULT_PLOT = "bench.png"
+# Outputs not named on the command line go into this folder (made when needed), not the cwd.
+DEFAULT_DIR = "bench_out"
+DEFAULT_JSON = os.path.join(DEFAULT_DIR, "bench.json")
+DEFAULT_PLOT = os.path.join(DEFAULT_DIR, "bench.png")
 # How long spawned ranks may take for the whole benchmark before they count as hung: a
 # bench at model dims on CPU runs for many minutes, which is not a hang.
 RUN_TIMEOUT_S = 3600.0
@@ -97,8 +100,9 @@ def add_parser(sub):
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--forms-only", action="store_true",
                    help="only explicit, absorbed and LAGA (no LAGA options)")
-    p.add_argument("--json", default="bench.json", metavar="PATH",
-                   help="write every figure here (default bench.json; '-' = stdout only)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help=f"write every figure here (default {DEFAULT_JSON}, the folder made if "
+                        "needed; '-' = stdout only; '' = none)")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help=f"PNG plots (needs matplotlib: refused without it; default {DEFAULT_PLOT}, "
                         "skipped with a note at the start when matplotlib is missing; '' = none)")
@@ -277,7 +281,7 @@ def make_rows(runs, models, per_rank: List[List[dict]], ulysses_degree: int = 1)
 def _time_spread(ranks: List[dict]) -> dict:
     """The fastest and slowest timed run, each run timed by its slowest rank."""
     runs = [max(per_rank) for per_rank in zip(*(r.get("seconds_runs") or [r["seconds"]] for r in ranks))]
-    return {"ms_min": 1e3 * min(runs), "ms_max": 1e3 * max(runs)}
+    return {"ms_min": 1e3 * min(runs), "ms_max": 1e3 * max(runs), "timed_runs": len(runs)}
 
 
 def _comm(result, direction, measure) -> int:
@@ -322,6 +326,7 @@ def _add_relative(rows: List[dict]) -> None:
         base, ov = group.get("laga+qproj"), group.get("laga+overlap")
         if base and ov:
             ov["overlap_speedup"] = base["ms"] / ov["ms"]
+            ov["overlap_conclusive"] = timing_conclusive(base, ov)
             blocked = [(x.get("comm_seconds") or {}).get("latent") for x in (base, ov)]
             if None not in blocked and blocked[0] > 0:
                 ov["latent_blocked_ms"] = {"without_overlap": 1e3 * blocked[0], "with_overlap": 1e3 * blocked[1]}
@@ -349,16 +354,37 @@ def print_table(rows: List[dict], out=None) -> None:
             print("  wire by group (measured / model): " + ", ".join(
                 f"{g} {got.get(g, 0):,} / {model.get(g, 0):,.0f}" for g in GROUPS), file=out)
         if "latent_comm_hidden_share" in r:
-            b = r["latent_blocked_ms"]
-            print(f"  overlap: fwd+bwd speedup {r['overlap_speedup']:.2f}x over laga+qproj (same "
-                  "work, gather not overlapped); latent gather + "
-                  f"reduce-scatter blocked {b['without_overlap']:.2f} ms -> {b['with_overlap']:.2f} ms "
-                  f"({hidden_share_text(r['latent_comm_hidden_share'])})", file=out)
+            base = next(x for x in rows if _group(x) == _group(r) and x["variant"] == "laga+qproj")
+            print(overlap_text(base, r), file=out)
     if any("comm_wire_by_group" in r for r in rows):
         degree = next(r["ulysses_degree"] for r in rows if "ulysses_degree" in r)
         print(f"\ngroups: ulysses = the {degree} ranks that split heads (one node); ring = the ranks "
               "with the same Ulysses rank (explicit gathers K/V here, across nodes); cp = every "
               "rank (the latent forms gather the latent here)", file=out)
+
+
+def timing_conclusive(a: dict, b: dict) -> bool:
+    """Whether the difference of two rows' median times says anything on this machine: each
+    has at least two timed runs and the runs of each spread (slowest - fastest) less than the
+    difference of the medians. Otherwise the noise alone could make it."""
+    spread = max(r.get("ms_max", r["ms"]) - r.get("ms_min", r["ms"]) for r in (a, b))
+    runs = min(r.get("timed_runs", 1) for r in (a, b))
+    return runs >= 2 and spread < abs(a["ms"] - b["ms"])
+
+
+def overlap_text(base: dict, ov: dict) -> str:
+    """The overlap line: a speedup where the timing is conclusive, else why it is not."""
+    if not ov.get("overlap_conclusive"):
+        spread = " and ".join(f"{r['variant']} {r['ms']:.2f} ms (runs {r.get('ms_min', r['ms']):.2f}-"
+                              f"{r.get('ms_max', r['ms']):.2f})" for r in (base, ov))
+        return (f"  overlap: timing inconclusive on this machine: {spread}; the runs spread more "
+                "than the difference (or fewer than 2 timed runs); rerun with more --repeat, longer "
+                "--seq-lens or on an idle machine")
+    b = ov["latent_blocked_ms"]
+    return (f"  overlap: fwd+bwd speedup {ov['overlap_speedup']:.2f}x over laga+qproj (same "
+            "work, gather not overlapped); latent gather + "
+            f"reduce-scatter blocked {b['without_overlap']:.2f} ms -> {b['with_overlap']:.2f} ms "
+            f"({hidden_share_text(ov['latent_comm_hidden_share'])})")
 
 
 # Hybrid CP's groups, in the order the tables list them (every row names all three).
@@ -422,6 +448,11 @@ def run(args) -> int:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     out = sys.stderr if args.json == "-" else sys.stdout  # --json -: stdout is the JSON's
     plot_note = resolve_plot(args)
+    if args.json is None:
+        args.json = DEFAULT_JSON
+    for path in (args.json, args.plot):
+        if path in (DEFAULT_JSON, DEFAULT_PLOT):
+            os.makedirs(DEFAULT_DIR, exist_ok=True)
     check_output_path("--json", args.json)
     check_plot_path(args.plot)
     check_output_path("--plot", args.plot)
