@@ -88,9 +88,8 @@ DISTRIBUTED_ARGS="
     --master_port $MASTER_PORT
 "
 
-# DeepSeek-V3 itself: MLA, YaRN rope, the MoE router, the dense sizes.
-MODEL_ARGS="
-    --spec mindspeed_llm.tasks.models.spec.deepseek_spec layer_spec \
+# DeepSeek-V3's MLA and its YaRN rope, as every DeepSeek-V3 recipe passes them.
+MLA_ARGS="
     --multi-latent-attention \
     --qk-pos-emb-head-dim 64 \
     --qk-head-dim 128 \
@@ -104,7 +103,34 @@ MODEL_ARGS="
     --rope-scaling-mscale 1.0 \
     --rope-scaling-mscale-all-dim 1.0 \
     --rope-scaling-original-max-position-embeddings 4096 \
-    --rope-scaling-type yarn \
+    --rope-scaling-type yarn
+"
+
+# DeepSeek-V3's widths, vocabulary, norm and rope base, shared by every DeepSeek-V3 recipe.
+V3_SIZE_ARGS="
+    --hidden-size 7168 \
+    --ffn-hidden-size 18432 \
+    --max-position-embeddings 163840 \
+    --make-vocab-size-divisible-by 1 \
+    --vocab-size 129280 \
+    --padded-vocab-size 129280 \
+    --rotary-base 10000 \
+    --norm-epsilon 1e-6 \
+    --untie-embeddings-and-output-weights \
+    --disable-bias-linear \
+    --position-embedding-type rope \
+    --use-rotary-position-embeddings \
+    --normalization RMSNorm \
+    --swiglu \
+    --init-method-std 0.02 \
+    --attention-dropout 0.0 \
+    --hidden-dropout 0.0
+"
+
+# DeepSeek-V3 itself: MLA, YaRN rope, the MoE router, the dense sizes.
+MODEL_ARGS="
+    --spec mindspeed_llm.tasks.models.spec.deepseek_spec layer_spec \
+    $MLA_ARGS \
     --first-k-dense-replace 3 \
     --moe-layer-freq 1 \
     --n-shared-experts 1 \
@@ -121,24 +147,18 @@ MODEL_ARGS="
     --moe-router-enable-expert-bias \
     --num-layers 64 \
     --noop-layers 61,62,63 \
-    --hidden-size 7168 \
-    --ffn-hidden-size 18432 \
-    --num-attention-heads 128 \
-    --max-position-embeddings 163840 \
-    --make-vocab-size-divisible-by 1 \
-    --vocab-size 129280 \
-    --padded-vocab-size 129280 \
-    --rotary-base 10000 \
-    --norm-epsilon 1e-6 \
-    --untie-embeddings-and-output-weights \
-    --disable-bias-linear \
-    --position-embedding-type rope \
-    --use-rotary-position-embeddings \
-    --normalization RMSNorm \
-    --swiglu \
-    --init-method-std 0.02 \
-    --attention-dropout 0.0 \
-    --hidden-dropout 0.0
+    --num-attention-heads ${NUM_HEADS} \
+    $V3_SIZE_ARGS
+"
+
+# The data, its split and the logging/saving cadence every DeepSeek-V3 recipe passes.
+DATA_LOG_ARGS="
+    --data-path $DATA_PATH \
+    --split 100,0,0 \
+    --log-interval 1 \
+    --save-interval 2000 \
+    --eval-interval 2000 \
+    --eval-iters 0
 "
 
 # What both stock recipes train with: parallel layout, fused ops, optimizer, memory.
@@ -183,12 +203,7 @@ TRAIN_ARGS="
     --ckpt-format torch \
     --enable-hf2mg-convert \
     --model-type-hf deepseek3 \
-    --data-path $DATA_PATH \
-    --split 100,0,0 \
-    --log-interval 1 \
-    --save-interval 2000 \
-    --eval-interval 2000 \
-    --eval-iters 0 \
+    $DATA_LOG_ARGS \
     --no-save-optim \
     --no-save-rng
 "

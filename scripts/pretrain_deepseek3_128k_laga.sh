@@ -50,13 +50,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/deepseek3_common.sh"
 # flags, --save/--load, --transformer-impl and the backend come from deepseek3_launch.
 MODEL_ARGS="
     --spec mindspeed_llm.tasks.models.spec.deepseek_spec layer_spec \
-    --multi-latent-attention \
-    --qk-pos-emb-head-dim 64 \
-    --qk-head-dim 128 \
-    --q-lora-rank 1536 \
-    --kv-lora-rank 512 \
-    --v-head-dim 128 \
-    --qk-layernorm \
+    $MLA_ARGS \
     --mla-fa-without-pad \
     --mla-mm-split \
     --moe-grouped-gemm \
@@ -77,32 +71,9 @@ MODEL_ARGS="
     --moe-router-enable-expert-bias \
     --moe-router-dtype fp32 \
     --fix-router \
-    --beta-fast 32 \
-    --beta-slow 1 \
-    --rope-scaling-factor 40 \
-    --rope-scaling-mscale 1.0 \
-    --rope-scaling-mscale-all-dim 1.0 \
-    --rope-scaling-original-max-position-embeddings 4096 \
-    --rope-scaling-type yarn \
     --num-layers ${NUM_LAYERS} \
-    --hidden-size 7168 \
-    --ffn-hidden-size 18432 \
     --num-attention-heads ${NUM_HEADS} \
-    --max-position-embeddings 163840 \
-    --make-vocab-size-divisible-by 1 \
-    --untie-embeddings-and-output-weights \
-    --disable-bias-linear \
-    --position-embedding-type rope \
-    --normalization RMSNorm \
-    --use-rotary-position-embeddings \
-    --swiglu \
-    --vocab-size 129280 \
-    --padded-vocab-size 129280 \
-    --rotary-base 10000 \
-    --norm-epsilon 1e-6 \
-    --attention-dropout 0.0 \
-    --init-method-std 0.02 \
-    --hidden-dropout 0.0
+    $V3_SIZE_ARGS
 "
 
 TRAIN_ARGS="
@@ -156,12 +127,7 @@ TRAIN_ARGS="
     --adam-beta2 0.999 \
     --bf16 \
     --handler-name GeneralPretrainHandler \
-    --data-path $DATA_PATH \
-    --split 100,0,0 \
-    --log-interval 1 \
-    --save-interval 2000 \
-    --eval-interval 2000 \
-    --eval-iters 0 \
+    $DATA_LOG_ARGS \
     --no-shared-storage
 "
 

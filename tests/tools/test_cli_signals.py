@@ -35,6 +35,18 @@ def _descendants_of(leader: int):
     return pids
 
 
+def _kill_all(proc) -> None:
+    """Kill what this test started (the command's session), nothing else."""
+    for pid in _descendants_of(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _wait(predicate, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -63,14 +75,7 @@ def test_sigterm_leaves_no_process_behind(command):
         assert code == 128 + signal.SIGTERM, (code, err)
         assert "Traceback" not in err and f"mindspeed-laga {command}: terminated" in err, err
     finally:
-        for pid in _descendants_of(proc.pid):  # what this test started, nothing else
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill_all(proc)
 
 
 @pytest.mark.timeout(240)
@@ -89,11 +94,4 @@ def test_sigkill_of_the_cli_ends_its_fork_server_and_ranks():
         survivors = [] if _wait(lambda: not _descendants_of(proc.pid), 20) else _descendants_of(proc.pid)
         assert not survivors, f"still alive 20 s after SIGKILL of the CLI: {survivors}"
     finally:
-        for pid in _descendants_of(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill_all(proc)
