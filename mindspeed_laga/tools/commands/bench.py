@@ -450,12 +450,12 @@ def run(args) -> int:
     plot_note = resolve_plot(args)
     if args.json is None:
         args.json = DEFAULT_JSON
-    for path in (args.json, args.plot):
-        if path in (DEFAULT_JSON, DEFAULT_PLOT):
-            os.makedirs(DEFAULT_DIR, exist_ok=True)
-    check_output_path("--json", args.json)
     check_plot_path(args.plot)
-    check_output_path("--plot", args.plot)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path in (DEFAULT_JSON, DEFAULT_PLOT) and not os.path.isdir(DEFAULT_DIR):
+            check_output_path(flag, DEFAULT_DIR)  # made when the run writes: its place is writable
+        else:
+            check_output_path(flag, path)
     torchrun = _torchrun()
     device_type = measure_device_type(args.backend) if torchrun else "cpu"
     check_kernel(args.kernel, device_type, torchrun)
@@ -571,6 +571,8 @@ def figure_title(args, rows: List[dict], cp_size: int, where: str) -> str:
 
 
 def _write_outputs(args, rows, cp_size, where, out) -> None:
+    if {args.json, args.plot} & {DEFAULT_JSON, DEFAULT_PLOT}:
+        os.makedirs(DEFAULT_DIR, exist_ok=True)
     doc = {"cp_size": cp_size, "where": where, "dtype": args.dtype, "kernel": args.kernel,
            "doc_lens": args.doc_lens, "num_docs": args.num_docs, "layout": args.layout,
            "repeat": args.repeat, "warmup": args.warmup, "columns": [k for _, k, _ in COLUMNS],
