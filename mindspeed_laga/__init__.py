@@ -1,13 +1,26 @@
 """mindspeed-laga: Latent All-Gather Attention for MLA under context parallelism."""
-from ._versions import check_torch
+import importlib
 
-check_torch()  # before the modules below meet an untested torch
+from ._versions import check_torch, installed_torch_version
 
-from .api import FORMS, absorbed_attention, explicit_attention, laga_attention
-from .comm import CommCounter, count_bytes
-from .forms.latent_source import LatentGather, start_latent_gather
-from .forms.sparse_mla import SparseResult, sparse_laga_attention
-from .reference import mla_attention_reference
+# Before any module of the package meets an untested torch; read from the installed
+# metadata, so that importing the package (the CLI parsing its arguments, ``--help``)
+# does not import torch itself. The names below import it on first use.
+check_torch(installed_torch_version())
+
+_API = {"FORMS": ".api", "absorbed_attention": ".api", "explicit_attention": ".api",
+        "laga_attention": ".api", "CommCounter": ".comm", "count_bytes": ".comm",
+        "LatentGather": ".forms.latent_source", "start_latent_gather": ".forms.latent_source",
+        "mla_attention_reference": ".reference",
+        "SparseResult": ".forms.sparse_mla", "sparse_laga_attention": ".forms.sparse_mla"}
+
+
+def __getattr__(name):
+    if name in _API:
+        value = getattr(importlib.import_module(_API[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __version__ = "0.1.0"
 

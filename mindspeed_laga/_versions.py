@@ -27,6 +27,20 @@ def torch_supported(version: str) -> bool:
     return TORCH_MIN <= parse_version(version) < TORCH_BELOW
 
 
+def installed_torch_version() -> str | None:
+    """The version of the torch this process runs: the imported module's when torch is
+    already imported, else its installed metadata, without importing it (None when torch
+    has no metadata, say a source tree on the path: then :func:`check_torch` imports it)."""
+    import importlib.metadata
+    import sys
+    if "torch" in sys.modules:
+        return getattr(sys.modules["torch"], "__version__", None)
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def check_torch(version: str | None = None) -> None:
     """Raise ImportError naming the supported range unless torch is inside it."""
     if os.environ.get(SKIP_CHECK_ENV):

@@ -16,6 +16,10 @@ CP_ALGO=${CP_ALGO:-allgather}
 FORM=${FORM:-laga}
 PYTHON=${PYTHON:-python}
 
+fail() { echo "train_tiny_cpu: error: $*" >&2; exit 2; }
+case "$LAGA" in 0 | 1) ;; *) fail "LAGA=$LAGA: must be 0 or 1" ;; esac
+case "$NPROC" in '' | *[!0-9]* | 0*) fail "NPROC=$NPROC: must be a positive integer" ;; esac
+
 args=(--cp-algo "$CP_ALGO" --form "$FORM")
 if [[ "$LAGA" == "1" ]]; then
     args+=(--laga)

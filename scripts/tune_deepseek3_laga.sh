@@ -21,7 +21,8 @@
 # installed (pip install -e <mindspeed-laga>) in the same environment:
 #   LAGA=1 bash /path/to/mindspeed-laga/scripts/tune_deepseek3_laga.sh
 #   LAGA=0 bash ...            # the same run on MindSpeed's own CP attention
-#   DRY_RUN=1 bash ...         # print the command instead of running it
+#   DRY_RUN=1 bash ...         # print the command (one flag a line) instead of running it
+# Environment values are checked before anything launches, as in pretrain_deepseek3_laga.sh.
 set -eo pipefail
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -41,9 +42,14 @@ GBS=128
 LORA_TARGETS=${LORA_TARGETS:-linear_qkv linear_proj linear_fc1 linear_fc2}
 PADDING_SIDE=${PADDING_SIDE:-right}
 PACKED=${PACKED:-0}
+LAGA_SWITCHES="PACKED"  # checked 0 or 1 with LAGA's own (deepseek3_common.sh)
 
 # shellcheck source=deepseek3_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/deepseek3_common.sh"
+case "$PADDING_SIDE" in
+    left | right) ;;
+    *) laga_fail "PADDING_SIDE=$PADDING_SIDE: must be left or right" ;;
+esac
 
 # --prompt-type twice, as the stock recipe passes it
 TUNE_ARGS="

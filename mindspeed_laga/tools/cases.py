@@ -12,28 +12,12 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .. import layout as layouts
+from .mla_shape import MLAShape
 from .runspec import RunSpec
 
 INPUTS = ("query", "kv_latent", "k_pos_emb", "kv_up_weight")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
-
-
-@dataclass(frozen=True)
-class MLAShape:
-    """Full-sequence MLA sizes. The default is DeepSeek-shaped but tiny."""
-
-    seq_len: int = 64
-    batch: int = 2
-    heads: int = 8
-    qk_head_dim: int = 16
-    rope_dim: int = 8
-    v_head_dim: int = 16
-    kv_lora_rank: int = 32
-
-    @property
-    def softmax_scale(self) -> float:
-        return (self.qk_head_dim + self.rope_dim) ** -0.5
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .die_with_parent import PARENT_ENV, die_with_parent
+from .torchrun_env import under_torchrun  # noqa: F401  (callers import it from here too)
+
 # Modules the fork server imports once so that ranks start warm; of WARM_IF_LOADED, those
 # the caller has already imported when the server starts (a pytest run has, say,
 # pytest and megatron.core, whose imports would otherwise cost every rank seconds).
-PRELOAD = ["torch", "torch.distributed", "mindspeed_laga", "mindspeed_laga.tools.equivalence",
-           "mindspeed_laga.tools.measure"]
+PRELOAD = ["mindspeed_laga.tools.die_with_parent", "torch", "torch.distributed", "mindspeed_laga",
+           "mindspeed_laga.tools.equivalence", "mindspeed_laga.tools.measure"]
 WARM_IF_LOADED = ["pytest", "numpy", "megatron.core", "megatron.core.parallel_state",
                   "megatron.core.models.gpt"]
 # After one rank failed, how long the others may still take to report (they are
@@ -59,6 +62,7 @@ def _dumps(obj) -> bytes:
 
 def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, queue,
             timeout_s: float, environ: dict):
+    die_with_parent()  # the fork server's death (the caller's, SIGKILL included) ends this rank
     # The fork server holds the environment of its start; the ranks see the caller's now.
     os.environ.clear()
     os.environ.update(environ)
@@ -88,6 +92,8 @@ def _context():
         ctx = mp.get_context("forkserver")
     except ValueError:
         return mp.get_context("spawn")
+    # The fork server starts with this environment: it dies with this process (die_with_parent).
+    os.environ[PARENT_ENV] = str(os.getpid())
     ctx.set_forkserver_preload(PRELOAD + _warm_modules())
     return ctx
 
@@ -105,11 +111,6 @@ def _warm_modules() -> List[str]:
     installed = all((getattr(sys.modules[name], "__file__", None) or "").startswith(roots)
                     for name in megatron)
     return [name for name in loaded if installed or name not in megatron]
-
-
-def under_torchrun() -> bool:
-    """Whether this process is one rank of a torchrun job (its environment says so)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0) -> List[Any]:

@@ -24,6 +24,8 @@ def _demo(timeout=120, *extra, **env):
     (dict(NPROC="4", CP_ALGO="hybrid", ULYSSES_DEGREE="3"), (), ["dividing both CP=4", "got 3"]),
     (dict(NPROC="2"), ("--tp", "3"), ["--tp 3 must divide the world size 2"]),
     (dict(NPROC="2", LAGA="0"), ("--layout", "contiguous"), ["without --laga"]),
+    (dict(NPROC="2", LAGA="yes"), (), ["LAGA=yes: must be 0 or 1"]),
+    (dict(NPROC="two"), (), ["NPROC=two: must be a positive integer"]),
 ])
 def test_bad_configuration_fails_in_one_line_before_torchrun(env, extra, words):
     proc = _demo(120, *extra, **env)

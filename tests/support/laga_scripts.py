@@ -25,7 +25,7 @@ class LagaScript:
         """The launch line the script prints with these environment variables."""
         proc = subprocess.run(["bash", str(self.path)], env=dict(os.environ, DRY_RUN="1", **env),
                               capture_output=True, text=True, timeout=60, check=True)
-        return shlex.split(proc.stdout)
+        return shlex.split(proc.stdout.replace("\\\n", " "))  # one flag a line, continued
 
     def args(self, tokens: List[str]) -> List[str]:
         """The arguments after the entry script."""

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from mindspeed_laga.tools import cli
-from mindspeed_laga.tools.commands import bench
+from mindspeed_laga.tools.commands import bench, plot as plot_module
 from support.cli_runs import assert_one_line_error, run_cli
 
 TINY = ["--cp", "2", "--seq-lens", "16,32", "--heads", "4", "--qk-head-dim", "8",
@@ -21,8 +21,10 @@ def tiny_bench(tmp_path_factory):
     """One bench run for the module (it spawns the ranks); its stdout captured."""
     path = tmp_path_factory.mktemp("bench")
     out = io.StringIO()
+    # without matplotlib an asked-for plot is refused; the default one is skipped with a note
+    plot = [] if plot_module.matplotlib_missing() else ["--plot", str(path / "b.png")]
     with contextlib.redirect_stdout(out):
-        code = cli.main(["bench", *TINY, "--json", str(path / "b.json"), "--plot", str(path / "b.png")])
+        code = cli.main(["bench", *TINY, "--json", str(path / "b.json"), *plot])
     return code, out.getvalue(), json.loads((path / "b.json").read_text()), path
 
 
@@ -54,7 +56,7 @@ def test_bench_plot_written_or_skipped_with_a_note(tiny_bench):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert "plot: skipped (matplotlib is not installed" in out
+        assert out.splitlines()[1].startswith("plot: none (matplotlib is not installed")
         assert not (path / "b.png").exists()
     else:
         assert (path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -249,10 +251,17 @@ def test_plot_ratios_to_explicit_with_spread_model_units_and_config():
     assert [b.get_height() for b in _bars(time_ax)["laga+trim"]] == [4.0, 4.0]
     assert bars["explicit"][0].get_facecolor() != bars["laga"][0].get_facecolor()
     assert len({bars[v][0].get_facecolor() for v in bars}) == 5
-    # time whiskers: fastest form run / slowest explicit run .. slowest / fastest
-    trim = [c for c in time_ax.containers if c.get_label() == "laga+trim" and hasattr(c, "patches")][0]
-    (low, high), = [seg[:, 1] for seg in trim.errorbar.lines[2][0].get_segments()][:1]
-    assert (low, high) == pytest.approx((4.0 * 0.8 / 1.5, 4.0 * 1.5 / 0.8))
+    # time whiskers: fastest form run / slowest explicit run .. slowest / fastest, the panel
+    # scaled to the bars (1.35 x the tallest, 5.0): laga+trim's 7.5 is cut at 6.75 and marked
+    trim_x = _bars(time_ax)["laga+trim"][0]
+    trim_x = trim_x.get_x() + trim_x.get_width() / 2
+    whisker = [ln for ln in time_ax.get_lines() if len(ln.get_xdata()) == 2
+               and ln.get_xdata()[0] == pytest.approx(trim_x)][0]
+    assert list(whisker.get_ydata()) == pytest.approx([4.0 * 0.8 / 1.5, 1.35 * 5.0])
+    assert any(ln.get_marker() == "^" and ln.get_xdata()[0] == pytest.approx(trim_x)
+               for ln in time_ax.get_lines())
+    assert time_ax.get_ylim()[1] == pytest.approx(1.35 * 5.0 * 1.04)
+    assert "whisker clipped at the top" in time_ax.get_title()
     # the model's peak, as a ratio to explicit's model peak, beside each measured bar
     ticks = [line.get_ydata()[0] for line in peak_ax.get_lines() if line.get_marker() == "_"]
     assert ticks == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0] * 2)
@@ -288,3 +297,73 @@ def test_a_negative_hidden_share_is_called_noise():
     assert bench.hidden_share_text(0.42) == "42% hidden"
     text = bench.hidden_share_text(-5.55)
     assert text.startswith("none hidden: -555% is timing noise") and "% hidden" not in text
+
+
+def test_plot_labels_every_bar_and_separates_the_forms():
+    """Several lengths: every bar still carries its ratio; the forms' colour families differ
+    and LAGA's options differ from each other in colour and hatch."""
+    pytest.importorskip("matplotlib")
+    from mindspeed_laga.tools.commands import plot
+    rows = _rows(seq_lens=(16, 32, 64, 128))
+    fig = plot.build_figure(rows)
+    for ax in fig.axes:
+        assert len(ax.texts) == sum(len(b) for b in _bars(ax).values()) == 20
+    style = plot.styles(rows)
+    assert style["explicit"][0] != style["absorbed"][0] != style["laga"][0]
+    options = [style[v] for v in ("laga+trim", "laga+recompute")]
+    assert len(set(options)) == 2 and all(hatch for _, hatch in options)
+
+
+def test_hybrid_bytes_split_intra_and_cross_node():
+    pytest.importorskip("matplotlib")
+    from mindspeed_laga.tools.commands import plot
+    rows = _rows(seq_lens=(64,))
+    for r in rows:
+        r["comm_wire_bytes"] = 1000 + 100 * len(r["variant"])
+        r["comm_wire_by_group"] = {"ulysses": 600, "cp": r["comm_wire_bytes"] - 600}
+    fig = plot.build_figure(rows)
+    ax = fig.axes[0]
+    assert "intra-node" in ax.get_title() and "cross-node" in ax.get_title()
+    patches = [p for c in ax.containers for p in c.patches]
+    explicit = 1000 + 100 * len("explicit")
+    solid = [p for p in patches if not p.get_hatch()]
+    hatched = [p for p in patches if p.get_hatch()]
+    assert len(solid) == len(hatched) == 5
+    assert solid[0].get_height() == pytest.approx(600 / explicit)
+    assert solid[0].get_height() + hatched[0].get_height() == pytest.approx(1.0)
+
+
+def _timed(variant, ms, lo, hi, runs=3):
+    return {"variant": variant, "ms": ms, "ms_min": lo, "ms_max": hi, "timed_runs": runs,
+            "overlap_speedup": None, "latent_blocked_ms": {"without_overlap": 2.0, "with_overlap": 0.5},
+            "latent_comm_hidden_share": 0.75}
+
+
+@pytest.mark.parametrize("base, ov, conclusive", [
+    (_timed("laga+qproj", 10.0, 9.8, 10.3), _timed("laga+overlap", 6.0, 5.9, 6.2), True),
+    # injected noise: runs from 0.3x to 30x the median, as on a loaded 2-core machine
+    (_timed("laga+qproj", 10.0, 3.0, 300.0), _timed("laga+overlap", 6.0, 1.8, 180.0), False),
+    (_timed("laga+qproj", 10.0, 10.0, 10.0, 1), _timed("laga+overlap", 6.0, 6.0, 6.0, 1), False),
+])
+def test_overlap_speedup_only_where_the_noise_is_smaller(base, ov, conclusive):
+    assert bench.timing_conclusive(base, ov) is conclusive
+    ov["overlap_conclusive"] = conclusive
+    ov["overlap_speedup"] = base["ms"] / ov["ms"]
+    text = bench.overlap_text(base, ov)
+    if conclusive:
+        assert "speedup 1.67x" in text and "75% hidden" in text
+    else:
+        assert "timing inconclusive on this machine" in text and "speedup" not in text
+        assert "hidden" not in text
+
+
+def test_default_outputs_go_into_a_named_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["bench", *TINY[:2], "--seq-lens", "16", "--heads", "4", "--qk-head-dim", "8",
+                     "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--kv-lora-rank", "16",
+                     "--repeat", "1", "--warmup", "0", "--forms-only", "--cp-algo", "allgather"])
+    assert code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_out"]
+    assert (tmp_path / "bench_out" / "bench.json").exists()
+    out = capsys.readouterr().out
+    assert f"JSON: {bench.DEFAULT_JSON}" in out

@@ -35,6 +35,18 @@ def _descendants_of(leader: int):
     return pids
 
 
+def _kill_all(proc) -> None:
+    """Kill what this test started (the command's session), nothing else."""
+    for pid in _descendants_of(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _wait(predicate, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -63,11 +75,23 @@ def test_sigterm_leaves_no_process_behind(command):
         assert code == 128 + signal.SIGTERM, (code, err)
         assert "Traceback" not in err and f"mindspeed-laga {command}: terminated" in err, err
     finally:
-        for pid in _descendants_of(proc.pid):  # what this test started, nothing else
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill_all(proc)
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_of_the_cli_ends_its_fork_server_and_ranks():
+    """SIGKILL runs no ``finally``: the fork server and the ranks end by themselves, tied to
+    their parent (PR_SET_PDEATHSIG), and the resource tracker once their pipes close."""
+    proc = subprocess.Popen([sys.executable, "-m", "mindspeed_laga.tools.cli", *COMMANDS["verify"]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        assert _wait(lambda: len(_descendants_of(proc.pid)) >= 5, 120), \
+            f"ranks never started: {_descendants_of(proc.pid)}"
+        time.sleep(1.0)
+        proc.kill()
+        proc.wait(timeout=30)
+        survivors = [] if _wait(lambda: not _descendants_of(proc.pid), 20) else _descendants_of(proc.pid)
+        assert not survivors, f"still alive 20 s after SIGKILL of the CLI: {survivors}"
+    finally:
+        _kill_all(proc)

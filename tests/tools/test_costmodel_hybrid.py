@@ -202,7 +202,8 @@ def test_plan_node_table_at_deepseek_v3_two_nodes(capsys):
     assert (fastest["cp_algo"], fastest["ulysses_degree"]) == ("hybrid", 8)
     assert fastest["total_s"] == min(r["total_s"] for r in nodes["rows"])
     code, out, _ = run_cli(capsys, "plan", *V3_131K, "--ulysses-degree", "8")
-    assert "hybrid U=8     laga " in out and "fastest: laga" in out and "cp_algo=hybrid, U=8" in out
+    assert "hybrid U=8     laga " in out
+    assert "recommendation (the node table" in out and "with cp_algo=hybrid U=8" in out
 
 
 def test_plan_hybrid_tables_and_spanning_note(capsys):
@@ -260,4 +261,7 @@ def test_plan_hybrid_keeps_the_one_link_estimates(capsys):
     code, out, err = run_cli(capsys, "plan", "--cp", "16", "--seq-len", "131072",
                              "--cp-algo", "hybrid", "--ulysses-degree", "8", "--kernel", "fused")
     assert code == 0, err
-    assert "n/a" not in out and out.count("fastest:") == 3   # two one-link machines + the node table
+    assert "n/a" not in out and "fastest:" not in out
+    # two one-link tables and the node table, each with hybrid's rows; one recommendation
+    assert len(re.findall(r"\n  variant +hybrid U=8\n", out)) == 2 and "hybrid U=8     laga " in out
+    assert out.count("recommendation (") == 1

@@ -1,5 +1,6 @@
 """``mindspeed-laga plan``: the model's table, JSON, fit check, time estimate and errors."""
 import json
+import re
 import subprocess
 import sys
 import time
@@ -18,7 +19,9 @@ def test_default_is_deepseek_v3_ulysses_cp8_both_kernels(capsys):
     assert "cp_algo=ulysses" in out and "saved eager" in out and "saved sdpa" in out
     for name in ("explicit", "absorbed", "laga"):
         assert f"\n{name} " in out
-    assert out.count("fastest:") == 2  # 910B intra-node and cross-node
+    assert "fastest:" not in out  # one answer: the recommendation, last
+    assert out.count("recommendation (") == 1
+    assert out.strip().splitlines()[-1].startswith("  ")  # nothing after the recommendation's lines
 
 
 def test_json_carries_the_deepseek_v3_figures(capsys):
@@ -78,7 +81,7 @@ def test_any_sequence_length_answers_at_once(capsys):
 
 def test_fit_check_and_custom_machine(capsys):
     code, out, _ = run_cli(capsys, "plan", "--json", "--device-memory", "1", "--num-layers", "2",
-                           "--link-bandwidth", "50", "--device-tflops", "100")
+                           "--link-bandwidth", "50", "--device-tflops", "100", "--cp-algo", "ulysses")
     plan = json.loads(out)
     fit = plan["algos"]["ulysses"]["fit"]
     for kernel, rows in fit.items():
@@ -107,7 +110,7 @@ def test_explicit_dims_and_v2_lite(capsys):
     (["--preset", "deepseek-v9"], "unknown preset"),
     (["--seq-len", "1000", "--cp", "3"], "not divisible"),
     (["--cp-algo", "allgather", "--seq-len", "16388", "--cp", "4"], "2*CP"),
-    (["--cp", "256"], "heads"),
+    (["--cp", "256", "--cp-algo", "ulysses"], "heads"),
     (["--tp", "3"], "TP"),
     (["--seq-len", "-16"], "positive"),
     (["--micro-batch", "0"], "positive"),
@@ -212,11 +215,15 @@ def test_node_table_default_spans_two_nodes_and_hybrid_is_in_every_table(capsys)
     plan = json.loads(out)
     assert plan["config"]["cp_size"] == 16 and plan["cp_defaulted"]
     assert any(r["inter_bytes"] > 0 for r in plan["nodes"]["rows"] if r["cp_algo"] == "hybrid")
-    for machine in plan["time"].values():
-        assert set(machine["rows"]) == {"allgather", "ulysses", "hybrid"}
+    for machine in plan["time"].values():  # the time tables show what --cp-algo asks
+        assert set(machine["rows"]) == {"hybrid"}
         assert machine["ulysses_degree"] == 8
+    assert {(r["cp_algo"], r["ulysses_degree"]) for r in plan["nodes"]["rows"]} == {("hybrid", 8)}
     code, out, _ = run_cli(capsys, "plan", "--cp-algo", "hybrid", "--ulysses-degree", "8")
     assert "CP=16: the default with the node table, two nodes of 8" in out
+    assert len(re.findall(r"\n  variant +hybrid U=8\n", out)) == 2
+    # U given, --cp-algo not: every algorithm compared, hybrid at that U among them
+    code, out, _ = run_cli(capsys, "plan", "--ulysses-degree", "8")
     assert out.count("  variant                 allgather      ulysses   hybrid U=8") == 2
     # an explicit one-node CP is kept, and the output says nothing crosses nodes
     code, out, _ = run_cli(capsys, "plan", "--cp", "8", "--npus-per-node", "8")

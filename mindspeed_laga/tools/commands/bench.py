@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
-from ..spawn import under_torchrun as _torchrun
+from ..torchrun_env import torchrun_rank, under_torchrun as _torchrun, world_size
 from ...cp_algos import algo, takes_ulysses_degree
 from ...kernels.registry import CPU_KERNELS, KERNEL_TYPES, KERNELS, canonical, device_of
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS  # noqa: F401
@@ -39,9 +39,14 @@ from . import bench_dsa
 from .output import MiB, check_output_path, dtype_arg, pad as _pad, ratio as _ratio
 from .parsers import add_cp_algo_args, command_parser
 from .bench_fit import check_block_size, check_fits
-from .plot import check_plot_path, write_plot
+from .plot import check_plot_path, matplotlib_missing, write_plot
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
 
+DEFAULT_CP = 4
+# Outputs not named on the command line go into this folder (made when needed), not the cwd.
+DEFAULT_DIR = "bench_out"
+DEFAULT_JSON = os.path.join(DEFAULT_DIR, "bench.json")
+DEFAULT_PLOT = os.path.join(DEFAULT_DIR, "bench.png")
 # How long spawned ranks may take for the whole benchmark before they count as hung: a
 # bench at model dims on CPU runs for many minutes, which is not a hang.
 RUN_TIMEOUT_S = 3600.0
@@ -67,9 +72,11 @@ COLUMNS = (
 
 def add_parser(sub):
     p = command_parser(sub, "bench", "measure bytes, saved activations, time and error per form", __doc__)
-    p.add_argument("--cp", type=positive_int, default=4,
-                   help="CP size: gloo processes to spawn (default 4); under torchrun the world size")
-    add_cp_algo_args(p, "both", algo_note=" (spawned ranks)",
+    p.add_argument("--cp", type=positive_int, default=None,
+                   help=f"CP size: gloo processes to spawn (default {DEFAULT_CP}, at most what "
+                        "this machine's cores and memory hold); under torchrun the world size "
+                        "(a different --cp is refused)")
+    add_cp_algo_args(p, "both", algo_note=" (default both; hybrid: spawned ranks)",
                      degree_help="hybrid CP: heads split inside groups of U consecutive ranks, the "
                                  "latent (explicit: K/V) across them")
     p.add_argument("--seq-lens", "--seq-len", dest="seq_lens", default="128,256,512",
@@ -95,12 +102,15 @@ def add_parser(sub):
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument("--forms-only", action="store_true",
                    help="only explicit, absorbed and LAGA (no LAGA options)")
-    p.add_argument("--json", default="bench.json", metavar="PATH",
-                   help="write every figure here (default bench.json; '-' = stdout only)")
-    p.add_argument("--plot", default="bench.png", metavar="PATH",
-                   help="PNG plots (needs matplotlib; default bench.png; '' = none)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help=f"write every figure here (default {DEFAULT_JSON}, the folder made if "
+                        "needed; '-' = stdout only; '' = none)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help=f"PNG plots (needs matplotlib: refused without it; default {DEFAULT_PLOT}, "
+                        "skipped with a note at the start when matplotlib is missing; '' = none)")
     p.add_argument("--backend", default=None,
-                   help="torchrun only: process-group backend (default nccl on CUDA, hccl on NPU, gloo)")
+                   help="torchrun only (refused without it): process-group backend (default nccl "
+                        "on CUDA, hccl on NPU, gloo)")
     add_shape_args(p, CPU_DEFAULT, seq_len=False)
     bench_dsa.add_args(p)
 
@@ -274,7 +284,7 @@ def make_rows(runs, models, per_rank: List[List[dict]], ulysses_degree: int = 1)
 def _time_spread(ranks: List[dict]) -> dict:
     """The fastest and slowest timed run, each run timed by its slowest rank."""
     runs = [max(per_rank) for per_rank in zip(*(r.get("seconds_runs") or [r["seconds"]] for r in ranks))]
-    return {"ms_min": 1e3 * min(runs), "ms_max": 1e3 * max(runs)}
+    return {"ms_min": 1e3 * min(runs), "ms_max": 1e3 * max(runs), "timed_runs": len(runs)}
 
 
 def _comm(result, direction, measure) -> int:
@@ -319,6 +329,7 @@ def _add_relative(rows: List[dict]) -> None:
         base, ov = group.get("laga+qproj"), group.get("laga+overlap")
         if base and ov:
             ov["overlap_speedup"] = base["ms"] / ov["ms"]
+            ov["overlap_conclusive"] = timing_conclusive(base, ov)
             blocked = [(x.get("comm_seconds") or {}).get("latent") for x in (base, ov)]
             if None not in blocked and blocked[0] > 0:
                 ov["latent_blocked_ms"] = {"without_overlap": 1e3 * blocked[0], "with_overlap": 1e3 * blocked[1]}
@@ -346,16 +357,37 @@ def print_table(rows: List[dict], out=None) -> None:
             print("  wire by group (measured / model): " + ", ".join(
                 f"{g} {got.get(g, 0):,} / {model.get(g, 0):,.0f}" for g in GROUPS), file=out)
         if "latent_comm_hidden_share" in r:
-            b = r["latent_blocked_ms"]
-            print(f"  overlap: fwd+bwd speedup {r['overlap_speedup']:.2f}x over laga+qproj (same "
-                  "work, gather not overlapped); latent gather + "
-                  f"reduce-scatter blocked {b['without_overlap']:.2f} ms -> {b['with_overlap']:.2f} ms "
-                  f"({hidden_share_text(r['latent_comm_hidden_share'])})", file=out)
+            base = next(x for x in rows if _group(x) == _group(r) and x["variant"] == "laga+qproj")
+            print(overlap_text(base, r), file=out)
     if any("comm_wire_by_group" in r for r in rows):
         degree = next(r["ulysses_degree"] for r in rows if "ulysses_degree" in r)
         print(f"\ngroups: ulysses = the {degree} ranks that split heads (one node); ring = the ranks "
               "with the same Ulysses rank (explicit gathers K/V here, across nodes); cp = every "
               "rank (the latent forms gather the latent here)", file=out)
+
+
+def timing_conclusive(a: dict, b: dict) -> bool:
+    """Whether the difference of two rows' median times says anything on this machine: each
+    has at least two timed runs and the runs of each spread (slowest - fastest) less than the
+    difference of the medians. Otherwise the noise alone could make it."""
+    spread = max(r.get("ms_max", r["ms"]) - r.get("ms_min", r["ms"]) for r in (a, b))
+    runs = min(r.get("timed_runs", 1) for r in (a, b))
+    return runs >= 2 and spread < abs(a["ms"] - b["ms"])
+
+
+def overlap_text(base: dict, ov: dict) -> str:
+    """The overlap line: a speedup where the timing is conclusive, else why it is not."""
+    if not ov.get("overlap_conclusive"):
+        spread = " and ".join(f"{r['variant']} {r['ms']:.2f} ms (runs {r.get('ms_min', r['ms']):.2f}-"
+                              f"{r.get('ms_max', r['ms']):.2f})" for r in (base, ov))
+        return (f"  overlap: timing inconclusive on this machine: {spread}; the runs spread more "
+                "than the difference (or fewer than 2 timed runs); rerun with more --repeat, longer "
+                "--seq-lens or on an idle machine")
+    b = ov["latent_blocked_ms"]
+    return (f"  overlap: fwd+bwd speedup {ov['overlap_speedup']:.2f}x over laga+qproj (same "
+            "work, gather not overlapped); latent gather + "
+            f"reduce-scatter blocked {b['without_overlap']:.2f} ms -> {b['with_overlap']:.2f} ms "
+            f"({hidden_share_text(ov['latent_comm_hidden_share'])})")
 
 
 # Hybrid CP's groups, in the order the tables list them (every row names all three).
@@ -414,25 +446,34 @@ def _run_torchrun(args, runs, repeat, warmup):
 def run(args) -> int:
     from ..spawn import run_on_ranks
     from ..measure import device_type as measure_device_type, worker
+    cp_size = world_size(args.cp, args.backend, DEFAULT_CP)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if bench_dsa.wanted(args):
-        return bench_dsa.run(args, parse_seq_lens(args.seq_lens), shape_from_args(args, 1))
-    check_output_path("--json", args.json)
+        return _run_dsa(args)
+    out = sys.stderr if args.json == "-" else sys.stdout  # --json -: stdout is the JSON's
+    plot_note = resolve_plot(args)
+    if args.json is None:
+        args.json = DEFAULT_JSON
     check_plot_path(args.plot)
-    check_output_path("--plot", args.plot)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path in (DEFAULT_JSON, DEFAULT_PLOT) and not os.path.isdir(DEFAULT_DIR):
+            check_output_path(flag, DEFAULT_DIR)  # made when the run writes: its place is writable
+        else:
+            check_output_path(flag, path)
     torchrun = _torchrun()
-    cp_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.cp
     device_type = measure_device_type(args.backend) if torchrun else "cpu"
     check_kernel(args.kernel, device_type, torchrun)
     runs, models = build_runs(args, cp_size, device_type)
     check_fits(runs, models, int(os.environ.get("LOCAL_WORLD_SIZE", cp_size)) if torchrun else cp_size)
     where = f"torchrun, world size {cp_size}" if torchrun else f"{cp_size} spawned gloo CPU ranks"
     s = runs[0].shape
-    out = sys.stderr if args.json == "-" else sys.stdout  # --json -: stdout is the JSON's
-    print(f"bench: {where}; {len(runs)} runs ({args.warmup} warm-up + {args.repeat} timed each); "
-          f"b={s.batch}, n={s.heads}, d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, "
-          f"d_c={s.kv_lora_rank}, {args.dtype}, kernel={args.kernel}", file=out, flush=True)
+    if torchrun_rank() == 0:  # every torchrun rank runs this; one says what runs
+        print(f"bench: {where}; {len(runs)} runs ({args.warmup} warm-up + {args.repeat} timed each); "
+              f"b={s.batch}, n={s.heads}, d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, "
+              f"d_c={s.kv_lora_rank}, {args.dtype}, kernel={args.kernel}", file=out, flush=True)
+        if plot_note:
+            print(plot_note, file=out, flush=True)
     start = time.perf_counter()
     if torchrun:
         per_rank, rank = _run_torchrun(args, runs, args.repeat, args.warmup)
@@ -459,6 +500,32 @@ def run(args) -> int:
     print(f"wall time: {time.perf_counter() - start:.1f} s", file=out)
     _write_outputs(args, rows, cp_size, where, out)
     return 0
+
+
+def _run_dsa(args) -> int:
+    """bench --dsa: the sparse-MLA gather's table and JSON (no plot: its figures are bytes)."""
+    if args.plot:
+        raise ValueError(f"--plot {args.plot!r} draws the dense forms' panels; bench --dsa prints "
+                         "its table and writes JSON only: drop --plot")
+    if args.json is None:
+        args.json = DEFAULT_JSON
+        check_output_path("--json", DEFAULT_DIR)
+        os.makedirs(DEFAULT_DIR, exist_ok=True)
+    return bench_dsa.run(args, parse_seq_lens(args.seq_lens), shape_from_args(args, 1))
+
+
+def resolve_plot(args) -> Optional[str]:
+    """--plot's path: the default, or refused when asked for without matplotlib; returns the
+    note to print at the start when the default plot is skipped for want of it."""
+    if args.plot is None:
+        args.plot = DEFAULT_PLOT
+        if matplotlib_missing():
+            args.plot = ""
+            return "plot: none (matplotlib is not installed; pip install matplotlib for the PNG)"
+    elif args.plot and matplotlib_missing():
+        raise ValueError(f"--plot {args.plot!r} needs matplotlib, which is not installed: "
+                         "pip install matplotlib, or drop --plot")
+    return None
 
 
 def check_kernel(kernel: str, device_type: str, torchrun: bool) -> None:
@@ -522,6 +589,8 @@ def figure_title(args, rows: List[dict], cp_size: int, where: str) -> str:
 
 
 def _write_outputs(args, rows, cp_size, where, out) -> None:
+    if {args.json, args.plot} & {DEFAULT_JSON, DEFAULT_PLOT}:
+        os.makedirs(DEFAULT_DIR, exist_ok=True)
     doc = {"cp_size": cp_size, "where": where, "dtype": args.dtype, "kernel": args.kernel,
            "doc_lens": args.doc_lens, "num_docs": args.num_docs, "layout": args.layout,
            "repeat": args.repeat, "warmup": args.warmup, "columns": [k for _, k, _ in COLUMNS],
@@ -532,7 +601,6 @@ def _write_outputs(args, rows, cp_size, where, out) -> None:
         print(f"JSON: {args.json}", file=out)
     if args.plot:
         written = write_plot(rows, args.plot, figure_title(args, rows, cp_size, where))
-        print(f"plot: {written}" if written else
-              "plot: skipped (matplotlib is not installed; pip install matplotlib)", file=out)
+        print(f"plot: {written}", file=out)
     if args.json == "-":
         print(json.dumps(doc, indent=1, default=str), flush=True)

@@ -16,33 +16,41 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from datetime import timedelta
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
-from ..cases import Case, MLAShape
+from ..mla_shape import MLAShape
 from ..runspec import standard_runs
-from ..spawn import under_torchrun as _torchrun
+from ..torchrun_env import under_torchrun as _torchrun, world_size
 from ...kernels.registry import KERNEL_TYPES
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS
 from ...vocab.segments import check_seq_len
-from . import doctor_report, environment, exactness
+from . import doctor_report
 from .output import check_output_path
 from .parsers import command_parser
 from .shapes import CPU_DEFAULT, positive_int
 from .verify import TOLERANCE
+
+if TYPE_CHECKING:
+    from ..cases import Case
+# torch-importing modules (cases, environment, exactness) are imported where used, so that
+# parsing the arguments (``--help``) does not wait for torch.
 
 # The bench shape on an accelerator: DeepSeek-V3's MLA (128 heads = one TP rank at TP 1).
 DEEPSEEK_V3 = MLAShape(seq_len=4096, batch=1, heads=128, qk_head_dim=128, rope_dim=64,
                        v_head_dim=128, kv_lora_rank=512)
 CHECK_SEQ_LEN = 256  # the CP check's sequence (rounded up to a multiple of 2*CP)
 CHECK_HEADS = 16
+DEFAULT_CP = 2
 
 
 def add_parser(sub):
     p = command_parser(sub, "doctor", "qualify this node: environment, exactness, CP, bench", __doc__)
-    p.add_argument("--cp", type=positive_int, default=2,
-                   help="CP size: gloo CPU ranks to spawn (default 2); under torchrun the world size")
+    p.add_argument("--cp", type=positive_int, default=None,
+                   help=f"CP size: gloo CPU ranks to spawn (default {DEFAULT_CP}); under torchrun "
+                        "the world size (a different --cp is refused)")
     p.add_argument("--seq-len", type=positive_int, default=None,
                    help="bench sequence length (default 4096 on an accelerator, 256 on CPU, "
                         "rounded up to a multiple of 2*CP)")
@@ -54,25 +62,31 @@ def add_parser(sub):
     p.add_argument("--repeat", type=positive_int, default=3, help="timed bench runs per variant")
     p.add_argument("--warmup", type=int, default=1, help="untimed bench runs first (default 1)")
     p.add_argument("--no-bench", action="store_true", help="skip the bench")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the whole report as JSON")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the whole report as JSON ('-': the JSON alone on stdout, the "
+                        "report on stderr)")
     p.add_argument("--markdown", default=None, metavar="PATH",
                    help="write the report as Markdown (attach it to an issue on the project's "
                         "issue tracker)")
     p.add_argument("--backend", default=None,
-                   help="torchrun only: process-group backend (default hccl on NPU, nccl on CUDA, gloo)")
+                   help="torchrun only (refused without it): process-group backend (default hccl "
+                        "on NPU, nccl on CUDA, gloo)")
 
 
 # ---------------------------------------------------------------- arguments
 
 def resolve(args):
     """Check every argument and output path before anything runs; fill defaults."""
+    args.cp_size = world_size(args.cp, args.backend, DEFAULT_CP)
+    # --json -: stdout carries the JSON alone, the report goes to stderr
+    args.text_out = sys.stderr if args.json == "-" else sys.stdout
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     check_output_path("--json", args.json if args.json != "-" else None)
     check_output_path("--markdown", args.markdown)
     args.torchrun = _torchrun()
-    args.cp_size = int(os.environ["WORLD_SIZE"]) if args.torchrun else args.cp
     from ..measure import device_type
+    from . import environment
     environment.torch_npu_module()  # registers torch.npu, which the device choice reads
     args.cp_device = device_type(args.backend) if args.torchrun else "cpu"
     on_accel = args.cp_device != "cpu"
@@ -98,6 +112,7 @@ def resolve(args):
 # ---------------------------------------------------------------- CP runs
 
 def cp_cases(args, dtype: str) -> List[Case]:
+    from ..cases import Case
     shape = MLAShape(seq_len=args.check_seq_len, batch=1, heads=args.check_heads,
                      qk_head_dim=CPU_DEFAULT.qk_head_dim, rope_dim=CPU_DEFAULT.rope_dim,
                      v_head_dim=CPU_DEFAULT.v_head_dim, kv_lora_rank=CPU_DEFAULT.kv_lora_rank)
@@ -107,6 +122,7 @@ def cp_cases(args, dtype: str) -> List[Case]:
 
 
 def bench_cases(args, dtype: str) -> List[Case]:
+    from ..cases import Case
     base = DEEPSEEK_V3 if args.cp_device != "cpu" else CPU_DEFAULT
     shape = MLAShape(seq_len=args.seq_len, batch=1, heads=args.heads, qk_head_dim=base.qk_head_dim,
                      rope_dim=base.rope_dim, v_head_dim=base.v_head_dim, kv_lora_rank=base.kv_lora_rank)
@@ -206,6 +222,7 @@ class Ranks:
         else:
             self.backend = "gloo"
             self.where = f"{args.cp_size} spawned gloo CPU ranks"
+            from . import environment
             if environment.accelerator() != "cpu":
                 self.where += " (launch with torchrun for the device's backend)"
 
@@ -263,12 +280,13 @@ def run(args) -> int:
 
 def _say(ranks, *lines):
     if ranks.rank == 0:
-        print(*lines, sep="\n", flush=True)
+        print(*lines, sep="\n", file=ranks.args.text_out, flush=True)
 
 
 def _run(args, ranks: Ranks) -> int:
     import torch
     from ..measure import worker as eq_worker
+    from . import environment, exactness
     start = time.perf_counter()
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if args.torchrun else 0
     device = environment.local_device(local_rank)
@@ -318,7 +336,7 @@ def _run(args, ranks: Ranks) -> int:
            "exactness": exact, "cp": cp, "bench": bench, "errors": errors}
     # A bench that cannot run (say, out of memory at --seq-len) is reported, not a mismatch.
     doc["passed"] = "cp" not in errors and bool(cp) and all(r["passed"] for r in exact + cp)
-    doctor_report.print_summary(doc)
+    doctor_report.print_summary(doc, args.text_out)
     _write(args, doc)
     return 0 if doc["passed"] else 1
 
@@ -340,8 +358,9 @@ def _write(args, doc) -> None:
     elif args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)
-        print(f"JSON: {args.json}")
+        print(f"JSON: {args.json}", file=args.text_out)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(doctor_report.markdown(doc))
-        print(f"Markdown: {args.markdown} (attach it to an issue on the project's issue tracker)")
+        print(f"Markdown: {args.markdown} (attach it to an issue on the project's issue tracker)",
+              file=args.text_out)

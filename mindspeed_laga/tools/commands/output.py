@@ -40,12 +40,26 @@ def check_output_path(flag: str, path: Optional[str]) -> None:
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file name")
     if not os.path.isdir(folder):
+        blocking = _file_on_the_way(folder)
+        if blocking:
+            raise ValueError(f"{flag} {path!r}: {blocking!r} is a file, not a directory; give a "
+                             "path under a directory")
         raise ValueError(f"{flag} {path!r}: directory {folder!r} does not exist; create it first")
     try:
         _prove_writable(path)
     except OSError as exc:
         raise ValueError(f"{flag} {path!r} cannot be written ({exc.strerror or exc}); give "
                          "another path") from None
+
+
+def _file_on_the_way(folder: str) -> Optional[str]:
+    """The nearest existing ancestor of ``folder`` (itself included) when it is not a directory."""
+    while folder and not os.path.exists(folder):
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+    return folder if folder and not os.path.isdir(folder) else None
 
 
 def _prove_writable(path: str) -> None:

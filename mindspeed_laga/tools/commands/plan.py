@@ -6,11 +6,13 @@ bytes saved for backward by the attention block (eager and sdpa kernels),
 attention and K/V-rebuild FLOPs, each beside explicit. With --device-memory
 and --num-layers: whether each form's attention activations fit. With the
 910B link/throughput defaults (or yours): an estimated per-layer time for
-every form and cp_algo, the fastest named. With --npus-per-node (or
---ulysses-degree): hybrid CP beside allgather and ulysses on nodes with an
-intra-node and an inter-node link, the fastest (form, cp_algo, U) named
-(--cp defaults to two nodes' worth there, so the inter-node link carries
-traffic). Nothing runs; see ``mindspeed-laga bench`` for measurements.
+every form and cp_algo. With --npus-per-node (or --ulysses-degree): hybrid CP
+beside allgather and ulysses on nodes with an intra-node and an inter-node
+link (--cp defaults to two nodes' worth there, so the inter-node link carries
+traffic). Ends with one recommendation: the CP algorithm (and U) and LAGA
+options, with their training flags, what they save against the host's
+explicit path and why. Nothing runs; see ``mindspeed-laga bench`` for
+measurements.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from ...vocab.names import CP_ALGOS, HYBRID, LAYOUTS
 from ...vocab.dims import ModelDims
 from .output import GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, ratio as _ratio
 from . import plan_dsa
+from . import recommend
 from .parsers import add_cp_algo_args, command_parser
 from .shapes import HEAD_DIMS, SizeFlag
 
@@ -65,7 +68,9 @@ def add_parser(sub):
                         "nodes: 2 x --npus-per-node, so traffic crosses nodes)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: each rank holds n/TP heads (default 1)")
-    add_cp_algo_args(p, "ulysses", degree_type=int,  # checked with plan's other sizes
+    add_cp_algo_args(p, None, degree_type=int,  # checked with plan's other sizes
+                     algo_note=" (default: every algorithm compared, hybrid on the node table, "
+                               "and the tables shown for the recommended one; given: only it)",
                      degree_help="hybrid CP: heads split inside groups of U consecutive CP ranks, "
                                  "the latent (explicit: K/V) across them; also the U of the node "
                                  "table's hybrid rows (default there: every U dividing CP)")
@@ -128,7 +133,8 @@ def resolve_cp(args) -> None:
         args.cp = 2 * per_node if node_table_wanted(args) and per_node > 0 else DEFAULT_CP
 
 
-def configs_from_args(args) -> List[cm.Config]:
+def check_args(args) -> None:
+    """One-line errors for the sizes, rates and flag pairs, before any model runs."""
     resolve_cp(args)
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype!r} is unknown; use bf16, fp16 or fp32")
@@ -148,15 +154,34 @@ def configs_from_args(args) -> List[cm.Config]:
     if takes_ulysses_degree(args.cp_algo) and args.ulysses_degree is None:
         raise ValueError("--cp-algo hybrid needs --ulysses-degree U (the Ulysses group's size, a "
                          "divisor of --cp)")
-    dims = dims_from_args(args)
+
+
+def base_config(args) -> cm.Config:
+    """The configuration asked, under the first algorithm asked (ulysses when none is)."""
+    check_args(args)
     doc_lens = cm.doc_lens_for(args.seq_len, parse_doc_lens(args.doc_lens), args.num_docs)
-    algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
+    return cm.Config(dims=dims_from_args(args), seq_len=args.seq_len, micro_batch=args.micro_batch,
+                     cp_size=args.cp, tp_size=args.tp, cp_algo=CP_ALGOS[-1], layout=args.layout,
+                     dtype=DTYPES[args.dtype], kernel=cm.FUSED, doc_lens=doc_lens)
+
+
+def requested(args) -> List[tuple]:
+    """(cp_algo, U) pairs --cp-algo asks for; empty when it is not given (compare them all)."""
+    if args.cp_algo is None:
+        return []
+    names = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
+    return [(n, args.ulysses_degree if algo(n).takes_ulysses_degree else 1) for n in names]
+
+
+def at(cfg: cm.Config, name: str, degree: int, layout=None) -> cm.Config:
+    return replace(cfg, cp_algo=name, ulysses_degree=degree, layout=layout)
+
+
+def table_configs(args, base: cm.Config, chosen: List[tuple]) -> List[cm.Config]:
+    """The bytes/memory tables' configurations, each validated (errors name the fix)."""
     out = []
-    for name in algos:
-        cfg = cm.Config(dims=dims, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                        cp_size=args.cp, tp_size=args.tp, cp_algo=name, layout=args.layout,
-                        dtype=DTYPES[args.dtype], kernel=cm.FUSED, doc_lens=doc_lens,
-                        ulysses_degree=args.ulysses_degree if algo(name).takes_ulysses_degree else 1)
+    for name, degree in chosen:
+        cfg = at(base, name, degree, args.layout)
         cm.validate(cfg, standard_runs(args.kv_block_size))
         out.append(cfg)
     return out
@@ -188,9 +213,20 @@ def kernels_from_args(args) -> List[str]:
 
 def build_plan(args) -> dict:
     """Everything the tables show, as one JSON-able dict."""
-    configs = configs_from_args(args)
+    base = base_config(args)
+    asked = requested(args)
+    if asked:
+        table_configs(args, base, asked)  # an algorithm asked for that cannot run: its error first
     variants = standard_runs(min(args.kv_block_size, args.seq_len))
     kernels = kernels_from_args(args)
+    one_link = asked or [(a, 1) for a in CP_ALGOS] + (
+        [(HYBRID, args.ulysses_degree)] if args.ulysses_degree else [])
+    times = time_estimates(base, variants, machines_from_args(args), one_link)
+    nodes = (node_estimates(base, variants, cluster_from_args(args), asked, args.ulysses_degree)
+             if node_table_wanted(args) else None)
+    rec = recommendation(args, base, variants, asked or one_link, nodes)
+    best = rec["best"]["cfg"]
+    configs = table_configs(args, base, asked or [(best.cp_algo, best.ulysses_degree)])
     plan = {"config": cm.config_summary(configs[0]), "units": {
         "bytes": "per layer, per CP rank", "flops": "per layer, per CP rank (worst rank)",
         "comm_design": "payload*(P-1)/P (the paper's convention; docs/DESIGN.md, section 'Communication')",
@@ -205,14 +241,48 @@ def build_plan(args) -> dict:
                                       "notes": trade_off_notes(per_kernel[kernels[-1]])}
         if args.device_memory is not None:
             plan["algos"][cfg.cp_algo]["fit"] = fit_check(per_kernel, args.device_memory, args.num_layers)
-    # The one-link estimates: allgather, ulysses and, with --ulysses-degree, hybrid.
-    plan["time"] = time_estimates(replace(configs[0], ulysses_degree=1), variants, machines_from_args(args),
-                                  args.ulysses_degree)
+    plan["time"] = times
     plan["cp_defaulted"] = args.cp_defaulted
-    if node_table_wanted(args):
-        plan["nodes"] = node_estimates(replace(configs[0], ulysses_degree=1), variants,
-                                       cluster_from_args(args), args.ulysses_degree)
+    if nodes is not None:
+        plan["nodes"] = nodes
+    plan["recommendation"] = recommend.as_json(rec)
+    plan["recommendation_rows"] = rec  # for printing; dropped from --json
     return plan
+
+
+def recommendation(args, base: cm.Config, variants, settings: List[tuple], nodes) -> dict:
+    """The one answer, timed on the node table when shown, else on the one-link table of the
+    link the ranks use (custom, or 910B inside a node when CP fits one, else across nodes)."""
+    if nodes is not None:
+        cluster = cluster_from_args(args)
+        settings = [(r["cp_algo"], r["ulysses_degree"]) for r in nodes["rows"] if "error" not in r]
+        basis = (f"the node table: nodes of {cluster.devices_per_node}, intra-node "
+                 f"{cluster.intra_gbps:g} GB/s, inter-node {cluster.inter_gbps:g} GB/s")
+
+        def timer(c, summary):
+            return cm.estimate_cluster_seconds(c, summary, cluster)
+    else:
+        machines = machines_from_args(args)
+        per_node = cm.CLUSTERS["910b"].devices_per_node
+        machine = machines[0] if len(machines) == 1 or args.cp <= per_node else machines[1]
+        spans = "" if machine.name == "custom" else (
+            f", CP={args.cp} {'fits one' if args.cp <= per_node else 'spans'} 910B node of {per_node}")
+        basis = f"the {machine.name} table: {machine.link_gbps:g} GB/s per rank{spans}"
+
+        def timer(c, summary):
+            return cm.estimate_seconds(c, summary, machine)
+    candidates = []
+    for name, degree in dict.fromkeys(settings):
+        cfg = at(base, name, degree)
+        try:
+            cm.validate(cfg)
+        except ValueError:
+            continue  # the time tables say why it is n/a
+        candidates.append(cfg)
+    if not candidates:
+        cm.validate(at(base, *settings[0]))  # raises the first algorithm's reason
+    device = args.device_memory * GiB if args.device_memory is not None else None
+    return recommend.recommend(candidates, variants, timer, basis, device, args.num_layers)
 
 
 def trade_off_notes(rows: Dict[str, dict]) -> Dict[str, float]:
@@ -269,11 +339,11 @@ def fit_check(per_kernel: Dict[str, Dict[str, dict]], device_gib: float, layers:
     return out
 
 
-def time_estimates(cfg: cm.Config, variants, machines, degree=None) -> dict:
-    """Per-layer fwd+bwd seconds for every form and cp_algo (fused kernel; hybrid with
-    ``degree`` U), fastest named."""
+def time_estimates(cfg: cm.Config, variants, machines, settings: List[tuple]) -> dict:
+    """Per-layer fwd+bwd seconds for every form under each (cp_algo, U) of ``settings``
+    (fused kernel), fastest named."""
     out = {}
-    settings = [(a, 1) for a in CP_ALGOS] + ([(HYBRID, degree)] if degree else [])
+    degree = next((u for a, u in settings if algo(a).takes_ulysses_degree), None)
     for machine in machines:
         rows = {}
         for name, u in settings:
@@ -304,19 +374,20 @@ def cluster_from_args(args) -> cm.Cluster:
     return cluster if cluster == base else replace(cluster, name="custom")
 
 
-def node_candidates(cfg: cm.Config, degree) -> List[cm.Config]:
-    """allgather, ulysses and hybrid (the given U, else every U with 1 < U < P)."""
+def node_candidates(cfg: cm.Config, asked: List[tuple], degree) -> List[cm.Config]:
+    """The (cp_algo, U) pairs asked for; when none are: allgather, ulysses and hybrid (the
+    given U, else every U with 1 < U < P)."""
+    if asked:
+        return [at(cfg, a, u) for a, u in asked]
     degrees = [degree] if degree is not None else [u for u in range(2, cfg.cp_size) if cfg.cp_size % u == 0]
-    out = [replace(cfg, cp_algo=a, layout=None, kernel=cm.FUSED) for a in CP_ALGOS]
-    out += [replace(cfg, cp_algo=HYBRID, layout=None, kernel=cm.FUSED, ulysses_degree=u) for u in degrees]
-    return out
+    return [at(cfg, a, 1) for a in CP_ALGOS] + [at(cfg, HYBRID, u) for u in degrees]
 
 
-def node_estimates(cfg: cm.Config, variants, cluster: cm.Cluster, degree=None) -> dict:
-    """Per-layer fwd+bwd time of every variant under allgather, ulysses and hybrid CP on
-    nodes with two links; the fastest (variant, cp_algo, U) named."""
+def node_estimates(cfg: cm.Config, variants, cluster: cm.Cluster, asked: List[tuple], degree=None) -> dict:
+    """Per-layer fwd+bwd time of every variant under each CP algorithm (and U) on nodes with
+    two links; the fastest (variant, cp_algo, U) named."""
     rows = []
-    for c in node_candidates(cfg, degree):
+    for c in node_candidates(cfg, asked, degree):
         label = {"cp_algo": c.cp_algo, "ulysses_degree": c.ulysses_degree}
         try:
             cm.validate(c)
@@ -377,6 +448,7 @@ def print_plan(plan: dict) -> None:
          "block and accumulators; an estimate, `--terms` names them); FLOPs: the last kernel's, "
          "attention as executed (masked keys of each segment's key window included), worst rank "
          "unless 'rank avg'; `--json` has every term, rank averages included.")
+    recommend.print_recommendation(plan["recommendation_rows"], _fmt_bytes, WIDTH)
 
 
 def _trimmed_of(name: str) -> str:
@@ -451,6 +523,13 @@ def _print_notes(n: dict, kernel: str) -> None:
          f"LAGA rebuild FLOPs {n['rebuild_flops_laga_over_explicit']:.2f}x explicit "
          f"(extra = {100 * n['extra_rebuild_over_visible_attention']:.0f}% of causal attention FLOPs)",
          "  ")
+    if n["extra_rebuild_over_visible_attention"] > 0.005:
+        _say("  rebuild extra: each rank rebuilds K/V for every gathered key where explicit rebuilds "
+             "only its own 1/CP and gathers the rest; it is set against the attention FLOPs of the "
+             "pairs a query sees, which documents cut (a query sees only its own document: about "
+             "1/N of the causal sequence's with N equal documents) while the rebuild stays, so the "
+             "share grows with the number of documents; laga+trim rebuilds only the keys a rank's "
+             "queries see", "  ")
     if "rebuild_flops_laga_trim_over_explicit_average" in n:
         _say(f"prefix trimming: rebuild {n['rebuild_flops_laga_trim_over_explicit_average']:.2f}x "
              f"explicit on the rank average, {n['rebuild_flops_laga_trim_over_explicit_worst']:.2f}x "
@@ -496,9 +575,6 @@ def _print_times(times: dict) -> None:
         for a in algos:
             if a not in timed:
                 _say(f"{label[a]}: n/a: {m['rows'][a]['error']}", "  ")
-        if m["fastest"]:
-            f = m["fastest"]
-            print(f"  fastest: {f['variant']} with cp_algo={f['cp_algo']} ({1e3 * f['seconds']:.2f} ms)")
 
 
 def _algo_label(r: dict) -> str:
@@ -532,10 +608,6 @@ def _print_nodes(nodes: dict) -> None:
     if timed and not any(r["inter_bytes"] for r in timed):
         _say(f"note: every CP rank shares one node of {c['devices_per_node']}: nothing crosses the "
              "inter-node link, where hybrid CP gains; a --cp over two nodes shows it", "  ")
-    f = nodes["fastest"]
-    if f:
-        u = f", U={f['ulysses_degree']}" if takes_ulysses_degree(f["cp_algo"]) else ""
-        print(f"  fastest: {f['variant']} with cp_algo={f['cp_algo']}{u} ({1e3 * f['total_s']:.2f} ms)")
 
 
 def run(args) -> int:
@@ -544,7 +616,7 @@ def run(args) -> int:
     plan = build_plan(args)
     plan["show_terms"] = bool(args.terms)
     if args.json:
-        print(json.dumps(plan, indent=1))
+        print(json.dumps({k: v for k, v in plan.items() if k != "recommendation_rows"}, indent=1))
     else:
         print_plan(plan)
     return 0

@@ -7,9 +7,14 @@ peak memory above the inputs, fwd+bwd time. Along x the settings (sequence
 lengths, or document counts), at each a bar per variant, explicit's at 1 by
 definition; a panel's title gives explicit's own figure with its unit. Time
 bars carry the spread of the timed runs (fastest to slowest run, each run
-timed by its slowest rank); peak bars carry the cost model's prediction as a
-black tick. Each variant has its own colour; one legend below the panels; the
-configuration (CP, dims, dtype, kernel, U) is the figure's title.
+timed by its slowest rank), the panel scaled to the bars: a whisker past the
+top is clipped there and marked with a triangle; peak bars carry the cost
+model's prediction as a black tick. Every bar carries its ratio. Colour
+families separate the forms (explicit grey, absorbed blue, LAGA oranges and
+browns, each option its own shade and hatch); one legend below the panels; the
+configuration (CP, dims, dtype, kernel, U) is the figure's title. Hybrid CP's
+bytes panel splits each bar into the intra-node part (the Ulysses group, solid)
+and the cross-node part (ring and CP groups, hatched).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ class Panel(NamedTuple):
     unit: Callable[[float], str]                      # explicit's figure, with its unit
     spread: Optional[Callable[[dict], Tuple[float, float]]] = None  # (low, high) of the figure
     model: Optional[Callable[[dict], Optional[float]]] = None       # the cost model's figure
+    lower: Optional[Callable[[dict], float]] = None   # the bar's solid lower part (hybrid: intra-node)
 
 
 def _bytes(n: float) -> str:
@@ -45,10 +51,23 @@ PANELS = (
           lambda r: r["ms"], lambda ms: f"{ms:,.2f} ms",
           spread=lambda r: (r.get("ms_min", r["ms"]), r.get("ms_max", r["ms"]))),
 )
-# explicit (the baseline) grey, absorbed blue, LAGA orange, LAGA's options after them
-COLOURS = ("tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
-           "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+# Hybrid CP: wire bytes, the Ulysses group's (inside a node) solid, the rest (across) hatched.
+HYBRID_BYTES = Panel("wire bytes per rank, fwd+bwd (counted; solid: intra-node Ulysses group, "
+                     "hatched: cross-node ring/CP groups)", lambda r: r["comm_wire_bytes"], _bytes,
+                     lower=lambda r: r["comm_wire_by_group"].get("ulysses", 0))
+# Families separate the forms: explicit (the baseline) grey, absorbed blue, LAGA and its
+# options oranges and browns, each option with its own hatch as well.
+FAMILY = {"explicit": ("#7f7f7f", ""), "absorbed": ("#1f77b4", ""), "laga": ("#ff7f0e", "")}
+LAGA_SHADES = (("#fdae6b", "//"), ("#d94801", ".."), ("#8c2d04", "xx"), ("#f16913", "\\\\"),
+               ("#fdd0a2", "--"), ("#a63603", "||"), ("#e6550d", "++"))
+COLOURS = tuple(c for c, _ in FAMILY.values()) + tuple(c for c, _ in LAGA_SHADES)
 BASE_FORMS = ("explicit", "absorbed", "laga")
+CLIPPED = "^"  # the marker of a whisker cut at the panel's top
+
+
+def matplotlib_missing() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("matplotlib") is None
 
 
 def check_plot_path(path: Optional[str]) -> None:
@@ -68,13 +87,18 @@ def check_plot_path(path: Optional[str]) -> None:
                          "name the file .png (or another of those)")
 
 
-def colours(rows: List[dict]) -> Dict[str, str]:
-    """A colour per variant: the three forms always the same three, options after them."""
+def styles(rows: List[dict]) -> Dict[str, Tuple[str, str]]:
+    """(colour, hatch) per variant: the three forms always the same, LAGA's options in the
+    LAGA family after them."""
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     ordered = [v for v in BASE_FORMS if v in variants] + [v for v in variants if v not in BASE_FORMS]
-    fixed = {v: COLOURS[i] for i, v in enumerate(BASE_FORMS)}
-    extra = iter(COLOURS[len(BASE_FORMS):] * 2)
-    return {v: fixed.get(v) or next(extra) for v in ordered}
+    extra = iter(LAGA_SHADES * 2)
+    return {v: FAMILY.get(v) or next(extra) for v in ordered}
+
+
+def colours(rows: List[dict]) -> Dict[str, str]:
+    """A colour per variant (see :func:`styles`)."""
+    return {v: c for v, (c, _) in styles(rows).items()}
 
 
 def _columns(rows: List[dict]) -> Tuple[List[tuple], str]:
@@ -106,18 +130,20 @@ def build_figure(rows: List[dict], title: Optional[str] = None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     columns, x_key = _columns(rows)
-    palette = colours(rows)
+    palette = styles(rows)
     variants = list(palette)
+    panels = ((HYBRID_BYTES,) + PANELS[1:]) if any("comm_wire_by_group" in r for r in rows) else PANELS
     xs = sorted({r.get(x_key, 1) for r in rows})
     width = max(7.0, 1.2 + 0.3 * len(variants) * len(xs))
-    fig, axes = plt.subplots(len(PANELS), len(columns), figsize=(width * len(columns), 3.4 * len(PANELS)),
+    fig, axes = plt.subplots(len(panels), len(columns), figsize=(width * len(columns), 3.4 * len(panels)),
                              squeeze=False, layout="constrained")
     for col, (algo, seq_len) in enumerate(columns):
         mine = [r for r in rows if r["cp_algo"] == algo and seq_len in (None, r["seq_len"])]
         where = algo if seq_len is None else f"{algo}, S={seq_len}"
-        for row, panel in enumerate(PANELS):
+        for row, panel in enumerate(panels):
             _draw(axes[row][col], mine, x_key, panel, palette, where)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=palette[v]) for v in variants]
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=palette[v][0], hatch=palette[v][1],
+                             edgecolor="black", linewidth=0.3) for v in variants]
     labels = list(variants)
     if any(r.get("model_peak_bytes") for r in rows):
         handles.append(plt.Line2D([], [], color="black", marker="_", linestyle="", markersize=14,
@@ -137,11 +163,12 @@ def _groups(rows: List[dict], x_key: str) -> Dict[float, Dict[str, dict]]:
     return dict(sorted(out.items()))
 
 
-def _draw(ax, rows: List[dict], x_key: str, panel: Panel, palette: Dict[str, str], where: str) -> None:
+def _draw(ax, rows: List[dict], x_key: str, panel: Panel, palette: Dict[str, tuple], where: str) -> None:
     groups = _groups(rows, x_key)
     variants = [v for v in palette if any(v in g for g in groups.values())]
     bar = 0.8 / max(len(variants), 1)
-    ratios = []
+    ratios, whiskers = [], []
+    many = len(groups) * len(variants) > 8  # narrow bars: labels turn upright
     for i, (x, group) in enumerate(groups.items()):
         base = group.get("explicit")
         ex = panel.value(base) if base else None
@@ -152,23 +179,31 @@ def _draw(ax, rows: List[dict], x_key: str, panel: Panel, palette: Dict[str, str
                 continue
             pos = i - 0.4 + bar * (j + 0.5)
             ratio = got / ex
-            err = None
+            colour, hatch = palette[v]
+            if panel.lower:  # the solid lower part, the rest hatched
+                low = panel.lower(r) / ex
+                ax.bar(pos, low, bar, color=colour, edgecolor="black", linewidth=0.3)
+                bars = ax.bar(pos, ratio - low, bar, bottom=low, color=colour, hatch="///",
+                              edgecolor="black", linewidth=0.3, label=v)
+            else:
+                bars = ax.bar(pos, ratio, bar, color=colour, hatch=hatch, edgecolor="black",
+                              linewidth=0.3, label=v)
+            # every bar carries its ratio
+            ax.annotate(f"{ratio:.2f}x", (pos, ratio), xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=6, rotation=90 if many else 0)
+            ratios.append(ratio)
             if panel.spread:
                 lo, hi = panel.spread(r)
                 ex_lo, ex_hi = panel.spread(base)
                 # the ratio's range over every pairing of a run of each
-                err = [[max(ratio - lo / ex_hi, 0)], [max(hi / ex_lo - ratio, 0)]]
-            bars = ax.bar(pos, ratio, bar, color=palette[v], yerr=err, capsize=2, ecolor="black",
-                          error_kw={"linewidth": 0.8}, label=v)
-            if len(groups) == 1:  # one setting: room to print each ratio on its bar
-                ax.bar_label(bars, labels=[f"{ratio:.2f}x"], fontsize=7, label_type="center")
-            ratios.append(ratio)
+                whiskers.append((pos, lo / ex_hi, hi / ex_lo))
             model_ex = panel.model(base) if panel.model else None
             model = panel.model(r) if panel.model else None
             if model and model_ex:
                 ax.plot([pos], [model / model_ex], marker="_", color="black", markersize=max(4, 60 * bar),
                         markeredgewidth=2, linestyle="")
                 ratios.append(model / model_ex)
+    clipped = _whiskers(ax, whiskers, ratios)
     ax.axhline(1.0, color="tab:gray", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([_setting(x, x_key) for x in groups])
@@ -176,9 +211,28 @@ def _draw(ax, rows: List[dict], x_key: str, panel: Panel, palette: Dict[str, str
     ax.set_xlabel("sequence length" if x_key == "seq_len" else "documents per sequence")
     ax.set_ylabel("ratio to explicit")
     positive = [q for q in ratios if q > 0]
-    if positive and max(positive) / min(positive) > 20:
+    if not whiskers and positive and max(positive) / min(positive) > 20:
         ax.set_yscale("log")
-    ax.set_title(f"{where}: {panel.title}\n{_explicit_note(groups, x_key, panel)}", fontsize=9)
+    note = f"; {CLIPPED}: whisker clipped at the top" if clipped else ""
+    ax.set_title(f"{where}: {panel.title}\n{_explicit_note(groups, x_key, panel)}{note}", fontsize=9)
+
+
+def _whiskers(ax, whiskers: List[tuple], ratios: List[float]) -> int:
+    """The spread whiskers with the panel scaled to the bars (not to a noisy run): a whisker
+    past the top is cut there and marked; returns how many were cut."""
+    if not whiskers:
+        return 0
+    top = 1.35 * max(ratios + [1.0])
+    cut = 0
+    for pos, lo, hi in whiskers:
+        ax.plot([pos, pos], [max(lo, 0), min(hi, top)], color="black", linewidth=0.8)
+        if hi > top:
+            cut += 1
+            ax.plot([pos], [top], marker=CLIPPED, color="black", markersize=5, linestyle="")
+        else:
+            ax.plot([pos], [hi], marker="_", color="black", markersize=4, linestyle="")
+    ax.set_ylim(0, top * 1.04)
+    return cut
 
 
 def _explicit_note(groups, x_key: str, panel: Panel) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple
 
-from ..cases import MLAShape
+from ..mla_shape import MLAShape
 
 
 def positive_int(text: str) -> int:

@@ -8,16 +8,15 @@ median fwd+bwd wall time. Exits 1 if any error is above the tolerance.
 """
 from __future__ import annotations
 
-from .. import equivalence as eq
+from ..rank_cap import check_spawnable
 from ..runspec import standard_runs
-from ..measure import worker
-from ..spawn import run_on_ranks
 from ...cp_algos import algo
 from ...kernels.registry import CPU_KERNELS, canonical
-from ...vocab.names import DEFAULT_LAYOUT, SEQUENCE_LAYOUTS, VERIFY_CP_ALGOS
+from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, SEQUENCE_LAYOUTS
+from .bench import hybrid_worker, ulysses_degree_from_args
 from ...vocab.segments import check_seq_len
 from .output import dtype_arg
-from .parsers import command_parser
+from .parsers import add_cp_algo_args, command_parser
 from .shapes import add_shape_args, positive_int, shape_from_args
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
@@ -26,9 +25,11 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
 def add_parser(sub):
     p = command_parser(sub, "verify", "run the three forms on P gloo ranks and check them", __doc__)
     p.add_argument("--cp", type=positive_int, default=4, help="CP size (gloo processes), default 4")
-    p.add_argument("--cp-algo", choices=VERIFY_CP_ALGOS + ("both",), default="both")
+    add_cp_algo_args(p, "both", algo_note=" (default both)",
+                     degree_help="hybrid CP: heads split inside groups of U consecutive ranks, the "
+                                 "latent (explicit: K/V) across them")
     p.add_argument("--layout", choices=SEQUENCE_LAYOUTS, default=None,
-                   help="default: " + ", ".join(f"{DEFAULT_LAYOUT[a]} for {a}" for a in VERIFY_CP_ALGOS))
+                   help="default: " + ", ".join(f"{DEFAULT_LAYOUT[a]} for {a}" for a in CP_ALGOS))
     p.add_argument("--kernel", type=canonical, choices=CPU_KERNELS, default="sdpa")
     p.add_argument("--dtype", type=dtype_arg(tuple(TOLERANCE)), default="float32",
                    help="float32 (default) or bfloat16 (fp32/bf16 alike)")
@@ -37,23 +38,36 @@ def add_parser(sub):
 
 
 def cases_from_args(args):
+    from .. import equivalence as eq
     shape = shape_from_args(args)
-    algos = VERIFY_CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
+    algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
+    degree = ulysses_degree_from_args(args, args.cp)
     return [eq.Case(spec=v, cp_algo=a, layout=args.layout or DEFAULT_LAYOUT[a], kernel=args.kernel,
-                    dtype=args.dtype, shape=shape) for a in algos for v in standard_runs(forms_only=True)]
+                    dtype=args.dtype, shape=shape, ulysses_degree=degree if algo(a).takes_ulysses_degree else 1)
+            for a in algos for v in standard_runs(forms_only=True)]
 
 
 def run(args) -> int:
+    from .. import equivalence as eq
+    from ..measure import worker
+    from ..spawn import run_on_ranks
+    check_spawnable(args.cp)
     cases = cases_from_args(args)
+    degree = cases[0].ulysses_degree
     for layout in dict.fromkeys(c.layout for c in cases):
-        check_seq_len(args.seq_len, layout, args.cp)
-    if not all(algo(c.cp_algo).heads_divide(args.heads, args.cp) for c in cases):
-        raise ValueError(f"--heads {args.heads} is not divisible by --cp {args.cp} (ulysses splits heads)")
+        check_seq_len(args.seq_len, layout, args.cp, ulysses_degree=degree)
+    if not all(algo(c.cp_algo).heads_divide(args.heads, args.cp, c.ulysses_degree) for c in cases):
+        split = f"--ulysses-degree {degree}" if degree > 1 else f"--cp {args.cp}"
+        raise ValueError(f"--heads {args.heads} is not divisible by {split} (ulysses splits heads)")
     s = cases[0].shape
-    print(f"verify: CP={args.cp} gloo ranks, S={s.seq_len}, b={s.batch}, n={s.heads}, "
+    hybrid = f" (hybrid U={degree})" if degree > 1 else ""
+    print(f"verify: CP={args.cp} gloo ranks{hybrid}, S={s.seq_len}, b={s.batch}, n={s.heads}, "
           f"d_n={s.qk_head_dim}, d_r={s.rope_dim}, d_v={s.v_head_dim}, d_c={s.kv_lora_rank}, "
           f"{args.dtype}, kernel={args.kernel}")
-    per_rank = run_on_ranks(worker, args.cp, cases, args.repeat, 1)
+    if degree > 1:
+        per_rank = run_on_ranks(hybrid_worker, args.cp, degree, cases, args.repeat, 1)
+    else:
+        per_rank = run_on_ranks(worker, args.cp, cases, args.repeat, 1)
     failed = False
     header = f"{'form':<9} {'cp_algo':<9} {'layout':<10} {'max rel err':>11} {'fwd bytes':>10} " \
              f"{'bwd bytes':>10} {'explicit/form':>13} {'fwd+bwd ms':>10}"

@@ -1,0 +1,95 @@
+"""``plan`` ends with one recommendation: the CP algorithm (and U), the LAGA options and the
+training flags, what they save against the host's explicit path, and why; consistent with
+the tables above it and with --cp-algo."""
+import json
+
+import pytest
+
+from support.cli_runs import run_cli
+
+
+def recommendation(capsys, *argv):
+    code, out, err = run_cli(capsys, "plan", "--json", *argv)
+    assert code == 0, err
+    plan = json.loads(out)
+    return plan, plan["recommendation"]
+
+
+def text(capsys, *argv):
+    code, out, err = run_cli(capsys, "plan", *argv)
+    assert code == 0, err
+    return out
+
+
+def one_link_rows(plan, rec):
+    """The time table rows the recommendation was chosen from."""
+    name = rec["basis"].split(" table")[0].split("the ")[-1]
+    return plan["time"][name]["rows"]
+
+
+@pytest.mark.parametrize("argv, algo, variant", [
+    ([], "ulysses", "laga+overlap"),                        # DeepSeek-V3, 16k, CP 8 in one node
+    (["--num-docs", "16"], "allgather", "laga+trim"),      # documents: trim the rebuild
+    (["--device-memory", "8", "--num-layers", "4", "--seq-len", "131072"],
+     "allgather", "laga+blockwise"),                       # 128k: only the blockwise path fits
+])
+def test_recommendation_is_the_fastest_that_fits(capsys, argv, algo, variant):
+    plan, rec = recommendation(capsys, *argv)
+    best = rec["best"]
+    assert (best["cp_algo"], best["variant"]) == (algo, variant)
+    rows = one_link_rows(plan, rec)
+    fastest = min(t["total_s"] for a in rows for v, t in rows[a].items()
+                  if v != "absorbed" and (not argv[:1] == ["--device-memory"] or
+                                          "blockwise" in v or "recompute" in v))
+    assert best["total_s"] == pytest.approx(fastest, rel=1e-12)
+    assert rows[algo][variant]["total_s"] == pytest.approx(best["total_s"], rel=1e-12)
+    # the tables below are the recommended algorithm's
+    assert list(plan["algos"]) == [algo]
+    explicit = rec["explicit"]
+    assert (explicit["cp_algo"], explicit["variant"]) == (algo, "explicit")
+    assert explicit["wire_bytes"] > best["wire_bytes"]
+
+
+def test_recommendation_names_flags_savings_and_why(capsys):
+    out = text(capsys, "--num-docs", "16")
+    tail = out[out.index("\nrecommendation ("):]
+    assert "laga+trim with cp_algo=allgather" in tail
+    assert ("flags: --context-parallel-algo kvallgather_cp_algo --mla-latent-all-gather\n"
+            "    --mla-laga-trim-causal-prefix") in tail
+    assert "against the host's explicit path (allgather): time 3.39 ms vs 15.21 ms" in tail
+    assert "bytes sent 31.50 MiB vs 2.188 GiB (71.11x fewer)" in tail
+    assert "the host's fastest explicit setting here is cp_algo=ulysses (6.22 ms)" in tail
+    assert "why: the latent crosses the link" in tail and "why allgather over ulysses" in tail
+    # the rebuild-extra line is explained where it is large
+    assert "(extra = 559% of causal attention FLOPs)" in out
+    assert "the share grows with the number of documents" in out
+
+
+def test_recommendation_honours_cp_algo(capsys):
+    plan, rec = recommendation(capsys, "--cp-algo", "allgather")
+    assert rec["best"]["cp_algo"] == "allgather"  # ulysses would be faster, but was not asked
+    for machine in plan["time"].values():
+        assert set(machine["rows"]) == {"allgather"}
+    plan, rec = recommendation(capsys, "--cp-algo", "hybrid", "--ulysses-degree", "4")
+    assert (rec["best"]["cp_algo"], rec["best"]["ulysses_degree"]) == ("hybrid", 4)
+    assert "--context-parallel-algo hybrid_cp_algo --ulysses-degree-in-cp 4" in rec["best"]["flags"]
+
+
+def test_node_table_recommends_hybrid_at_128k(capsys):
+    """128k on two 8-NPU nodes: the node table decides, and the answer is one (hybrid U=8),
+    where the one-link tables alone named others."""
+    plan, rec = recommendation(capsys, "--npus-per-node", "8", "--seq-len", "131072")
+    assert rec["basis"].startswith("the node table")
+    assert (rec["best"]["cp_algo"], rec["best"]["ulysses_degree"], rec["best"]["variant"]) == \
+        ("hybrid", 8, "laga+overlap")
+    timed = [r for r in plan["nodes"]["rows"] if "error" not in r and r["variant"] != "absorbed"]
+    assert rec["best"]["total_s"] == pytest.approx(min(r["total_s"] for r in timed), rel=1e-12)
+    out = text(capsys, "--npus-per-node", "8", "--seq-len", "131072")
+    assert "fastest:" not in out and out.count("recommendation (") == 1
+
+
+def test_cp_1_says_it_once(capsys):
+    out = text(capsys, "--cp", "1")
+    assert "fastest:" not in out
+    assert out.count("recommendation") == 1
+    assert "CP=1 exchanges nothing" in out
