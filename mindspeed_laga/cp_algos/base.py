@@ -32,9 +32,6 @@ class CPAlgo:
     takes_ulysses_degree: ClassVar[bool] = False
     # Whether the cost model's one-link tables and the CLI's "both" enumerate it.
     in_tables: ClassVar[bool] = True
-    # Whether verify offers it and the tests' equivalence axis enumerates it (both run it
-    # without a Ulysses degree).
-    in_verify: ClassVar[bool] = True
     # The byte counter's name of the group heads are split over.
     split_label: ClassVar[str] = "cp"
     # The kernel's query rows after the all-to-all, as the cost model's terms name them.

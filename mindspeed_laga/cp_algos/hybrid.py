@@ -13,7 +13,6 @@ class Hybrid(CPAlgo):
     # An algorithm the cost model's one-link tables and "both" leave out: plan and bench
     # show it on its own (--cp-algo hybrid) and in the two-link node table.
     in_tables = False
-    in_verify = False  # it needs --ulysses-degree, which verify does not take
     split_label = "ulysses"
     split_rows_label = "U*s"
 

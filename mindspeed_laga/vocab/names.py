@@ -10,10 +10,8 @@ FORMS = ("explicit", "absorbed", "laga")
 # the two-link node table.
 ATTN_CP_ALGOS = tuple(ALGOS)
 CP_ALGOS = tuple(name for name, a in ALGOS.items() if a.in_tables)
-# Those plan and bench offer on their own, beside "both" (not in the one-link tables).
+# Those plan, bench and verify offer on their own, beside "both" (not in the one-link tables).
 OWN_CP_ALGOS = tuple(name for name, a in ALGOS.items() if not a.in_tables)
-# Those verify offers (its "both" runs them all) and the tests' equivalence axis enumerates.
-VERIFY_CP_ALGOS = tuple(name for name, a in ALGOS.items() if a.in_verify)
 HYBRID = Hybrid.name
 LAYOUTS = ("zigzag", "contiguous", "doc_zigzag")
 # The layouts of one unbroken sequence (doc_zigzag needs document boundaries).

@@ -6,7 +6,7 @@ from __future__ import annotations
 from mindspeed_laga import absorbed_attention, explicit_attention, laga_attention
 from mindspeed_laga.cp_algos import ALGOS
 from mindspeed_laga.kernels.registry import CPU_KERNELS as _CPU_KERNELS, KERNEL_NAMES, KERNEL_TYPES
-from mindspeed_laga.vocab.names import VERIFY_CP_ALGOS
+from mindspeed_laga.vocab.names import CP_ALGOS
 
 
 def attention_variants(kv_block_size: int) -> dict:
@@ -31,7 +31,7 @@ KERNELS = KERNEL_NAMES
 # The kernels that run on CPU tensors: a CPU sweep's kernel axis.
 CPU_KERNELS = _CPU_KERNELS
 # The CP algorithms that run without a Ulysses degree (verify's, the equivalence axis).
-PLAIN_ALGOS = VERIFY_CP_ALGOS
+PLAIN_ALGOS = CP_ALGOS
 # Those that take a Ulysses degree U (hybrid): swept where the CP size has a 1 < U < P.
 DEGREE_ALGOS = tuple(n for n, a in ALGOS.items() if a.takes_ulysses_degree)
 
