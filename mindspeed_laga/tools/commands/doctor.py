@@ -35,8 +35,8 @@ from .verify import TOLERANCE
 
 if TYPE_CHECKING:
     from ..cases import Case
-# torch-importing modules (cases, environment, exactness) are imported where used, so that
-# parsing the arguments (``--help``) does not wait for torch.
+# the heavier modules (cases, environment, exactness) are imported where used, not to parse
+# the arguments (the kernel choices' registry imports torch itself).
 
 # The bench shape on an accelerator: DeepSeek-V3's MLA (128 heads = one TP rank at TP 1).
 DEEPSEEK_V3 = MLAShape(seq_len=4096, batch=1, heads=128, qk_head_dim=128, rope_dim=64,
