@@ -19,6 +19,9 @@ softmax scale moves them by 2e-5 or more, beyond the loss tolerance alone.
 
 Each rank counts its calls: LAGA's attention ran on every MLA forward (twice per layer for
 LongCat) and the host's core attention never.
+
+DeepSeek-V4-Flash's 128k recipe builds ``DeepSeek4SelfAttention``, which LAGA does not
+patch: with the flag both ranks refuse once the model is built, before iteration 1.
 """
 from __future__ import annotations
 
@@ -91,3 +94,17 @@ def test_family_loop_equals_reference(family_loop, case):
     assert_laga_on_every_mla(run, family)
     assert_same_training(run, ref)
 
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_deepseek4_refused_on_every_rank(family_loop):
+    """The flag with DeepSeek-V4's own attention: every rank names the class and stops."""
+    with pytest.raises(real_loop.LoopFailed) as failed:
+        family_loop("deepseek4", "deepseek4", families.DEEPSEEK4.cp, True)
+    log = failed.value.log
+    refusal = ("ValueError: --mla-latent-all-gather does not apply to this model: it has no "
+               "CustomMLASelfAttention, its attention is DeepSeek4MTPSelfAttention, "
+               "DeepSeek4SelfAttention")
+    for rank in range(families.DEEPSEEK4.cp):
+        assert f"[rank{rank}]: {refusal}" in log, failed.value
+    assert "one shared compressed KV head, 512 wide" in log
+    assert not real_loop.parse_log(log), "it trained before refusing"
