@@ -1,8 +1,10 @@
 """``LAGAFeature``: LAGA as a MindSpeed feature, enabled by ``--mla-latent-all-gather``.
 
 Built like MindSpeed's ``MLAFeature``: it registers its flags, validates them
-after Megatron's validation and registers one patch, a wrapper around
-MindSpeed-LLM's ``CustomMLASelfAttention.forward``. MindSpeed-LLM has no
+after Megatron's validation and registers two patches: a wrapper around
+MindSpeed-LLM's ``CustomMLASelfAttention.forward``, and one around Megatron's
+``get_model`` that refuses a built model LAGA would leave unchanged
+(patches/mindspeed_llm/model_check.py). MindSpeed-LLM has no
 plugin hook, so ``python -m mindspeed_laga.launch`` adds the feature to
 ``MindSpeedFeaturesManager.FEATURES_LIST`` (see docs/INTEGRATION.md).
 """
@@ -25,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 MLA_FORWARD = ("mindspeed_llm.tasks.models.transformer.multi_latent_attention."
                "CustomMLASelfAttention.forward")
+# checked after each rank builds its model: an MLA module LAGA patched is in it
+GET_MODEL = "megatron.training.training.get_model"
 
 
 class LAGAFeature(_Base):
@@ -93,4 +97,6 @@ class LAGAFeature(_Base):
         if context_parallel_size(args) == 1:
             return
         from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
+        from mindspeed_laga.patches.mindspeed_llm.model_check import laga_model_check_wrapper
         patch_manager.register_patch(MLA_FORWARD, laga_mla_forward_wrapper)
+        patch_manager.register_patch(GET_MODEL, laga_model_check_wrapper)

@@ -16,8 +16,9 @@ from support.laga_parser import parse
 
 from mindspeed_laga.features import LAGAFeature
 from mindspeed_laga.features.laga_args import laga_settings
-from mindspeed_laga.features.laga_feature import MLA_FORWARD
+from mindspeed_laga.features.laga_feature import GET_MODEL, MLA_FORWARD
 from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
+from mindspeed_laga.patches.mindspeed_llm.model_check import laga_model_check_wrapper
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -360,9 +361,11 @@ def test_unmapped_cp_algo_has_no_settings():
 def test_register_patches_wraps_the_mindspeed_llm_mla_forward():
     manager = RecordingPatchManager()
     LAGAFeature().register_patches(manager, parse(VALID))
-    assert manager.calls == [(MLA_FORWARD, laga_mla_forward_wrapper, False)]
+    assert manager.calls == [(MLA_FORWARD, laga_mla_forward_wrapper, False),
+                             (GET_MODEL, laga_model_check_wrapper, False)]
     # MindSpeed stacks functions named *wrapper around the target instead of replacing it
     assert laga_mla_forward_wrapper.__name__.endswith("wrapper")
+    assert laga_model_check_wrapper.__name__.endswith("wrapper")
 
 
 def test_patch_target_exists_in_mindspeed_llm_source(release_host_sources):
@@ -390,7 +393,7 @@ def test_register_patches_reads_early_string_args():
     # MindSpeed-LLM applies patches with parse_known_args: Megatron flags arrive as strings
     manager = RecordingPatchManager()
     LAGAFeature().register_patches(manager, argparse.Namespace(context_parallel_size="2"))
-    assert [c[0] for c in manager.calls] == [MLA_FORWARD]
+    assert [c[0] for c in manager.calls] == [MLA_FORWARD, GET_MODEL]
 
 
 def test_register_patches_is_a_no_op_at_cp_size_one():

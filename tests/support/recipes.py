@@ -1,8 +1,8 @@
 """MindSpeed-LLM's stock DeepSeek-V3 pretrain recipes, read as their own bash expands them.
 
-The script runs under bash with ``python`` replaced by a function that prints its
-arguments, so the script's own variables are expanded exactly as on a real node;
-the arguments after ``pretrain_gpt.py`` are what it trains with.
+The script runs under bash with its launcher (``python`` or ``torchrun``) replaced by a
+function that prints its arguments, so the script's own variables are expanded exactly as
+on a real node; the arguments after ``pretrain_gpt.py`` are what it trains with.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 
 RECIPES = ("pretrain_deepseek3_671b_4k_ptd.sh", "pretrain_deepseek3_671b_4k_A3_ptd.sh")
 RECIPE_DIR = Path("examples") / "mcore" / "deepseek3"
+LAUNCHERS = ("python", "torchrun")  # what the stock scripts start pretrain_gpt.py with
 
 
 def recipe_argv(script: Path, cp_algo: Optional[str] = None, cp_size: Optional[int] = None,
@@ -36,7 +37,9 @@ def recipe_argv(script: Path, cp_algo: Optional[str] = None, cp_size: Optional[i
         Path(tmp, "logs").mkdir()  # the script tees its log there
         out = Path(tmp, "argv")
         # the launcher line becomes: print every argument, NUL-separated
-        printer = "python() { printf '%s\\0' \"$@\" > \"$ARGV_OUT\"; }; "
+        printer = "".join(f"{launcher}() {{ printf '%s\\0' \"$@\" > \"$ARGV_OUT\"; }}; "
+                          for launcher in LAUNCHERS)
+        printer += "tee() { cat > /dev/null; }; "  # some scripts log into folders of their own
         subprocess.run(["bash", "-c", printer + "source /dev/stdin"], input=text, cwd=tmp,
                        env=dict(os.environ, ARGV_OUT=str(out)), text=True,
                        capture_output=True, timeout=60, check=True)

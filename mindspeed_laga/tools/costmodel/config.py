@@ -31,14 +31,20 @@ HALF = ("bfloat16", "float16")
 NPU_MASK_BYTES = 2048 * 2048  # the compressed causal mask (bool), cached and shared
 INDEX_BYTES = 8               # int64 position-order index
 
-PRESETS = {
+# name -> (heads, qk_head_dim, rope_dim, v_head_dim, kv_lora_rank, hidden_size, q_lora_rank),
+# ModelDims' field order; q_lora_rank None: the query is projected straight from the hidden
+_PRESET_DIMS = {
     # config.json of deepseek-ai/DeepSeek-V3 (and the MLA flags of scripts/pretrain_deepseek3_laga.sh)
-    "deepseek-v3": ModelDims(heads=128, qk_head_dim=128, rope_dim=64, v_head_dim=128,
-                             kv_lora_rank=512, hidden_size=7168, q_lora_rank=1536),
-    # config.json of deepseek-ai/DeepSeek-V2-Lite: no q_lora (q_proj straight from hidden)
-    "deepseek-v2-lite": ModelDims(heads=16, qk_head_dim=128, rope_dim=64, v_head_dim=128,
-                                  kv_lora_rank=512, hidden_size=2048, q_lora_rank=None),
+    "deepseek-v3": (128, 128, 64, 128, 512, 7168, 1536),
+    # config.json of deepseek-ai/DeepSeek-V2-Lite
+    "deepseek-v2-lite": (16, 128, 64, 128, 512, 2048, None),
+    # the other MLA families' MindSpeed-LLM pretrain recipes (examples/mcore/<family>/)
+    "kimi-k2": (64, 128, 64, 128, 512, 7168, 1536),
+    "longcat-flash": (64, 128, 64, 128, 512, 6144, 1536),
+    "plm": (16, 128, 64, 128, 512, 2048, None),
+    "minicpm3": (40, 64, 32, 64, 256, 2560, 768),
 }
+PRESETS = {name: ModelDims(*dims) for name, dims in _PRESET_DIMS.items()}
 
 
 def preset(name: str) -> ModelDims:

@@ -123,22 +123,25 @@ def flag_groups(argv: List[str]):
 def recipe(llm_src: Path, cp_size: int, cp_algo: str, laga: bool, data_path: str,
            documents: bool = False, recompute: bool = False, ulysses_degree: Optional[int] = None,
            extra: List[str] = (), without: Sequence[str] = (),
-           layout: Optional[Dict[str, str]] = None) -> List[str]:
+           layout: Optional[Dict[str, str]] = None, stock: Optional[List[str]] = None,
+           scaled: Optional[Dict[str, str]] = None) -> List[str]:
     """pretrain_gpt.py's arguments for one case: the stock recipe scaled down;
     ``without``: stock flags this case leaves out (with their values); ``layout``: flag ->
     value replacing a stock flag's (scaled) value, e.g. the parallel sizes, the global batch
-    or the iterations (flags the stock recipe lacks go in ``extra``)."""
+    or the iterations (flags the stock recipe lacks go in ``extra``); ``stock`` and
+    ``scaled``: another recipe's flags and their shrunk values (default: DeepSeek-V3's)."""
     layout = dict(layout or {})
+    scaled = SCALED if scaled is None else scaled
     argv = []
-    stock = flag_groups(stock_flags(llm_src))
+    stock = flag_groups(stock_flags(llm_src) if stock is None else stock)
     stock_names = {flag for flag, _ in stock}
-    missing = [flag for flag in [*SCALED, *layout] if flag not in stock_names]
+    missing = [flag for flag in [*scaled, *layout] if flag not in stock_names]
     if missing:  # the stock script changed: the scaling no longer describes it
-        raise RuntimeError(f"the stock DeepSeek-V3 recipe lacks {missing}")
+        raise RuntimeError(f"the stock recipe lacks {missing}")
     for flag, values in stock:
         if flag in DROPPED or flag in without:
             continue
-        value = layout.get(flag, SCALED.get(flag))
+        value = layout.get(flag, scaled.get(flag))
         argv += [flag] + ([value] if value is not None else values)
     argv += CPU_FLAGS + ["--data-path", data_path, "--context-parallel-size", str(cp_size),
                          "--context-parallel-algo", cp_algo]
