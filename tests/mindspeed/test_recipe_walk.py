@@ -36,11 +36,11 @@ WHERE = ("examples/mcore/*/*.sh", "tests/poc/*/*.sh")
 ENTRIES = ("pretrain_gpt.py", "posttrain_gpt.py", "pretrain_deepseek4.py")
 
 # the refusals, as LAGA words them (docs/INTEGRATION.md lists each)
-GENERAL = "--mla-latent-all-gather with --attention-mask-type general is not supported"
 FP8 = "--mla-latent-all-gather with --fp8-format is not supported"
-DSA = "--mla-latent-all-gather with --enable-dsa-indexer is not supported"
-SPARSE = "--mla-latent-all-gather with --use-sparse-flash-attn is not supported"
-ABSORB = "--mla-latent-all-gather with --enable-mla-absorb is not supported"
+# sparse MLA runs the host's non-fused DSA path; its fused NPU ops are refused by name
+FUSED_INDEXER = ("--mla-latent-all-gather with --enable-dsa-indexer and "
+                 "--use-fused-lightning-indexer is not supported")
+SPARSE = "--mla-latent-all-gather with --enable-dsa-indexer and --use-sparse-flash-attn is not supported"
 OK = "ok"
 HOST = "host: "  # the host refuses the recipe itself, LAGA aside
 V3 = "tests/poc/deepseek3_671b_"
@@ -48,23 +48,23 @@ LONGCAT = "tests/poc/longcat_flash_chat"
 # recipe -> OK, or a substring of the refusal it meets first
 EXPECTED = {
     "examples/mcore/deepseek3/tune_deepseek3_671b_16k_lora_A3_ptd.sh": OK,
-    "examples/mcore/deepseek32/tune_deepseek32_671b_16K_A3_full_ptd.sh": DSA,
+    "examples/mcore/deepseek32/tune_deepseek32_671b_16K_A3_full_ptd.sh": FUSED_INDEXER,
     "examples/mcore/deepseek4_flash/pretrain_deepseek4_flash_128k_A3_ptd.sh": SPARSE,
     "examples/mcore/minicpm3/pretrain_minicpm3_4b_32k_ptd.sh": OK,
-    "tests/poc/deepseek32/tune_deepseek32_671b_cut_128k_A3_ptd.sh": ABSORB,
-    V3 + "64p_perf/pretrain_deepseek3_16.2b_256k_bf16_A5_ptd.sh": GENERAL,
+    "tests/poc/deepseek32/tune_deepseek32_671b_cut_128k_A3_ptd.sh": SPARSE,
+    V3 + "64p_perf/pretrain_deepseek3_16.2b_256k_bf16_A5_ptd.sh": OK,
     V3 + "64p_perf/pretrain_deepseek3_16.2b_256k_fp8_A5_ptd.sh": FP8,
-    V3 + "64p_perf/pretrain_deepseek3_75.9b_128k_bf16_A5_ptd.sh": GENERAL,
+    V3 + "64p_perf/pretrain_deepseek3_75.9b_128k_bf16_A5_ptd.sh": OK,
     # a stray "\s" after --hidden-dropout 0.0 in the script: Megatron's parser stops it
     V3 + "64p_perf/pretrain_deepseek3_75.9b_128k_fp8_A5_ptd.sh":
         HOST + "pretrain_gpt.py: error: unrecognized arguments: \\s",
-    V3 + "8p_acc/pretrain_deepseek3_0.3b_256k_bf16_A5_ptd.sh": GENERAL,
+    V3 + "8p_acc/pretrain_deepseek3_0.3b_256k_bf16_A5_ptd.sh": OK,
     V3 + "8p_acc/pretrain_deepseek3_0.3b_256k_fp8_A5_ptd.sh": FP8,
-    V3 + "8p_acc/pretrain_deepseek3_0.9b_128k_bf16_A5_ptd.sh": GENERAL,
+    V3 + "8p_acc/pretrain_deepseek3_0.9b_128k_bf16_A5_ptd.sh": OK,
     V3 + "8p_acc/pretrain_deepseek3_0.9b_128k_fp8_A5_ptd.sh": FP8,
-    V3 + "8p_perf/pretrain_deepseek3_13.9b_128k_bf16_A5_ptd.sh": GENERAL,
+    V3 + "8p_perf/pretrain_deepseek3_13.9b_128k_bf16_A5_ptd.sh": OK,
     V3 + "8p_perf/pretrain_deepseek3_13.9b_128k_fp8_A5_ptd.sh": FP8,
-    V3 + "8p_perf/pretrain_deepseek3_2.8b_256k_bf16_A5_ptd.sh": GENERAL,
+    V3 + "8p_perf/pretrain_deepseek3_2.8b_256k_bf16_A5_ptd.sh": OK,
     V3 + "8p_perf/pretrain_deepseek3_2.8b_256k_fp8_A5_ptd.sh": FP8,
     "tests/poc/deepseek4_flash/pretrain_deepseek4_flash_128k_A3_ptd.sh": SPARSE,
     "tests/poc/deepseek4_flash/pretrain_deepseek4_flash_7.8b_128k_A3_ptd.sh": SPARSE,
@@ -170,7 +170,7 @@ def test_recipe_validates_or_is_refused_by_name(walked, recipe):
         assert result == expected, result
     else:  # LAGA's own refusal, naming the flag and the fix
         assert result.startswith("ValueError: ") and expected in result, result
-        assert "laga_checks.py" in result or "laga_feature.py" in result, result
+        assert any(f in result for f in ("laga_checks.py", "dsa_checks.py", "laga_feature.py")), result
 
 
 if __name__ == "__main__":
