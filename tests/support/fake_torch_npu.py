@@ -1,4 +1,5 @@
-"""A CPU stand-in for ``torch_npu``: only ``npu_fusion_attention`` and its grad.
+"""A CPU stand-in for ``torch_npu``: ``npu_fusion_attention`` and its grad (here), and the
+MX-FP8 quantization and matmul ops of MindSpeed's TE modules (tests/support/fake_npu_quant.py).
 
 Tests install it as ``sys.modules["torch_npu"]`` so the ``kernel="npu"`` path
 of mindspeed_laga runs on CPU. The math uses plain torch ops (autograd works
@@ -84,6 +85,8 @@ import types
 from typing import Optional
 
 import torch
+
+from . import fake_npu_quant
 
 INT_MAX = 2147483647
 COMPRESSED_MASK_SIZE = 2048
@@ -595,6 +598,7 @@ def _build() -> types.ModuleType:
     module.reset_calls = reset_calls
     module.npu_fusion_attention = npu_fusion_attention
     module.npu_fusion_attention_grad = npu_fusion_attention_grad
+    fake_npu_quant.register(module)  # the MX-FP8 ops of MindSpeed's TE modules
     return module
 
 
