@@ -21,6 +21,7 @@ class LagaOptions:
     recompute_kv: bool = False
     kv_block_size: Optional[int] = None
     latent_gather: Optional[object] = None  # forms.latent_source.LatentGather
+    kv_up_linear: Optional[object] = None   # (latent, weight rows, first row) -> K/V
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +52,7 @@ class AttnOptions:
     recompute_kv: bool = False
     kv_block_size: Optional[int] = None
     latent_gather: Optional[object] = None
+    kv_up_linear: Optional[object] = None
 
     @property
     def blockwise(self) -> bool:
@@ -62,4 +64,4 @@ class AttnOptions:
         """LAGA's own options as the one record ``laga_forward`` reads."""
         return LagaOptions(trim_causal_prefix=self.trim_causal_prefix,
                            recompute_kv=self.recompute_kv, kv_block_size=self.kv_block_size,
-                           latent_gather=self.latent_gather)
+                           latent_gather=self.latent_gather, kv_up_linear=self.kv_up_linear)
