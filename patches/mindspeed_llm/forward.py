@@ -40,6 +40,7 @@ from mindspeed_laga.features.laga_checks import padded_length_error, sequence_mu
 from ..attention_mask import key_padding_from_mask
 from ..common import check_weight_once, first_call, start_gather
 from ..lora import effective_weight
+from .fp8 import kv_up_linear
 from .host import check_mindspeed_llm_forward, check_mindspeed_llm_module, release_of_module
 from .releases import deinterleave_rope_dims
 
@@ -111,6 +112,13 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
             cp_group, _length_error(settings, megatron_args, cp_group))
     overlap = settings.overlap and torch.distributed.get_world_size(cp_group) > 1
     kv_up_weight = _kv_up_weight(self)  # (a LoRA-wrapped module it cannot read raises here)
+    up_linear = kv_up_linear(self)  # the module's FP8 matmul, or None
+    if up_linear is not None and key_padding is not None:  # before any collective
+        raise ValueError("--mla-latent-all-gather with --fp8-format and a padded batch (the SFT "
+                         "key-padding mask) is not supported: a query that sees no key gets the "
+                         "mean of the values, which LAGA builds from the mean latent, not through "
+                         "the FP8 up-projection. Pack the samples (--reset-attention-mask) or "
+                         "drop --fp8-format")
     check_ranks = first_call(self)
     check_weight_once(check_ranks, kv_up_weight, cp_group)
     rope_input = _rope_input(release, megatron_args)
@@ -131,6 +139,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                               qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim,
                               cu_seqlens=cu_seqlens, ulysses_group=_ulysses_group(settings),
                               key_padding_mask=key_padding,
+                              kv_up_linear=up_linear,
                               **settings.core_options())  # pad_v = not --mla-fa-without-pad
     if hooked and core_out.requires_grad:
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
