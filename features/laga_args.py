@@ -22,6 +22,17 @@ With ``--reset-attention-mask`` (packed documents, micro-batch 1) MindSpeed's
 ``ulysses_cp_algo`` and ``kvallgather_cp_algo`` cut it into CP contiguous
 slices (-> "contiguous"), ``megatron_cp_algo`` cuts every document into 2*CP
 chunks (-> "doc_zigzag"). Hybrid is not covered with documents.
+
+With ``--attention-mask-type general`` and ``--reset-attention-mask`` (the
+long-context recipes: documents from the data's EOD, or of a fixed length with
+``--fix-sub-seq-length``) MindSpeed's ``get_batch_on_this_cp_rank`` and
+``get_pos_emb_on_this_cp_rank`` cut the batch and the positions into CP
+contiguous slices for every algorithm it allows there: ulysses directly,
+megatron and hybrid through their ``_general`` splitters (hybrid: ring slice,
+then Ulysses piece, i.e. slice r*U+u) -> "contiguous" each; the document
+boundaries are MindSpeed's ``actual_seq_len`` as the loader made it (neither
+padded nor divided by the ring degree). MindSpeed-LLM refuses
+``kvallgather_cp_algo`` with ``general`` itself.
 """
 from __future__ import annotations
 
@@ -44,6 +55,12 @@ DOCUMENT_CP_ALGO_MAP = {
     "ulysses_cp_algo": ("ulysses", "contiguous"),
     "kvallgather_cp_algo": ("allgather", "contiguous"),
     "megatron_cp_algo": ("allgather", "doc_zigzag"),
+}
+# the same under --attention-mask-type general with --reset-attention-mask
+GENERAL_CP_ALGO_MAP = {
+    "ulysses_cp_algo": ("ulysses", "contiguous"),
+    "megatron_cp_algo": ("allgather", "contiguous"),
+    "hybrid_cp_algo": ("hybrid", "contiguous"),
 }
 # MindSpeed's default when --context-parallel-algo is not given
 DEFAULT_CP_ALGO = "megatron_cp_algo"
@@ -79,10 +96,24 @@ def context_parallel_algo(args: Namespace) -> str:
     return getattr(args, "context_parallel_algo", None) or DEFAULT_CP_ALGO
 
 
-def cp_algo_and_layout(context_parallel_algo: str, documents: bool = False):
-    """(core cp_algo, core layout) for a MindSpeed --context-parallel-algo, or None;
-    ``documents``: under --reset-attention-mask."""
-    return (DOCUMENT_CP_ALGO_MAP if documents else CP_ALGO_MAP).get(context_parallel_algo)
+def cp_algo_map(documents: bool = False, general: bool = False) -> dict:
+    """MindSpeed --context-parallel-algo -> (core cp_algo, core layout) for this batch split;
+    ``documents``: under --reset-attention-mask; ``general``: with --attention-mask-type
+    general (covered with documents only)."""
+    if general:
+        return GENERAL_CP_ALGO_MAP if documents else {}
+    return DOCUMENT_CP_ALGO_MAP if documents else CP_ALGO_MAP
+
+
+def cp_algo_and_layout(context_parallel_algo: str, documents: bool = False,
+                       general: bool = False):
+    """(core cp_algo, core layout) for a MindSpeed --context-parallel-algo, or None."""
+    return cp_algo_map(documents, general).get(context_parallel_algo)
+
+
+def general_mask(args: Namespace) -> bool:
+    """--attention-mask-type general (MindSpeed's mask type; its default is causal)."""
+    return getattr(args, "attention_mask_type", None) == "general"
 
 
 @dataclass(frozen=True)
@@ -99,6 +130,9 @@ class MindSpeedLAGASettings:
     pad_v: bool = False
     # --reset-attention-mask: documents from MindSpeed's actual_seq_len
     documents: bool = False
+    # whether MindSpeed's loader divided those ends by the ring degree (causal masks);
+    # under --attention-mask-type general they are the loader's own
+    loader_scaled_ends: bool = True
 
     def core_options(self) -> dict:
         """Keywords of ``laga_attention`` besides the tensors, scale and group."""
@@ -112,14 +146,16 @@ def laga_settings(args: Namespace) -> MindSpeedLAGASettings:
     """Settings for the core; ``validate_args`` has already rejected unmapped algorithms."""
     algo = context_parallel_algo(args)
     documents = bool(getattr(args, "reset_attention_mask", False))
-    mapped = cp_algo_and_layout(algo, documents)
+    general = general_mask(args)
+    mapped = cp_algo_and_layout(algo, documents, general)
     if mapped is None:
-        supported = DOCUMENT_CP_ALGO_MAP if documents else CP_ALGO_MAP
+        supported = cp_algo_map(documents, general)
         raise ValueError(f"{FLAG} does not support --context-parallel-algo {algo}"
                          f"{' with --reset-attention-mask' if documents else ''}; "
                          f"use one of {sorted(supported)}")
     cp_algo, layout = mapped
     return MindSpeedLAGASettings(cp_algo=cp_algo, layout=layout, documents=documents,
+                                 loader_scaled_ends=documents and not general,
                                  kernel=getattr(args, "mla_laga_kernel", None) or "auto",
                                  recompute_kv=bool(getattr(args, "mla_laga_recompute_kv", False)),
                                  kv_block_size=getattr(args, "mla_laga_kv_block_size", None),

@@ -15,8 +15,8 @@ from mindspeed_laga.cp_algos import algo
 from mindspeed_laga.vocab.names import HYBRID
 from mindspeed_laga.vocab.segments import seq_multiple
 
-from .laga_args import (CP_ALGO_MAP, DOCUMENT_CP_ALGO_MAP, FLAG, context_parallel_algo,
-                        cp_algo_and_layout)
+from .laga_args import (CP_ALGO_MAP, DOCUMENT_CP_ALGO_MAP, FLAG, GENERAL_CP_ALGO_MAP,
+                        context_parallel_algo, cp_algo_and_layout, general_mask)
 from .laga_fp8_checks import check_fp8
 
 _PACKED = ("this packed (THD) form is not covered by LAGA: pack documents with "
@@ -55,8 +55,6 @@ KV_UP_MODULES = ("linear_kv_up_proj", "linear_kv_nope", "linear_v")
 # (args attribute, value, flag as the user writes it, why and how to fix)
 _INCOMPATIBLE_VALUES = (
     ("shape_order", "TND", "--shape-order TND", _PACKED),
-    ("attention_mask_type", "general", "--attention-mask-type general",
-     "LAGA's attention is causal: use --attention-mask-type causal or drop " + FLAG),
     ("recompute_granularity", "selective", "--recompute-granularity selective",
      "LAGA does not checkpoint its core attention yet: use --recompute-granularity full, "
      "no recompute, or drop " + FLAG),
@@ -75,6 +73,7 @@ def check_laga_args(args: Namespace) -> bool:
     _check_lora(args)
     _check_attention_dropout(args)
     _check_documents(args)
+    _check_general(args)
     cp_algo, layout = _check_cp_algo(args)
     _check_split(args, cp_size, cp_algo, layout)
     _check_padded_lengths(args, cp_size, cp_algo, layout)
@@ -153,9 +152,31 @@ def _check_documents(args: Namespace) -> None:
                          "--global-batch-size's accumulation instead), or drop " + FLAG)
 
 
+def _check_general(args: Namespace) -> None:
+    """--attention-mask-type general: covered where it describes packed documents (with
+    --reset-attention-mask: MindSpeed's actual_seq_len, fixed with --fix-sub-seq-length);
+    without them the mask is whatever the loader built, which LAGA does not read."""
+    if not general_mask(args):
+        return
+    if not _documents(args):
+        raise ValueError(
+            f"{FLAG} with --attention-mask-type general is supported with "
+            "--reset-attention-mask only (documents from the data's EOD, or of a fixed length "
+            "with --fix-sub-seq-length): without it MindSpeed attends under the loader's "
+            "dense mask, which LAGA does not read. Add --reset-attention-mask, use "
+            f"--attention-mask-type causal, or drop {FLAG}")
+    algo = context_parallel_algo(args)
+    if algo not in GENERAL_CP_ALGO_MAP:
+        raise ValueError(
+            f"{FLAG} with --attention-mask-type general and --context-parallel-algo {algo} "
+            "is not supported: use one of "
+            f"{', '.join(sorted(GENERAL_CP_ALGO_MAP))} (MindSpeed's splits for general masks), "
+            f"--attention-mask-type causal, or drop {FLAG}")
+
+
 def _check_cp_algo(args: Namespace):
     algo = context_parallel_algo(args)
-    mapped = cp_algo_and_layout(algo, _documents(args))
+    mapped = cp_algo_and_layout(algo, _documents(args), general_mask(args))
     if mapped is not None:
         return mapped
     if algo == "hybrid_cp_algo" and _documents(args):

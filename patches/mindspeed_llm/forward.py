@@ -127,7 +127,8 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                                                       rope_cu_seqlens=packed_seq_params,
                                                       rope_input=rope_input,
                                                       lora_scales=release.lora_scales)
-    cu_seqlens = document_boundaries(_mtp_depth(self)) if settings.documents else None
+    cu_seqlens = (document_boundaries(_mtp_depth(self), settings.loader_scaled_ends)
+                  if settings.documents else None)
     hooked = getattr(self, "a2a_hooked_on_attention", False)
     if hooked:  # --moe-fb-overlap: start the MoE all-to-all where the original does
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
@@ -166,13 +167,15 @@ def _length_error(settings, megatron_args, cp_group):
                            else None)
 
 
-def document_boundaries(mtp_depth: int = 0):
+def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True):
     """--reset-attention-mask: the global document boundaries [0, end_1, ..., S].
 
     MindSpeed keeps the cumulative ends (no leading 0) in ``get_actual_seq_len``;
-    for megatron_cp_algo its loader padded every document to a multiple of
-    2*CP and divided the ends by the ring degree (CP), for ulysses and
-    kvallgather the ring degree is 1. With --mtp-num-layers MindSpeed-LLM keeps
+    under causal masks (``loader_scaled``) for megatron_cp_algo its loader padded
+    every document to a multiple of 2*CP and divided the ends by the ring degree
+    (CP), for ulysses and kvallgather the ring degree is 1. Under
+    --attention-mask-type general the loader keeps the ends as they are (from the
+    data's EOD, or every --fix-sub-seq-length tokens) for every algorithm. With --mtp-num-layers MindSpeed-LLM keeps
     one row of ends per depth (row 0: the main model, row d: the d-th MTP layer,
     whose rolled tokens end each document d earlier); ``mtp_depth`` picks the row,
     as the host's own core attention does with its ``mtp_idx``. A sample that ends
@@ -189,7 +192,7 @@ def document_boundaries(mtp_depth: int = 0):
     ends = torch.as_tensor(ends)
     if ends.dim() == 2:  # one row per MTP depth
         ends = ends[mtp_depth]
-    ends = ends.reshape(-1).double() * get_ring_degree()
+    ends = ends.reshape(-1).double() * (get_ring_degree() if loader_scaled else 1)
     boundaries = [0]
     for end in torch.round(ends).tolist():
         if int(end) != boundaries[-1]:

@@ -89,6 +89,33 @@ def test_supported_configurations_validate(algo):
                       "--reset-position-ids", "--micro-batch-size", "1"])
 
 
+GENERAL = ["--attention-mask-type", "general", "--reset-attention-mask", "--micro-batch-size",
+           "1", "--shape-order", "BNSD"]
+# MindSpeed's get_batch_on_this_cp_rank cuts the batch contiguously for each (the _general
+# splitters of megatron and hybrid included); the ends are the loader's, not scaled
+GENERAL_CASES = {
+    "ulysses_cp_algo": ([], ("ulysses", "contiguous")),
+    "megatron_cp_algo": ([], ("allgather", "contiguous")),
+    "hybrid_cp_algo": (["--context-parallel-size", "4", "--ulysses-degree-in-cp", "2"],
+                       ("hybrid", "contiguous")),
+}
+
+
+@pytest.mark.parametrize("algo", list(GENERAL_CASES))
+def test_general_masks_with_documents_validate_and_map_contiguously(algo):
+    extra, mapped = GENERAL_CASES[algo]
+    args = validate(VALID + GENERAL + ["--context-parallel-algo", algo] + extra)
+    settings = laga_settings(args)
+    assert (settings.cp_algo, settings.layout) == mapped
+    assert settings.documents and not settings.loader_scaled_ends
+
+
+def test_causal_documents_keep_the_loaders_scaled_ends():
+    args = validate(VALID + ["--reset-attention-mask", "--micro-batch-size", "1",
+                             "--context-parallel-algo", "megatron_cp_algo"])
+    assert laga_settings(args).loader_scaled_ends and laga_settings(args).layout == "doc_zigzag"
+
+
 def test_tnd_shape_order_is_accepted_with_documents():
     # MindSpeed-LLM's training_basic feature sets --shape-order TND under --reset-attention-mask
     validate(VALID + ["--reset-attention-mask", "--micro-batch-size", "1", "--shape-order", "TND"])
@@ -113,7 +140,11 @@ REJECTED = [
     (["--reset-attention-mask", "--micro-batch-size", "2"], "--micro-batch-size 1"),
     (["--neat-pack"], "--neat-pack"),
     (["--shape-order", "TND"], "--shape-order TND"),
-    (["--attention-mask-type", "general"], "--attention-mask-type general"),
+    # general masks: with documents only, and with the algorithms MindSpeed splits for them
+    (["--attention-mask-type", "general"], "--reset-attention-mask only"),
+    (["--attention-mask-type", "general", "--context-parallel-algo", "kvallgather_cp_algo",
+      "--reset-attention-mask", "--micro-batch-size", "1"],
+     "--attention-mask-type general and --context-parallel-algo kvallgather_cp_algo"),
     (["--tp-2d"], "--tp-2d"),
     (["--mla-up-proj-tp-overlap"], "--mla-up-proj-tp-overlap"),
     (["--recompute-mla-up-proj"], "--recompute-mla-up-proj"),

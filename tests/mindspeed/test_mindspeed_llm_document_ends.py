@@ -68,3 +68,12 @@ def test_mtp_depth_is_read_where_mindspeed_llm_sets_it():
     assert _mtp_depth(SimpleNamespace(core_attention=SimpleNamespace())) == 0  # no MTP
     assert _mtp_depth(SimpleNamespace(core_attention=SimpleNamespace(mtp_idx=1))) == 1
     assert _mtp_depth(SimpleNamespace(mtp_idx=2, core_attention=SimpleNamespace(mtp_idx=0))) == 2
+
+
+def test_general_masks_take_the_loaders_ends_as_they_are(host_ends):
+    # --attention-mask-type general: the loader neither pads nor divides the ends (here the
+    # fixed sub-sequences of --fix-sub-seq-length 6, S = 16), whatever the ring degree
+    host_ends.ends = torch.tensor([6, 12, 16])
+    host_ends.ring_degree = 2
+    assert document_boundaries(loader_scaled=False) == [0, 6, 12, 16]
+    assert document_boundaries(loader_scaled=True) == [0, 12, 24, 32]

@@ -51,8 +51,10 @@ def _count_laga():
 
 def _count_modules():
     import torch
+    from support.loop import te_modules
 
     def pre_hook(module, args):
+        te_modules.count(module, COUNTS)
         name = type(module).__name__
         if name == MLA_CLASS:
             COUNTS["mla_forward" if module.training else "mla_forward_eval"] += 1

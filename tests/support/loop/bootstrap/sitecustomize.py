@@ -9,7 +9,8 @@ In a torchrun rank (``RANK`` set) with ``LAGA_LOOP_RECORD`` naming a folder, bef
   rank, so without this CP=1 and CP=2 would start from different weights;
 - counters are put around ``mindspeed_laga.api.laga_attention`` (before LAGA's patch
   imports it), around every ``CustomMLASelfAttention`` call and every core attention
-  module call (global forward pre-hooks), and the stand-in's ``npu_fusion_attention``
+  module call and every forward of MindSpeed's TE modules (global forward pre-hooks;
+  tests/support/loop/te_modules.py), and the stand-in's ``npu_fusion_attention``
   records its calls;
 - the host's ``training_log`` is wrapped to keep each iteration's losses and grad norm
   at full precision.
