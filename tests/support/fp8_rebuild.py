@@ -19,6 +19,10 @@ latent, the rope key and the weight (max |a - b| / max |b|):
 - ``laga_no_fp8`` vs ``host_no_fp8``: both without FP8 (what LAGA's own kernel and the
   CP sums contribute at this dtype, FP8 aside).
 
+:func:`adapter_run` then checks the MindSpeed-LLM adapter end to end (forward.py's wrapped
+forward on tests/support/mindspeed_llm_standin.py's MLA with this FP8 module as its
+``linear_kv_up_proj``).
+
 Run directly for the figures of docs/INTEGRATION.md, section "FP8" (host sources as in
 tests/support/thirdparty.py)::
 
@@ -156,8 +160,9 @@ def relative_errors(got, ref):
                 / ref[k].float().abs().max()).item() for k in ref}
 
 
-def worker(rank, world_size, dtype_name):
-    """{variant: {tensor: error vs the host at CP = 1}} on rank 0 (None elsewhere)."""
+def worker(rank, world_size, dtype_name, adapter=False):
+    """{variant: {tensor: error vs the host at CP = 1}} on rank 0 (None elsewhere); with
+    ``adapter``, also ``"adapter"``: :func:`adapter_run`'s result."""
     _host(world_size)
     dtype = getattr(torch, dtype_name)
     module, inputs = _module(dtype), _inputs(dtype)
@@ -176,6 +181,8 @@ def worker(rank, world_size, dtype_name):
     if rank == 0:
         errors["peft_wraps_te_linear"] = _peft_wraps(module)
         errors["wrapped_fp8_module"] = _wrapped_refusal(module)
+    if adapter:
+        errors["adapter"] = adapter_run(rank, world_size)
     return errors if rank == 0 else None
 
 
@@ -209,6 +216,59 @@ def _peft_wraps(module):
     except ValueError as refused:
         return str(refused)
     return True
+
+
+def adapter_run(rank, world_size):
+    """The MindSpeed-LLM adapter end to end (after :func:`_host`): tests/support/mindspeed_llm_standin.py's MLA with
+    MindSpeed's FP8 ``linear_kv_up_proj``, its original forward at CP = 1 against the
+    LAGA-wrapped forward at CP = world_size (ulysses), both inside ``fp8_autocast``, float32.
+    Returns {output, hidden grad, every parameter grad: error} on rank 0 and whether the
+    wrapped forward took the LAGA path."""
+    from support import mindspeed_llm_standin as standin
+    from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
+    from mindspeed_laga.patches.mindspeed_llm.releases import BY_NAME
+
+    config = standin.mla_config(kv_lora_rank=LATENT, qk_head_dim=QK, v_head_dim=V,
+                                qk_pos_emb_head_dim=ROPE, heads=HEADS)
+    args = _adapter_args(world_size)
+    torch.manual_seed(SEED)
+    module = standin.StandinMLASelfAttention(config)
+    module.linear_kv_up_proj = _module(torch.float32)
+    g = torch.Generator().manual_seed(SEED)
+    hidden, probe = (torch.randn(SEQ, BATCH, config.hidden_size, generator=g) for _ in range(2))
+    rope = standin.rope_table(SEQ, ROPE)
+    with _fp8(True):
+        ref = standin.forward_backward(module, lambda h, r: module.forward(h, None, rotary_pos_emb=r),
+                                       hidden, rope, probe)
+    wrapped = laga_mla_forward_wrapper(standin.StandinMLASelfAttention.forward, BY_NAME["master"])
+    local = [t.chunk(world_size)[rank] for t in (hidden, rope, probe)]
+    before = module.original_calls
+    with _fp8(True):
+        got = standin.forward_backward(module, lambda h, r: wrapped(module, h, None, rotary_pos_emb=r),
+                                       *local)
+    laga_ran = module.original_calls == before
+    grads = {name: grad.clone() for name, grad in got["param_grads"].items()}
+    for grad in grads.values():
+        torch.distributed.all_reduce(grad)  # Megatron's dp x cp reduction
+    got = dict(output=_gather(got["output"]), hidden=_gather(got["hidden_grad"]), **grads)
+    want = dict(output=ref["output"], hidden=ref["hidden_grad"], **ref["param_grads"])
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    return dict(errors=relative_errors(got, want), laga_ran=laga_ran) if rank == 0 else None
+
+
+def _adapter_args(world_size):
+    from megatron.training.global_vars import get_args
+
+    args = get_args()  # _host's FP8 fields, plus what the stand-in and the adapter read
+    for name, value in dict(mla_latent_all_gather=True, mla_laga_kernel="eager",
+                            qk_layernorm=False, mla_mm_split=False, enable_mla_scale_q_lora=False,
+                            enable_mla_scale_kv_lora=False, rope_scaling_type=None,
+                            rope_scaling_factor=1.0, rope_scaling_mscale_all_dim=None,
+                            qk_head_dim=QK, qk_pos_emb_head_dim=ROPE, v_head_dim=V,
+                            context_parallel_size=world_size,
+                            context_parallel_algo="ulysses_cp_algo").items():
+        setattr(args, name, value)
+    return args
 
 
 def _table(errors):
