@@ -184,3 +184,16 @@ def test_registered_in_torch_npu_stand_in():
     module = fake_torch_npu._build()
     assert module.npu_quant_matmul is mx.npu_quant_matmul
     assert module.float8_e8m0fnu is E8M0 and module.hifloat8 is mx.hifloat8
+
+
+@pytest.mark.parametrize("m,k,n", [(0, 64, 8), (5, 0, 8), (5, 64, 0)])
+def test_empty_operands(m, k, n):
+    """An MoE expert that gets no token on a rank: empty rows (or an empty contraction)."""
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    y1, s1, y2, s2 = mx.npu_dynamic_mx_quant_with_dual_axis(x, dst_type=E4M3)
+    assert y1.shape == y2.shape == (m, k)
+    assert tuple(s1.shape) == (m, math.ceil(math.ceil(k / 32) / 2), 2)
+    assert tuple(s2.shape) == (math.ceil(math.ceil(m / 32) / 2), k, 2)
+    wq, ws = mx.npu_dynamic_mx_quant(w, axis=-1, dst_type=E4M3)
+    out = _mm(y1, wq.t(), ws.transpose(0, 1), s1)
+    assert out.shape == (m, n) and not out.any()

@@ -28,13 +28,15 @@ Semantics, from the public documentation (our own code, nothing copied):
   [K, N] with its scale [ceil(K/64), N, 2] (MindSpeed passes ``w.t()`` and
   ``scale.transpose(0, 1)``: strided views are accepted, as on the device).
 
-Anything else these ops can do (FLOAT4, other round modes, ``scale_alg`` 1, block sizes
+Every ``npu_quant_matmul`` call is counted in ``COUNTS`` (``torch_npu.quant_counts``), so a
+real-loop test can show that FP8 matmuls ran. Anything else these ops can do (FLOAT4, other round modes, ``scale_alg`` 1, block sizes
 other than 32, HiFloat8, per-tensor or per-block INT8/FP8 matmul modes) raises
 ``NotImplementedError``; wrong shapes and dtypes raise ``FakeQuantError``, as the device
 op rejects them.
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -47,6 +49,7 @@ OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # dtype -> (emax: exponent of the largest normal, largest normal)
 FP8 = {torch.float8_e4m3fn: (8, 448.0), torch.float8_e5m2: (15, 57344.0)}
 MIN_EXP, MAX_EXP = -127, 127  # e8m0: 2**-127 .. 2**127 (255 is NaN)
+COUNTS = collections.Counter()  # op name -> calls (the real-loop recorder reports them)
 
 
 class FakeQuantError(RuntimeError):
@@ -185,11 +188,12 @@ def _check_mx_operand(x, scale, name, k_axis):
 def _dequantize(x: torch.Tensor, exponents: torch.Tensor, k_axis: int) -> torch.Tensor:
     """float32 values of x [M, K] / [K, N] with per-32-along-K exponents in paired layout."""
     k = x.shape[k_axis]
+    slots = exponents.shape[-2 if k_axis == 1 else 0] * PAIR  # sizes spelled out: M, N or K may be 0
     if k_axis == 1:
-        per_block = exponents.reshape(x.shape[0], -1)
+        per_block = exponents.reshape(x.shape[0], slots)
         per_value = per_block.repeat_interleave(BLOCK, dim=1)[:, :k]
     else:
-        per_block = exponents.permute(0, 2, 1).reshape(-1, x.shape[1])
+        per_block = exponents.permute(0, 2, 1).reshape(slots, x.shape[1])
         per_value = per_block.repeat_interleave(BLOCK, dim=0)[:k]
     return torch.ldexp(x.float(), per_value.float())
 
@@ -212,6 +216,7 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     if x1.dim() != 2 or x2.dim() != 2 or x1.shape[1] != x2.shape[0]:
         raise FakeQuantError(f"npu_quant_matmul: x1 {tuple(x1.shape)} and x2 "
                              f"{tuple(x2.shape)} do not chain")
+    COUNTS["npu_quant_matmul"] += 1
     e1 = _check_mx_operand(x1, pertoken_scale, "x1", k_axis=1)
     e2 = _check_mx_operand(x2, scale, "x2", k_axis=0)
     out = _dequantize(x1, e1, 1) @ _dequantize(x2, e2, 0)  # float32 accumulation
@@ -225,3 +230,4 @@ def register(module) -> None:
     module.npu_dynamic_mx_quant = npu_dynamic_mx_quant
     module.npu_dynamic_mx_quant_with_dual_axis = npu_dynamic_mx_quant_with_dual_axis
     module.npu_quant_matmul = npu_quant_matmul
+    module.quant_counts = COUNTS
