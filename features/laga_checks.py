@@ -184,7 +184,8 @@ def _check_cp_algo(args: Namespace):
             f"{FLAG} with --context-parallel-algo hybrid_cp_algo and --reset-attention-mask is "
             "not supported: MindSpeed splits packed documents per ring there, a layout LAGA "
             f"does not cover. Use one of {', '.join(sorted(DOCUMENT_CP_ALGO_MAP))} with "
-            f"--reset-attention-mask, or drop {FLAG}")
+            "--reset-attention-mask, --attention-mask-type general (split contiguously, "
+            f"covered), or drop {FLAG}")
     raise ValueError(f"{FLAG} with --context-parallel-algo {algo} is not supported: use one of "
                      f"{', '.join(sorted(CP_ALGO_MAP))}, or drop {FLAG}")
 

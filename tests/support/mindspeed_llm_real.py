@@ -104,6 +104,16 @@ DOC_CASES = {
                               "kvallgather_cp_algo"] + DOCUMENTS,
     "documents-megatron": ["--context-parallel-algo", "megatron_cp_algo"] + DOCUMENTS,
 }
+# --attention-mask-type general (the long-context recipes): documents of a fixed length
+# (--fix-sub-seq-length: MindSpeed's own get_actual_seq_len makes the ends, 6, 12, 16, so
+# they fall inside the CP ranks' slices), cut contiguously by MindSpeed's general splitters
+# for every algorithm, the ends neither padded nor scaled; master only (the recipes' release)
+GENERAL = ["--attention-mask-type", "general", "--fix-sub-seq-length", "6"] + DOCUMENTS
+GENERAL_CASES = {
+    "general-ulysses": ["--q-lora-rank", "24", "--mla-mm-split", "--context-parallel-algo",
+                        "ulysses_cp_algo"] + GENERAL,
+    "general-megatron": ["--context-parallel-algo", "megatron_cp_algo"] + GENERAL,
+}
 # SFT without packing: the trainer's causal + key-padding mask (get_tune_attention_mask,
 # whole under every mapped algorithm), micro-batch 2 with a different pad length per sample;
 # left padding leaves query rows that see no key (the host's softmax averages every value)
@@ -121,6 +131,7 @@ SFT_CASES = {
 HYBRID = ["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"]
 HYBRID_CASES = {"hybrid-u2": ["--q-lora-rank", "24", "--qk-layernorm"] + HYBRID,
                 "sft-left-hybrid-u2": HYBRID}  # the SFT mask (SFT_PADS) under hybrid
+GENERAL_HYBRID_CASES = {"general-hybrid-u2": ["--q-lora-rank", "24"] + HYBRID + GENERAL}
 # 2.2.0 and 2.3.0: no kvallgather_cp_algo, no --enable-mla-scale-*-lora or
 # --enable-mla-absorb in their parsers
 OLD_RELEASES = ("2.3.0", "2.2.0")
@@ -520,7 +531,8 @@ def _documents_case(module, args, cp_size, cp_rank, layout):
     generator = torch.Generator().manual_seed(SEED)
     hidden = torch.randn(SEQ, 1, 64, generator=generator)
     grad_out = torch.randn(SEQ, 1, 64, generator=generator)
-    ends = document_ends(SEQ, generator)
+    general = args.attention_mask_type == "general"
+    ends = _fixed_ends(args) if general else document_ends(SEQ, generator)
     starts = torch.tensor([0] + ends[:-1])
     position_ids = torch.arange(SEQ) - starts[torch.bucketize(torch.arange(SEQ), torch.tensor(ends),
                                                               right=True)]
@@ -534,7 +546,7 @@ def _documents_case(module, args, cp_size, cp_rank, layout):
         return res
 
     actual_seq_len = torch.tensor(ends)
-    if args.context_parallel_algo == "megatron_cp_algo":  # MindSpeed-LLM's get_batch_on_this_tp_rank
+    if args.context_parallel_algo == "megatron_cp_algo" and not general:  # MindSpeed-LLM's get_batch_on_this_tp_rank
         actual_seq_len = pad_data(actual_seq_len, {}, cp_size, args.tensor_model_parallel_size)
         actual_seq_len //= get_ring_degree()
     set_actual_seq_len(actual_seq_len)
@@ -558,6 +570,13 @@ def _documents_case(module, args, cp_size, cp_rank, layout):
     finally:
         set_actual_seq_len(None)
     return res
+
+
+def _fixed_ends(args):
+    """--fix-sub-seq-length: the ends MindSpeed's collate puts in actual_seq_len."""
+    from mindspeed.core.transformer.flash_attention.reset_attention_mask.utils import (
+        get_actual_seq_len)
+    return get_actual_seq_len(SEQ, args.fix_sub_seq_length).tolist()
 
 
 def check_documents_refused(release) -> None:
@@ -700,13 +719,16 @@ def check_numerics(release) -> None:
 
     CASES, TP_CASES, DOC_CASES, HYBRID_CASES = release_cases(release)  # noqa: N806
     tp_names = {k: CASES[k] for k in TP_CASES[:1]}
+    general, general_hybrid = ((GENERAL_CASES, GENERAL_HYBRID_CASES) if release.name == "master"
+                               else ({}, {}))
     # one job per world size (each rank's start-up imports the hosts once): CP = 2 with
     # documents and TP = 2 at CP = 1 in the world of 2; TP = 2 x CP = 2 with and without
     # SP and hybrid (TP = 1, CP = 4) in the world of 4
-    single = _jobs(1, [(1, False, {**CASES, **DOC_CASES, **HYBRID_CASES})])[0]
-    two = _jobs(2, [(1, False, {**CASES, **DOC_CASES}), (2, False, tp_names)])
-    four = _jobs(4, [(2, True, {**{k: CASES[k] for k in TP_CASES}, **HYBRID_CASES}),
-                     (2, False, tp_names)])
+    single = _jobs(1, [(1, False, {**CASES, **DOC_CASES, **HYBRID_CASES, **general,
+                                   **general_hybrid})])[0]
+    two = _jobs(2, [(1, False, {**CASES, **DOC_CASES, **general}), (2, False, tp_names)])
+    four = _jobs(4, [(2, True, {**{k: CASES[k] for k in TP_CASES}, **HYBRID_CASES,
+                                **general_hybrid}), (2, False, tp_names)])
     for name in {**CASES, **HYBRID_CASES}:
         print(f"{name}: softmax_scale {single[0][name]['softmax_scale']:.6f}")
         check(f"{name}: LAGA vs real forward, TP=CP=1", _assemble(single, name, "laga"),

@@ -357,6 +357,23 @@ def prepare(sources: dict, workdir: Path, documents: List[int]) -> dict:
     return dict(sources=run_sources, data_path=str(prefix))
 
 
+def memoized_runs(sources: dict, workdir: Path, argv_for, timeout_s: float):
+    """run(name, *args, **kwargs) -> LoopRun, each name run once in ``workdir / name``;
+    ``argv_for(ready, *args, **kwargs)`` -> (argv, processes), ``ready`` being what
+    :func:`prepare` returns (writable sources and the dataset, made here once)."""
+    ready = prepare(sources, workdir, default_documents())
+    runs = {}
+
+    def run(name, *args, **kwargs):
+        if name not in runs:
+            argv, nproc = argv_for(ready, *args, **kwargs)
+            runs[name] = run_loop(ready["sources"], workdir / name, nproc, argv,
+                                  timeout_s=timeout_s)
+        return runs[name]
+
+    return run
+
+
 def default_documents(count: int = 40, seed: int = 7) -> List[int]:
     """Document lengths (EOD included): varied, most shorter than a sequence."""
     import random
