@@ -13,12 +13,14 @@ HEADS, QK, V, ROPE, LATENT, SEQ = 4, 8, 6, 4, 12, 16
 
 def _inputs(seq=SEQ):
     g = torch.Generator().manual_seed(7)
-    return (torch.randn(seq, 2, HEADS, QK + ROPE, generator=g), torch.randn(seq, 2, LATENT, generator=g),
-            torch.randn(seq, 2, ROPE, generator=g), torch.randn(HEADS * (QK + V), LATENT, generator=g))
+    return (torch.randn(seq, 2, HEADS, QK + ROPE, generator=g),
+            torch.randn(seq, 2, LATENT, generator=g), torch.randn(seq, 2, ROPE, generator=g),
+            torch.randn(HEADS * (QK + V), LATENT, generator=g))
 
 
 def _call(tensors, **kw):
-    return laga_attention(*tensors, softmax_scale=0.3, qk_head_dim=QK, v_head_dim=V, kernel="eager", **kw)
+    return laga_attention(*tensors, softmax_scale=0.3, qk_head_dim=QK, v_head_dim=V,
+                          kernel="eager", **kw)
 
 
 def ulysses_worker(rank, world_size):

@@ -29,10 +29,10 @@ Semantics, from the public documentation (our own code, nothing copied):
   ``scale.transpose(0, 1)``: strided views are accepted, as on the device).
 
 Every ``npu_quant_matmul`` call is counted in ``COUNTS`` (``torch_npu.quant_counts``), so a
-real-loop test can show that FP8 matmuls ran. Anything else these ops can do (FLOAT4, other round modes, ``scale_alg`` 1, block sizes
-other than 32, HiFloat8, per-tensor or per-block INT8/FP8 matmul modes) raises
-``NotImplementedError``; wrong shapes and dtypes raise ``FakeQuantError``, as the device
-op rejects them.
+real-loop test can show that FP8 matmuls ran. Anything else these ops can do (FLOAT4, other
+round modes, ``scale_alg`` 1, block sizes other than 32, HiFloat8, per-tensor or per-block
+INT8/FP8 matmul modes) raises ``NotImplementedError``; wrong shapes and dtypes raise
+``FakeQuantError``, as the device op rejects them.
 """
 from __future__ import annotations
 
@@ -188,7 +188,8 @@ def _check_mx_operand(x, scale, name, k_axis):
 def _dequantize(x: torch.Tensor, exponents: torch.Tensor, k_axis: int) -> torch.Tensor:
     """float32 values of x [M, K] / [K, N] with per-32-along-K exponents in paired layout."""
     k = x.shape[k_axis]
-    slots = exponents.shape[-2 if k_axis == 1 else 0] * PAIR  # sizes spelled out: M, N or K may be 0
+    # sizes spelled out: M, N or K may be 0 (an expert with no token)
+    slots = exponents.shape[-2 if k_axis == 1 else 0] * PAIR
     if k_axis == 1:
         per_block = exponents.reshape(x.shape[0], slots)
         per_value = per_block.repeat_interleave(BLOCK, dim=1)[:, :k]

@@ -219,8 +219,9 @@ def _peft_wraps(module):
 
 
 def adapter_run(rank, world_size):
-    """The MindSpeed-LLM adapter end to end (after :func:`_host`): tests/support/mindspeed_llm_standin.py's MLA with
-    MindSpeed's FP8 ``linear_kv_up_proj``, its original forward at CP = 1 against the
+    """The MindSpeed-LLM adapter end to end (after :func:`_host`): the MLA of
+    tests/support/mindspeed_llm_standin.py with MindSpeed's FP8 ``linear_kv_up_proj``, its
+    original forward at CP = 1 against the
     LAGA-wrapped forward at CP = world_size (ulysses), both inside ``fp8_autocast``, float32.
     Returns {output, hidden grad, every parameter grad: error} on rank 0 and whether the
     wrapped forward took the LAGA path."""
@@ -238,14 +239,14 @@ def adapter_run(rank, world_size):
     hidden, probe = (torch.randn(SEQ, BATCH, config.hidden_size, generator=g) for _ in range(2))
     rope = standin.rope_table(SEQ, ROPE)
     with _fp8(True):
-        ref = standin.forward_backward(module, lambda h, r: module.forward(h, None, rotary_pos_emb=r),
-                                       hidden, rope, probe)
+        ref = standin.forward_backward(
+            module, lambda h, r: module.forward(h, None, rotary_pos_emb=r), hidden, rope, probe)
     wrapped = laga_mla_forward_wrapper(standin.StandinMLASelfAttention.forward, BY_NAME["master"])
     local = [t.chunk(world_size)[rank] for t in (hidden, rope, probe)]
     before = module.original_calls
     with _fp8(True):
-        got = standin.forward_backward(module, lambda h, r: wrapped(module, h, None, rotary_pos_emb=r),
-                                       *local)
+        got = standin.forward_backward(
+            module, lambda h, r: wrapped(module, h, None, rotary_pos_emb=r), *local)
     laga_ran = module.original_calls == before
     grads = {name: grad.clone() for name, grad in got["param_grads"].items()}
     for grad in grads.values():
