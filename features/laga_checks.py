@@ -18,6 +18,7 @@ from mindspeed_laga.vocab.segments import seq_multiple
 from .dsa_checks import check_dsa
 from .laga_args import (CP_ALGO_MAP, DOCUMENT_CP_ALGO_MAP, FLAG, GENERAL_CP_ALGO_MAP,
                         context_parallel_algo, cp_algo_and_layout, general_mask)
+from .laga_fp8_checks import check_fp8
 
 _PACKED = ("this packed (THD) form is not covered by LAGA: pack documents with "
            "--reset-attention-mask and --micro-batch-size 1 instead (drop {flag}), or drop " + FLAG)
@@ -41,8 +42,6 @@ _INCOMPATIBLE = (
     ("mla_swap_core_attn_out", "--mla-swap-core-attn-out", _UP_PROJ),
     ("add_qkv_bias", "--add-qkv-bias",
      "LAGA rebuilds K/V from linear_kv_up_proj.weight alone: drop {flag} or drop " + FLAG),
-    ("fp8", "--fp8-format",
-     "LAGA's attention runs in the training dtype, not FP8: drop {flag} or drop " + FLAG),
     ("qlora", "--qlora",
      "QLoRA stores every parallel linear's base weight in 4 bits, linear_kv_up_proj's "
      "included, and LAGA rebuilds K/V from that weight as a matrix: fine-tune with LoRA "
@@ -79,6 +78,7 @@ def check_laga_args(args: Namespace) -> bool:
     _check_padded_lengths(args, cp_size, cp_algo, layout)
     _check_kernel(args)
     _check_options(args)
+    check_fp8(args)
     return True
 
 

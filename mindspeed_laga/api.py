@@ -109,7 +109,8 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
                    recompute_kv: bool = False, kv_block_size: Optional[int] = None,
                    latent_gather=None, qk_head_dim: Optional[int] = None,
                    v_head_dim: Optional[int] = None, cu_seqlens=None, pad_v: bool = False,
-                   ulysses_group=None, key_padding_mask=None, empty_rows: str = "mean"):
+                   ulysses_group=None, key_padding_mask=None, empty_rows: str = "mean",
+                   kv_up_linear=None):
     """LAGA: gather the latent (d_c + d_r per token), rebuild K/V locally, attend.
 
     Options beyond the paper (all exact; see docs/BEYOND.md):
@@ -124,6 +125,12 @@ def laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, *, softmax_scale, 
     - ``latent_gather``: the handle of ``start_latent_gather(kv_latent,
       k_pos_emb, cp_group=...)`` launched earlier, to overlap the gather with
       the query projection and its reduce-scatter with the dq work.
+    - ``kv_up_linear``: the up-projection as a function ``(latent [S, b, d_c],
+      weight_rows [r, d_c], first_row) -> [S, b, r]`` that autograd differentiates
+      (e.g. the host module's own FP8 matmul), called where the rebuild calls
+      ``F.linear``; ``weight_rows`` is ``kv_up_weight[first_row:first_row + r]``, the
+      rows of this rank's heads. None: ``F.linear``. Not with ``recompute_kv``, nor with ``key_padding_mask`` and
+      ``empty_rows="mean"`` (both use the weight as a matrix; refused by name).
 
     Every CP rank must pass the same ``kv_up_weight`` (module docstring).
     """

@@ -284,6 +284,29 @@ def _check_laga_flags(options: AttnOptions):
         if not options.recompute_kv:
             raise ValueError("kv_block_size needs recompute_kv=True: blockwise rebuild keeps no "
                              "K/V for backward, so it rebuilds them there")
+    _check_kv_up_linear(options)
+
+
+def _check_kv_up_linear(options: AttnOptions):
+    """A custom up-projection (an FP8 matmul) replaces F.linear where K/V are rebuilt for
+    attention; the blockwise recompute and the empty rows' mean use the weight as a
+    matrix, which such a matmul is not."""
+    linear = options.kv_up_linear
+    if linear is None:
+        return
+    if not callable(linear):
+        raise ValueError(f"kv_up_linear must be a function (latent, weight_rows, first_row) -> "
+                         f"K/V or "
+                         f"None, got {type(linear).__name__}")
+    if options.recompute_kv:
+        raise ValueError("kv_up_linear with recompute_kv=True is not supported: the blockwise "
+                         "recompute differentiates the up-projection itself as a plain "
+                         "matmul; pass recompute_kv=False or no kv_up_linear")
+    if options.key_padding_mask is not None and options.empty_rows == "mean":
+        raise ValueError("kv_up_linear with key_padding_mask and empty_rows='mean' is not "
+                         "supported: the mean of the values is taken as the up-projection of "
+                         "the mean latent, which holds for a plain matmul only; pass "
+                         "empty_rows='zero' or no kv_up_linear")
 
 
 def _check_laga_options(options: AttnOptions, kv_latent, k_pos_emb, cp_size: int):

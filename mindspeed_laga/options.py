@@ -22,6 +22,7 @@ class LagaOptions:
     recompute_kv: bool = False
     kv_block_size: Optional[int] = None
     latent_gather: Optional[object] = None  # forms.latent_source.LatentGather
+    kv_up_linear: Optional[object] = None   # (latent, weight rows, first row) -> K/V
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +53,7 @@ class AttnOptions:
     recompute_kv: bool = False
     kv_block_size: Optional[int] = None
     latent_gather: Optional[object] = None
+    kv_up_linear: Optional[object] = None
 
     @classmethod
     def of(cls, form: str, passed: dict) -> "AttnOptions":
@@ -70,4 +72,4 @@ class AttnOptions:
         """LAGA's own options as the one record ``laga_forward`` reads."""
         return LagaOptions(trim_causal_prefix=self.trim_causal_prefix,
                            recompute_kv=self.recompute_kv, kv_block_size=self.kv_block_size,
-                           latent_gather=self.latent_gather)
+                           latent_gather=self.latent_gather, kv_up_linear=self.kv_up_linear)

@@ -50,11 +50,14 @@ def split_up_weight(kv_up_weight: torch.Tensor, setup: AttnSetup):
 
 
 def rebuild_kv(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, weight_rows: torch.Tensor,
-               qk_head_dim: int, v_head_dim: int):
+               qk_head_dim: int, v_head_dim: int, linear=None, first_row: int = 0):
     """Megatron's MLA up-projection: kv_latent [S, b, d_c] and the shared rope key
     [S, b, d_r] -> key [S, b, h, d_n + d_r], value [S, b, h, d_v] (a view of the
-    up-projection output), for the heads whose rows ``weight_rows`` holds."""
-    kv = F.linear(kv_latent, weight_rows)
+    up-projection output), for the heads whose rows ``weight_rows`` holds.
+    ``linear``: the matmul ``(latent, weight_rows, first_row) -> kv`` (None: F.linear),
+    ``first_row``: where ``weight_rows`` start in the whole weight."""
+    kv = (linear(kv_latent, weight_rows, first_row) if linear is not None
+          else F.linear(kv_latent, weight_rows))
     kv = kv.view(*kv.shape[:2], -1, qk_head_dim + v_head_dim)
     k_nope, value = torch.split(kv, [qk_head_dim, v_head_dim], dim=-1)
     k_pe = k_pos_emb.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)
@@ -62,11 +65,14 @@ def rebuild_kv(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, weight_rows: to
 
 
 def up_project(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, kv_up_weight: torch.Tensor,
-               setup: AttnSetup):
-    """Key and value of this rank's heads, both kept by the attention for backward."""
+               setup: AttnSetup, linear=None):
+    """Key and value of this rank's heads, both kept by the attention for backward
+    (``linear``: as in :func:`rebuild_kv`)."""
     d = setup.dims
+    first_head, _ = setup.head_slice()
     key, value = rebuild_kv(kv_latent, k_pos_emb, up_weight_rows(kv_up_weight, setup),
-                            d.qk_head_dim, d.v_head_dim)
+                            d.qk_head_dim, d.v_head_dim, linear,
+                            first_head * (d.qk_head_dim + d.v_head_dim))
     # V gets its own storage: a view would keep the whole up-projection output
     # (k_nope's half too) alive; k_nope is consumed by the key concatenation.
     return key, value.contiguous()

@@ -44,19 +44,21 @@ def laga_forward(query, kv_latent, k_pos_emb, kv_up_weight, setup: AttnSetup,
     else:
         kv_all, k_pe_all = source.parts(setup)
         out = _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup,
-                              options.trim_causal_prefix)
+                              options.trim_causal_prefix, options.kv_up_linear)
     if setup.heads_split:
         out = heads_to_seq(out, setup, "output")
     return flatten_heads(out)
 
 
-def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix):
-    """The paper's LAGA: rebuild K/V for every (visible) key; autograd keeps them."""
+def _attend_rebuilt(query, kv_all, k_pe_all, kv_up_weight, setup, trim_causal_prefix,
+                    kv_up_linear=None):
+    """The paper's LAGA: rebuild K/V for every (visible) key; autograd keeps them.
+    ``kv_up_linear``: the up-projection to call instead of F.linear (None: F.linear)."""
     ranges = setup.key_ranges() if trim_causal_prefix else None
     fill = empty_fill_latent(kv_all, kv_up_weight, setup)
     if ranges:
         kv_all, k_pe_all = take_ranges(kv_all, ranges), take_ranges(k_pe_all, ranges)
-    key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup)
+    key, value = up_project(kv_all, k_pe_all, kv_up_weight, setup, kv_up_linear)
     out = attend(to_bnsd(query), to_bnsd(key), to_bnsd(value), scale=setup.softmax_scale,
                  segments=setup.query_segments(), causal=setup.causal, kernel=setup.kernel,
                  documents=setup.documents, key_ranges=ranges, own_kv=True,

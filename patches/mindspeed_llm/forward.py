@@ -41,6 +41,7 @@ from ..attention_mask import key_padding_from_mask
 from ..common import check_weight_once, first_call, start_gather
 from ..lora import effective_weight
 from .dsa import is_dsa, laga_dsa_attention
+from .fp8 import kv_up_linear
 from .host import check_mindspeed_llm_forward, check_mindspeed_llm_module, release_of_module
 from .releases import deinterleave_rope_dims
 
@@ -117,6 +118,13 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
             attention_mask, _full_length(self, hidden_states, cp_group), hidden_states.shape[1],
             cp_group, _length_error(settings, megatron_args, cp_group))
     overlap = settings.overlap and torch.distributed.get_world_size(cp_group) > 1
+    up_linear = kv_up_linear(self)  # the module's FP8 matmul, or None
+    if up_linear is not None and key_padding is not None:  # alike on every rank: no collective yet
+        raise ValueError("--mla-latent-all-gather with --fp8-format and a padded batch (the SFT "
+                         "key-padding mask) is not supported: a query that sees no key gets the "
+                         "mean of the values, which LAGA builds from the mean latent, not through "
+                         "the FP8 up-projection. Pack the samples (--reset-attention-mask) or "
+                         "drop --fp8-format")
     rope_input = _rope_input(release, megatron_args)
     query, kv_latent, k_pos_emb, gather = _mla_inputs(self, hidden_states, rotary_pos_emb,
                                                       cp_group if overlap else None, check_ranks,
@@ -136,6 +144,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                               qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim,
                               cu_seqlens=cu_seqlens, ulysses_group=_ulysses_group(settings),
                               key_padding_mask=key_padding,
+                              kv_up_linear=up_linear,
                               **settings.core_options())  # pad_v = not --mla-fa-without-pad
     if hooked and core_out.requires_grad:
         from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
@@ -149,8 +158,7 @@ def _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
     rope, feeds patches/mindspeed_llm/dsa.py. The host's DSA forward ignores the layer's
     attention mask (its picks are causal by position), and so does this path."""
     rope_input = _rope_input(release, megatron_args)
-    kv_up_weight = _kv_up_weight(self)
-    check_weight_once(first_call(self), kv_up_weight, cp_group)
+    kv_up_weight = check_weight_once(first_call(self), lambda: _kv_up_weight(self), cp_group)
 
     def mla_inputs(rope, parts):
         return _mla_inputs(self, hidden_states, rotary_pos_emb, None, False,

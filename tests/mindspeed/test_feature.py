@@ -152,7 +152,17 @@ REJECTED = [
     (["--mla-zero-memory"], "--mla-zero-memory"),
     (["--mla-swap-core-attn-out"], "--mla-swap-core-attn-out"),
     (["--add-qkv-bias"], "--add-qkv-bias"),
-    (["--fp8-format", "hybrid"], "--fp8-format"),
+    (["--fp8-format", "hybrid"], "--fp8-recipe delayed"),  # Megatron's default recipe
+    (["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], "--fp8-recipe tensorwise"),
+    (["--fp8-format", "hif8", "--fp8-recipe", "tensorwise"], "one scale per tensor"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8-32x32"], "--fp8-recipe mxfp8-32x32"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-reuse-quantized-weight"],
+     "--fp8-reuse-quantized-weight"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--mla-laga-recompute-kv"],
+     "--mla-laga-recompute-kv"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--qk-head-dim", "48"],
+     "--qk-head-dim a multiple of 32"),
     (["--recompute-granularity", "selective"], "--recompute-granularity selective"),
     (["--context-parallel-algo", "hybrid_cp_algo"], "--ulysses-degree-in-cp"),
     (["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2",
@@ -234,6 +244,13 @@ def test_dsa_refusals_name_the_flag(extra, needle):
     message = str(info.value)
     assert needle in message and "--enable-dsa-indexer" in message, message
     assert "--mla-latent-all-gather" in message
+
+
+@pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
+def test_mxfp8_validates(fp8_format):
+    """MX scaling: LAGA rebuilds K/V through the module's own FP8 matmul."""
+    validate(VALID + ["--fp8-format", fp8_format, "--fp8-recipe", "mxfp8", "--qk-head-dim", "128",
+                      "--v-head-dim", "128"])
 
 
 @pytest.mark.parametrize("targets", [["linear_qkv", "linear_kv_up_proj", "linear_proj"],

@@ -1,5 +1,6 @@
-"""A CPU stand-in for ``torch_npu``: ``npu_fusion_attention`` and its grad (and, from
-tests/support/fake_dsa_ops.py, the three sparse-attention ops of DSA).
+"""A CPU stand-in for ``torch_npu``: ``npu_fusion_attention`` and its grad (here), the
+three sparse-attention ops of DSA (tests/support/fake_dsa_ops.py), and the MX-FP8
+quantization and matmul ops of MindSpeed's TE modules (tests/support/fake_npu_quant.py).
 
 Tests install it as ``sys.modules["torch_npu"]`` so the ``kernel="npu"`` path
 of mindspeed_laga runs on CPU. The math uses plain torch ops (autograd works
@@ -85,6 +86,8 @@ import types
 from typing import Optional
 
 import torch
+
+from . import fake_npu_quant
 
 INT_MAX = 2147483647
 COMPRESSED_MASK_SIZE = 2048
@@ -599,6 +602,7 @@ def _build() -> types.ModuleType:
     from . import fake_dsa_ops  # the sparse-attention (DSA) ops, in their own file
     for name, op in fake_dsa_ops.OPS.items():
         setattr(module, name, op)
+    fake_npu_quant.register(module)  # the MX-FP8 ops of MindSpeed's TE modules
     return module
 
 

@@ -27,7 +27,12 @@ def upstream_flags(parser):
     add("--attention-mask-type", default="causal", choices=["causal", "general"])
     add("--shape-order", default="SBH", choices=["SBH", "BSH", "BSND", "BNSD", "TND"])
     add("--disable-bias-linear", action="store_false", dest="add_bias_linear")
-    add("--fp8-format", default=None, choices=["e4m3", "hybrid"], dest="fp8")
+    add("--fp8-format", default=None, choices=["e4m3", "hybrid", "hif8"], dest="fp8")
+    add("--fp8-recipe", default="delayed",
+        choices=["tensorwise", "delayed", "mxfp8", "blockwise", "mxfp8-32x32"])
+    add("--fp8-reuse-quantized-weight", action="store_true")  # MindSpeed's TE feature
+    add("--qk-head-dim", type=int, default=None)
+    add("--v-head-dim", type=int, default=None)
     add("--recompute-granularity", default=None, choices=["full", "selective"])
     add("--pad-to-multiple-of", type=int, default=8)  # MindSpeed-LLM's dataset feature
     add("--no-pad-to-seq-lengths", action="store_true")  # its finetune feature

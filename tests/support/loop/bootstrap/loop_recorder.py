@@ -99,6 +99,7 @@ def _write(folder, torch_npu):
         # a helper process of the rank (a spawned checkpoint writer) that trained nothing must
         # not overwrite the rank's record
         return
+    COUNTS.update(getattr(torch_npu, "quant_counts", {}))  # FP8 matmuls (fake_npu_quant.py)
     shapes = set()
     for call in torch_npu.calls:
         COUNTS[call["name"]] += 1
