@@ -1,5 +1,5 @@
 """What the real-loop FP8 cases share: the twin's flags and how a run is checked under FP8
-(tests/loop/test_loop_fp8.py, tests/loop/test_long_recipe_fp8.py)."""
+(tests/loop/test_long_recipe_fp8.py)."""
 from __future__ import annotations
 
 from support.loop import real_loop
