@@ -357,6 +357,23 @@ def test_overlap_speedup_only_where_the_noise_is_smaller(base, ov, conclusive):
         assert "hidden" not in text
 
 
+def _trend_row(docs, ms, lo, hi):
+    return {"variant": "laga+blockwise", "seq_len": 512, "cp_algo": "allgather", "documents": docs,
+            "model_attention_gflop": 1.0 / docs, "model_attention_flops": 1e9 / docs,
+            "ms": ms, "ms_min": lo, "ms_max": hi, "timed_runs": 3}
+
+
+def test_document_trend_states_a_time_ratio_only_where_the_noise_is_smaller(capsys):
+    quiet = [_trend_row(1, 10.0, 9.9, 10.2), _trend_row(4, 4.0, 3.9, 4.1)]
+    bench.print_document_trend(quiet)
+    assert "4.00 ms (0.40x)" in capsys.readouterr().out
+    # injected noise: runs from 0.3x to 30x the median, as on a loaded 2-core machine
+    noisy = [_trend_row(1, 10.0, 3.0, 300.0), _trend_row(4, 4.0, 1.2, 120.0)]
+    bench.print_document_trend(noisy)
+    out = capsys.readouterr().out
+    assert "4.00 ms (ratio inconclusive" in out and "0.40x" not in out
+
+
 def test_default_outputs_go_into_a_named_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code = cli.main(["bench", *TINY[:2], "--seq-lens", "16", "--heads", "4", "--qk-head-dim", "8",

@@ -573,8 +573,15 @@ def print_document_trend(rows: List[dict], out=None) -> None:
         first = rs[0]
         cells = ", ".join(f"{r['documents']} docs {r['model_attention_gflop']:.4f} GFLOP "
                           f"({r['model_attention_flops'] / first['model_attention_flops']:.3f}x) "
-                          f"{r['ms']:.2f} ms ({r['ms'] / first['ms']:.2f}x)" for r in rs)
+                          f"{r['ms']:.2f} ms ({_time_ratio(first, r)})" for r in rs)
         print(f"\nlaga+blockwise S={seq_len} {algo}, attention vs documents: {cells}", file=out)
+
+
+def _time_ratio(first: dict, r: dict) -> str:
+    """r's time against the first row's, where the runs' spread does not swamp it."""
+    if r is first or timing_conclusive(first, r):
+        return f"{r['ms'] / first['ms']:.2f}x"
+    return "ratio inconclusive: the runs spread more than the difference"
 
 
 def figure_title(args, rows: List[dict], cp_size: int, where: str) -> str:
