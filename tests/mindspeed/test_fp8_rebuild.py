@@ -4,14 +4,16 @@ as the host's own CP > 1 run does; a rebuild without FP8 (the wrong precision) a
 softmax-scale error both fail the same tolerance (tests/support/fp8_rebuild.py); and the
 MindSpeed-LLM adapter's wrapped forward does the same end to end. float32 activations, so
 LAGA's own sums stay below 1e-6 and any FP8 difference shows."""
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from mindspeed_laga.tools.spawn import run_on_ranks
-from support import fp8_rebuild
-
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "fp8_rebuild.py"
 
 TOLERANCE = 1e-5  # relative to the largest reference magnitude (measured: <= 2.5e-7)
 TENSORS = ("output", "query", "kv_latent", "k_pos_emb", "weight")
@@ -19,8 +21,15 @@ TENSORS = ("output", "query", "kv_latent", "k_pos_emb", "weight")
 
 @pytest.fixture(scope="module")
 def errors(host_sources):
-    os.environ.update(host_sources)
-    return run_on_ranks(fp8_rebuild.worker, 2, "float32", True, timeout_s=600)[0]
+    """In a process of its own: the host's Megatron and MindSpeed first on its path (and its
+    ranks' fork server's), ahead of an installed megatron-core another test imported."""
+    path = os.pathsep.join([host_sources["MEGATRON_SRC"], host_sources["MINDSPEED_SRC"],
+                            os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(SCRIPT), "2", "float32", "--json"],
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, **host_sources, PYTHONPATH=path))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_host_cp2_equals_its_cp1(errors):
