@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
+# a real-module comparison of tens of seconds, with peft for its LoRA check: the Ascend leg
+# only (tests/conftest.py)
+pytestmark = [pytest.mark.ascend, pytest.mark.hosts]
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "fp8_rebuild.py"
 
 TOLERANCE = 1e-5  # relative to the largest reference magnitude (measured: <= 2.5e-7)
