@@ -36,7 +36,7 @@ def _descendants_of(leader: int):
 
 
 def _kill_all(proc) -> None:
-    """Kill what this test started (the command's session), nothing else."""
+    """Kill what this test started (every process under the command's setsid leader), nothing else."""
     for pid in _descendants_of(proc.pid):
         try:
             os.kill(pid, signal.SIGKILL)
