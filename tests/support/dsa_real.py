@@ -46,49 +46,34 @@ CASES = {
 }
 
 
-def _sylvester(n, dtype=int):
-    """scipy.linalg.hadamard: Sylvester's construction, n a power of 2."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h.numpy().astype(dtype)
-
-
 def _install_hadamard():
     import scipy.linalg
-    scipy.linalg.hadamard = _sylvester
+
+    from support.npu_host import sylvester_hadamard
+    scipy.linalg.hadamard = sylvester_hadamard
 
 
 @contextlib.contextmanager
+def _patched(name, replacement):
+    """Tensor.<name> replaced by replacement(the original) inside the block."""
+    original = getattr(torch.Tensor, name)
+    setattr(torch.Tensor, name, replacement(original))
+    try:
+        yield
+    finally:
+        setattr(torch.Tensor, name, original)
+
+
 def _npu_float_cast():
-    """NPU's dtype cast hands back a contiguous tensor; CPU's keeps the strides, and the
-    host's interleaved complex rope then fails in ``view_as_complex`` (last dim stride)."""
-    original = torch.Tensor.float
-
-    def cast(self, *args, **kwargs):
-        return original(self, *args, **kwargs).contiguous()
-
-    torch.Tensor.float = cast
-    try:
-        yield
-    finally:
-        torch.Tensor.float = original
+    """NPU's dtype cast hands back a contiguous tensor (npu_host.npu_float)."""
+    from support.npu_host import npu_float
+    return _patched("float", npu_float)
 
 
-@contextlib.contextmanager
 def _npu_scatter():
-    original = torch.Tensor.scatter_
-
-    def scatter_(self, dim, index, *args, **kwargs):
-        if isinstance(index, torch.Tensor) and (index < 0).any():
-            index = torch.where(index < 0, index + self.shape[dim], index)
-        return original(self, dim, index, *args, **kwargs)
-
-    torch.Tensor.scatter_ = scatter_
-    try:
-        yield
-    finally:
-        torch.Tensor.scatter_ = original
+    """The host's -1 picks in ``scatter_`` as NPU takes them (npu_host.npu_scatter_)."""
+    from support.npu_host import npu_scatter_
+    return _patched("scatter_", npu_scatter_)
 
 
 def _picks_of_laga(recorded):

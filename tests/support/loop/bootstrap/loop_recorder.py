@@ -30,6 +30,7 @@ def start(folder):
         from support import fake_torch_npu
         fake_torch_npu.UNSPECIFIED_ROWS = os.environ[UNSPECIFIED_ROWS_ENV]
     _count_laga()
+    _count_dsa_ops(torch_npu)
     _count_modules()
     _after_import("megatron.training.initialize", _warmup_under_fork_rng)
     _after_import("mindspeed_llm.training.training", _record_training_log)
@@ -47,6 +48,32 @@ def _count_laga():
         return laga_attention(*args, **kwargs)
 
     api.laga_attention = counted
+    # sparse MLA (DSA): LAGA's core, which the DSA adapter imports by name
+    import mindspeed_laga.forms.sparse_mla as sparse_mla
+
+    sparse = sparse_mla.sparse_laga_attention
+
+    @functools.wraps(sparse)
+    def counted_sparse(*args, **kwargs):
+        COUNTS["laga_sparse_attention"] += 1
+        return sparse(*args, **kwargs)
+
+    sparse_mla.sparse_laga_attention = counted_sparse
+
+
+def _count_dsa_ops(torch_npu):
+    """The stand-in's fused DSA ops (tests/support/fake_dsa_ops.py): each call counted."""
+    from support import fake_dsa_ops
+
+    def counted(name, op):
+        @functools.wraps(op)
+        def call(*args, **kwargs):
+            COUNTS[name] += 1
+            return op(*args, **kwargs)
+        return call
+
+    for name, op in fake_dsa_ops.OPS.items():
+        setattr(torch_npu, name, counted(name, op))
 
 
 def _count_modules():
