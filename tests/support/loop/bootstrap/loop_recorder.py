@@ -37,43 +37,31 @@ def start(folder):
     atexit.register(_write, folder, torch_npu)
 
 
+def _counted(key, fn):
+    """fn, each call counted in COUNTS[key]."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        COUNTS[key] += 1
+        return fn(*args, **kwargs)
+    return call
+
+
 def _count_laga():
     import mindspeed_laga.api as api
-
-    laga_attention = api.laga_attention
-
-    @functools.wraps(laga_attention)
-    def counted(*args, **kwargs):
-        COUNTS["laga_attention"] += 1
-        return laga_attention(*args, **kwargs)
-
-    api.laga_attention = counted
     # sparse MLA (DSA): LAGA's core, which the DSA adapter imports by name
     import mindspeed_laga.forms.sparse_mla as sparse_mla
 
-    sparse = sparse_mla.sparse_laga_attention
-
-    @functools.wraps(sparse)
-    def counted_sparse(*args, **kwargs):
-        COUNTS["laga_sparse_attention"] += 1
-        return sparse(*args, **kwargs)
-
-    sparse_mla.sparse_laga_attention = counted_sparse
+    api.laga_attention = _counted("laga_attention", api.laga_attention)
+    sparse_mla.sparse_laga_attention = _counted("laga_sparse_attention",
+                                                sparse_mla.sparse_laga_attention)
 
 
 def _count_dsa_ops(torch_npu):
     """The stand-in's fused DSA ops (tests/support/fake_dsa_ops.py): each call counted."""
     from support import fake_dsa_ops
 
-    def counted(name, op):
-        @functools.wraps(op)
-        def call(*args, **kwargs):
-            COUNTS[name] += 1
-            return op(*args, **kwargs)
-        return call
-
     for name, op in fake_dsa_ops.OPS.items():
-        setattr(torch_npu, name, counted(name, op))
+        setattr(torch_npu, name, _counted(name, op))
 
 
 def _count_modules():
