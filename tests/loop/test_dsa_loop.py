@@ -61,6 +61,8 @@ def dsa_run(host_sources, tmp_path_factory):
         if name not in runs:
             kind = "sft" if dsa_loop.RECIPES[case].sft else "pretrain"
             if kind not in ready:
+                if kind == "sft":
+                    require_tune_modules()
                 ready[kind] = dsa_loop.prepare(host_sources, workdir, case)
             llm = Path(ready[kind]["sources"]["MINDSPEED_LLM_SRC"])
             argv = dsa_loop.recipe(llm, case, cp, laga, ready[kind]["data"], without=without)
@@ -69,6 +71,17 @@ def dsa_run(host_sources, tmp_path_factory):
         return runs[name]
 
     return run
+
+
+def require_tune_modules():
+    """What the host's instruction data needs (test_real_tune's TUNE_MODULES but peft: no
+    LoRA here); as host_sources does: skip naming them, fail under CI=true."""
+    import importlib.util
+    missing = [name for name in ("datasets", "tokenizers")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        from support.thirdparty import skip_or_fail
+        skip_or_fail(f"the DSA tune recipes need: pip install {' '.join(missing)}")
 
 
 def assert_host_ran(run):
