@@ -600,6 +600,31 @@ def npu_gather(native):
     return gather
 
 
+def position_ordered_topk(native):
+    """``topk`` whose tied values come in position order (the lower index first). The op
+    leaves the order of ties unspecified (CPU's and NPU's kernels each pick their own);
+    the DSA indexer's top-k picks ties (index scores of exactly 0, where ReLU zeroes every
+    head) across the k-th place, so two correct implementations may train different
+    models. LAGA, and the fused indexer's stand-in (fake_dsa_ops), pick by position: a
+    loop comparing them with the host's torch path installs this in every rank
+    (install_position_ordered_topk)."""
+
+    @functools.wraps(native)
+    def topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
+        if out is not None:
+            return native(input, k, dim, largest, sorted, out=out)
+        order = torch.sort(input, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((order.values.narrow(dim, 0, k),
+                                        order.indices.narrow(dim, 0, k)))
+
+    return topk
+
+
+def install_position_ordered_topk():
+    torch.topk = position_ordered_topk(torch.topk)
+    torch.Tensor.topk = position_ordered_topk(torch.Tensor.topk)
+
+
 def _install_tensor_semantics():
     torch.Tensor.scatter_ = npu_scatter_(torch.Tensor.scatter_)
     torch.Tensor.gather = npu_gather(torch.Tensor.gather)

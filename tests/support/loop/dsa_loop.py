@@ -170,10 +170,17 @@ def prepare(sources: dict, workdir: Path, case: str) -> dict:
 
 
 def run(ready: dict, workdir: Path, case: str, argv: List[str], timeout_s: float = 600):
-    """The case's entry script on CP-size gloo CPU ranks, the DSA stand-ins taking float32."""
+    """The case's entry script on CP-size gloo CPU ranks, the DSA stand-ins taking float32
+    and ``torch.topk`` ordering ties by position: the host's indexer picks among index
+    scores tied at exactly 0 (ReLU zeroes every head) across the k-th place, in an order
+    the op leaves unspecified, and LAGA picks the lower positions (measured: with CPU's
+    own order the 16K tune's losses part from LAGA's by 3e-5 at iteration 3, the host's
+    CP 2 run staying with its CP 1 run; with the position order all three agree)."""
+    from support.loop.bootstrap.loop_recorder import ORDERED_TOPK_ENV
     return real_loop.run_loop(ready["sources"], workdir, real_loop.ranks(argv), argv,
                               timeout_s=timeout_s, script=RECIPES[case].entry,
-                              extra_env={"FAKE_TORCH_NPU_WIDE_DTYPES": "1"})
+                              extra_env={"FAKE_TORCH_NPU_WIDE_DTYPES": "1",
+                                         ORDERED_TOPK_ENV: "1"})
 
 
 def main():

@@ -217,6 +217,14 @@ def dsa_indexer_tensor_semantics_as_on_npu():
     raises(ValueError, scipy.linalg.hadamard, 6, match="power of 2")
 
 
+@check
+def position_ordered_topk_puts_tied_values_in_position_order():
+    topk = npu_host.position_ordered_topk(torch.topk)
+    values, indices = topk(torch.tensor([[0.0, 1.0, 0.0, 0.0, 2.0]]), 3)
+    assert values.tolist() == [[2, 1, 0]] and indices.tolist() == [[4, 1, 0]], indices
+    assert topk(torch.tensor([3.0, 1.0, 1.0]), 2, largest=False).indices.tolist() == [1, 2]
+
+
 REDUCE_SCATTER_SIZES = [3, 5]  # uneven, as Megatron's MoE dispatcher passes them
 
 

@@ -17,6 +17,9 @@ CORE_ATTENTION_SUFFIX = "DotProductAttention"
 # how the fused-attention stand-in treats a row its mask leaves without keys, where the NPU's
 # result is unspecified (the host's own left-padded SFT attention: tests/support/loop/tune_loop.py)
 UNSPECIFIED_ROWS_ENV = "LAGA_LOOP_NPU_UNSPECIFIED_ROWS"
+# set: torch.topk orders tied values by position (npu_host.position_ordered_topk; the DSA
+# recipes' loop, tests/support/loop/dsa_loop.py)
+ORDERED_TOPK_ENV = "LAGA_LOOP_POSITION_ORDERED_TOPK"
 
 
 def start(folder):
@@ -29,6 +32,8 @@ def start(folder):
     if os.environ.get(UNSPECIFIED_ROWS_ENV):  # e.g. "zero" (tests/support/fake_torch_npu.py)
         from support import fake_torch_npu
         fake_torch_npu.UNSPECIFIED_ROWS = os.environ[UNSPECIFIED_ROWS_ENV]
+    if os.environ.get(ORDERED_TOPK_ENV):
+        npu_host.install_position_ordered_topk()
     _count_laga()
     _count_dsa_ops(torch_npu)
     _count_modules()
