@@ -17,6 +17,12 @@ the 128K tune's ``--use-fused-lightning-indexer --use-fused-lightning-indexer-lo
 the 128K tune, as shipped, runs at CP 1 on the CPU stand-ins of the fused ops
 (tests/support/fake_dsa_ops.py) in test_host_fused_recipe_trains.
 
+Once LAGA runs the fused DSA path, each case runs the recipe as shipped: NON_FUSED's
+entries empty, the host's fused CP 1 run the reference (test_host_fused_recipe_trains
+then folds into the 128K case). The host's fused runs do not train the model its torch
+path trains on these stand-ins (indexer losses at iteration 1: 128K 4.75e-3 against
+1.43e-3, GLM-5 2.68 against 2.98e-3), so they cannot stand in for each other.
+
 Each rank counts its calls: LAGA's sparse attention ran on every MLA forward (layers,
 MTP's included, x micro-batches x iterations) and the host's core attention never.
 
