@@ -41,6 +41,7 @@ from ..attention_mask import key_padding_from_mask
 from ..common import check_weight_once, first_call, start_gather
 from ..lora import effective_weight
 from .dsa import is_dsa, laga_dsa_attention
+from .fb_overlap import hook_a2a, launch_a2a
 from .fp8 import kv_up_linear
 from .host import check_mindspeed_llm_forward, check_mindspeed_llm_module, release_of_module
 from .releases import deinterleave_rope_dims
@@ -133,11 +134,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                                                       lora_scales=release.lora_scales)
     cu_seqlens = (document_boundaries(_mtp_depth(self), settings.loader_scaled_ends)
                   if settings.documents else None)
-    hooked = getattr(self, "a2a_hooked_on_attention", False)
-    if hooked:  # --moe-fb-overlap: start the MoE all-to-all where the original does
-        from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
-            launch_async_all2all)
-        launch_async_all2all()
+    launch_a2a(self)
     core_out = laga_attention(query, kv_latent, k_pos_emb, kv_up_weight,
                               softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
                               check_ranks=check_ranks, latent_gather=gather,
@@ -146,10 +143,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                               key_padding_mask=key_padding,
                               kv_up_linear=up_linear,
                               **settings.core_options())  # pad_v = not --mla-fa-without-pad
-    if hooked and core_out.requires_grad:
-        from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
-            launch_async_all2all_hook)
-        core_out.register_hook(launch_async_all2all_hook)
+    hook_a2a(self, core_out)
     return self.linear_proj(core_out)
 
 
