@@ -33,10 +33,13 @@ from ..forms.sparse_index import TopK
 from .sparse_base import AbsorbedStats, Attended, SparseKernel
 from .sparse_torch import attention_probs
 
-# the last dims the ops take (kv_lora_rank, rope, index head dim), by input name
-OP_DIMS = {"kv_latent": 512, "k_pos_emb": 64, "index_key": 128}
-STAGE_INPUTS = {"indexer": ("index_key",), "attention": ("kv_latent", "k_pos_emb"),
-                "loss": ("kv_latent", "k_pos_emb", "index_key")}
+# what the ops take: the last dims (kv_lora_rank, rope, index head dim) by input name,
+# and the head counts (the loss's query heads: every head of loss_tp_group)
+OP_DIMS = {"kv_latent": (512,), "k_pos_emb": (64,), "index_key": (128,),
+           "heads": (1, 2, 4, 8, 16, 32, 64, 128), "loss heads": (8, 16, 32, 64, 128),
+           "index heads": (8, 16, 32, 64)}
+STAGE_INPUTS = {"indexer": ("index_key",), "attention": ("kv_latent", "k_pos_emb", "heads"),
+                "loss": ("kv_latent", "k_pos_emb", "index_key", "loss heads", "index heads")}
 
 
 def _torch_npu():
@@ -53,9 +56,10 @@ class SparseNpu(SparseKernel):
             raise ValueError(f"{argument}='npu' needs torch_npu (Ascend CANN + torch_npu "
                              f"matching your torch); elsewhere use {argument}='torch'") from exc
         for name in STAGE_INPUTS[stage]:
-            if dims[name] != OP_DIMS[name]:
-                raise ValueError(f"{argument}='npu': the fused op takes {name}'s last dim "
-                                 f"{OP_DIMS[name]} only, got {dims[name]}; use {argument}='torch'")
+            if dims[name] not in OP_DIMS[name]:
+                what = f"{name}'s last dim" if name in ("kv_latent", "k_pos_emb", "index_key") else name
+                raise ValueError(f"{argument}='npu': the fused op takes {what} in {OP_DIMS[name]} "
+                                 f"only, got {dims[name]}; use {argument}='torch'")
 
     def topk(self, call, index_query, index_weights, index_topk):
         keys = call.index_key.transpose(0, 1).unsqueeze(2).to(torch.bfloat16)  # [b, S, 1, D]

@@ -28,7 +28,9 @@ def sparse_stages(*, indexer_kernel: str, attention_kernel: str, loss_kernel: st
                   dims: dict, with_loss: bool) -> SparseStages:
     """The three stages' kernels, after checking each can run (ValueError naming the
     argument: an unknown name, a missing torch_npu, dims the fused op does not take).
-    ``dims``: the last dims of kv_latent, k_pos_emb and index_key. Runs no collective."""
+    ``dims``: the last dims of kv_latent, k_pos_emb and index_key, the query's heads
+    ("heads"; "loss heads": those of every rank of loss_tp_group) and the index heads.
+    Runs no collective."""
     chosen = {"indexer": ("indexer_kernel", indexer_kernel),
               "attention": ("attention_kernel", attention_kernel),
               "loss": ("loss_kernel", loss_kernel)}

@@ -175,8 +175,13 @@ def test_errors_name_the_argument(monkeypatch):
     try:
         narrow = list(args)
         narrow[5], narrow[4] = narrow[5][..., :64], narrow[4][..., :64]  # index dim 64
-        with pytest.raises(ValueError, match="indexer_kernel='npu'.*index_key's last dim 128"):
+        with pytest.raises(ValueError, match=r"indexer_kernel='npu'.*index_key's last dim in \(128,\)"):
             sparse_laga_attention(*narrow, **kw, indexer_kernel="npu")
+        few = list(args)
+        few[0] = few[0][:, :, :4]  # four heads: the fused loss takes 8 or more
+        few[3] = few[3][:4 * 32]
+        with pytest.raises(ValueError, match=r"loss_kernel='npu'.*loss heads in \(8, 16"):
+            sparse_laga_attention(*few, **kw, loss_kernel="npu")
         # no loss: the loss kernel is not run, so not checked
         sparse_laga_attention(*narrow, **{**kw, "indexer_loss_coeff": None}, loss_kernel="npu")
     finally:
