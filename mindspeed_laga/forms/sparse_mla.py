@@ -59,11 +59,12 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
     _check(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, index_weights,
            index_topk, qk_head_dim, v_head_dim, layout)
     dims = {"kv_latent": kv_latent.shape[-1], "k_pos_emb": k_pos_emb.shape[-1],
-            "index_key": index_key.shape[-1]}
+            "index_key": index_key.shape[-1], "heads": query.shape[2],
+            "loss heads": query.shape[2] * comm.check_group(loss_tp_group, "loss_tp_group"),
+            "index heads": index_query.shape[2], "index_topk": index_topk}
     stages = sparse_stages(indexer_kernel=indexer_kernel, attention_kernel=attention_kernel,
                            loss_kernel=loss_kernel, dims=dims,
                            with_loss=indexer_loss_coeff is not None)
-    comm.check_group(loss_tp_group, "loss_tp_group")
     size, rank, s = comm.check_group(cp_group), comm.group_rank(cp_group), query.shape[0]
     latent, k_pe, keys = _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout)
     chunks = [Chunk(start, length, first + length)

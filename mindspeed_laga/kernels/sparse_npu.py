@@ -33,10 +33,14 @@ from ..forms.sparse_index import TopK
 from .sparse_base import AbsorbedStats, Attended, SparseKernel
 from .sparse_torch import attention_probs
 
-# the last dims the ops take (kv_lora_rank, rope, index head dim), by input name
-OP_DIMS = {"kv_latent": 512, "k_pos_emb": 64, "index_key": 128}
-STAGE_INPUTS = {"indexer": ("index_key",), "attention": ("kv_latent", "k_pos_emb"),
-                "loss": ("kv_latent", "k_pos_emb", "index_key")}
+# what the ops take: the last dims (kv_lora_rank, rope, index head dim) by input name,
+# and the head counts (the loss's query heads: every head of loss_tp_group)
+OP_DIMS = {"kv_latent": (512,), "k_pos_emb": (64,), "index_key": (128,),
+           "heads": (1, 2, 4, 8, 16, 32, 64, 128), "loss heads": (8, 16, 32, 64, 128),
+           "index heads": (8, 16, 32, 64), "index_topk": range(1, 2049)}
+STAGE_INPUTS = {"indexer": ("index_key", "index_topk"),
+                "attention": ("kv_latent", "k_pos_emb", "heads"),
+                "loss": ("kv_latent", "k_pos_emb", "index_key", "loss heads", "index heads")}
 
 
 def _torch_npu():
@@ -53,9 +57,10 @@ class SparseNpu(SparseKernel):
             raise ValueError(f"{argument}='npu' needs torch_npu (Ascend CANN + torch_npu "
                              f"matching your torch); elsewhere use {argument}='torch'") from exc
         for name in STAGE_INPUTS[stage]:
-            if dims[name] != OP_DIMS[name]:
-                raise ValueError(f"{argument}='npu': the fused op takes {name}'s last dim "
-                                 f"{OP_DIMS[name]} only, got {dims[name]}; use {argument}='torch'")
+            if dims[name] not in OP_DIMS[name]:
+                what = f"{name}'s last dim" if name in STAGE_INPUTS["loss"][:3] else name
+                raise ValueError(f"{argument}='npu': the fused op takes {what} in {OP_DIMS[name]} "
+                                 f"only, got {dims[name]}; use {argument}='torch'")
 
     def topk(self, call, index_query, index_weights, index_topk):
         keys = call.index_key.transpose(0, 1).unsqueeze(2).to(torch.bfloat16)  # [b, S, 1, D]
@@ -84,8 +89,9 @@ class SparseNpu(SparseKernel):
         for chunk in call.chunks:
             rows, keys = slice(chunk.start, chunk.start + chunk.length), slice(0, chunk.key_end)
             out, softmax_max, softmax_sum = _torch_npu().npu_sparse_flash_attention(
-                q_latent[:, rows], latent[:, keys], latent[:, keys], sparse_indices=indices[:, rows],
-                scale_value=call.softmax_scale, query_rope=q_rope[:, rows], key_rope=k_rope[:, keys],
+                q_latent[:, rows], latent[:, keys], latent[:, keys],
+                sparse_indices=indices[:, rows], scale_value=call.softmax_scale,
+                query_rope=q_rope[:, rows], key_rope=k_rope[:, keys],
                 sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=3,
                 attention_mode=2, return_softmax_lse=True)
             outs.append(out)
@@ -110,12 +116,14 @@ class SparseNpu(SparseKernel):
         total = 0
         for chunk in call.chunks:
             rows, keys = slice(chunk.start, chunk.start + chunk.length), slice(0, chunk.key_end)
-            fixed = dict(query=stats.query[:, rows], key=key[:, keys], sparse_indices=indices[:, rows],
+            fixed = dict(query=stats.query[:, rows], key=key[:, keys],
+                         sparse_indices=indices[:, rows],
                          softmax_max=stats.softmax_max[:, :, rows],
                          softmax_sum=stats.softmax_sum[:, :, rows], scale_value=call.softmax_scale,
                          query_rope=stats.query_rope[:, rows], key_rope=key_rope[:, keys])
-            total = total + _IndexerKLLoss.apply(index_query[rows].transpose(0, 1), key_index[:, keys],
-                                                 index_weights[rows].transpose(0, 1), fixed)
+            total = total + _IndexerKLLoss.apply(
+                index_query[rows].transpose(0, 1), key_index[:, keys],
+                index_weights[rows].transpose(0, 1), fixed)
         s, b = index_query.shape[:2]
         return total / (s * b) * coeff  # the op sums over query rows: this rank's mean
 

@@ -28,16 +28,24 @@ def sparse_stages(*, indexer_kernel: str, attention_kernel: str, loss_kernel: st
                   dims: dict, with_loss: bool) -> SparseStages:
     """The three stages' kernels, after checking each can run (ValueError naming the
     argument: an unknown name, a missing torch_npu, dims the fused op does not take).
-    ``dims``: the last dims of kv_latent, k_pos_emb and index_key. Runs no collective."""
+    ``dims``: the last dims of kv_latent, k_pos_emb and index_key, the query's heads
+    ("heads"; "loss heads": those of every rank of loss_tp_group), the index heads and
+    index_topk.
+    Runs no collective."""
     chosen = {"indexer": ("indexer_kernel", indexer_kernel),
               "attention": ("attention_kernel", attention_kernel),
               "loss": ("loss_kernel", loss_kernel)}
     kernels = {}
     for stage, (argument, name) in chosen.items():
-        if name not in _TYPES:
-            raise ValueError(f"{argument}={name!r} is unknown; use one of {SPARSE_KERNELS}")
-        kernels[stage] = _TYPES[name]()
+        kernels[stage] = sparse_kernel(name, argument)
         if stage != "loss" or with_loss:
             kernels[stage].check(stage, argument, dims)
     return SparseStages(kernels["indexer"], kernels["attention"], kernels["loss"],
                         kernels["loss"].loss_reads if with_loss else None)
+
+
+def sparse_kernel(name: str, argument: str = "kernel") -> SparseKernel:
+    """The kernel named ``name`` (ValueError naming ``argument`` and the choices)."""
+    if name not in _TYPES:
+        raise ValueError(f"{argument}={name!r} is unknown; use one of {SPARSE_KERNELS}")
+    return _TYPES[name]()

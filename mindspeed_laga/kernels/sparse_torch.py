@@ -77,11 +77,12 @@ def _project(call, probs, latent_sel, kv_up_weight, query_shape):
 def _stats(q_latent, query, qk_head_dim, scores) -> AbsorbedStats:
     """The fused loss's view of this attention: BSND query parts and softmax max/sum."""
     scores = scores.detach()
-    row_max = scores.amax(dim=-1, keepdim=True)  # finite: a query has a valid pick (its own key at worst)
+    row_max = scores.amax(dim=-1, keepdim=True)  # finite: every query has a valid pick
     row_sum = torch.exp(scores - row_max).sum(dim=-1)
 
     def bsn(stat):  # [b, n, s] -> [b, 1, s, n]
         return stat.float().transpose(1, 2).unsqueeze(1).contiguous()
 
-    return AbsorbedStats(q_latent.detach().transpose(1, 2), query[..., qk_head_dim:].detach().transpose(0, 1),
-                         bsn(row_max.squeeze(-1)), bsn(row_sum))
+    q_rope = query[..., qk_head_dim:].detach().transpose(0, 1)
+    return AbsorbedStats(q_latent.detach().transpose(1, 2), q_rope, bsn(row_max.squeeze(-1)),
+                         bsn(row_sum))
