@@ -5,8 +5,8 @@ The module's own submodules build, from this rank's tokens only, what the host's
 non-fused forward (``mla_naive_attention``) builds: the query, the latent and the rope key
 (rope in complex form unless ``--apply-rope-no-in-complex``), and the indexer's query,
 key and weights (``DSAIndexer.forward_with_index``: from the detached hidden states and
-the detached query latent before its layernorm, as the host feeds it, but without the
-host's ulysses gathers of q, k and the hidden states). The core
+the detached query latent as each host path feeds it, :func:`_index_latent`, but without
+the host's ulysses gathers of q, k and the hidden states). The core
 (``mindspeed_laga.sparse_laga_attention``) gathers ``[kv_latent | k_pos_emb | index_key]``
 once and returns the attention output, the picks and the indexer's KL loss, which goes to
 the host's own loss tracker and loss auto-scaler exactly as the host's forward hands it.
@@ -53,7 +53,7 @@ def laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_a
     parts = {}
     query, kv_latent, k_pos_emb, _ = mla_inputs(_mla_rope(host, args), parts)
     rope = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-    x, qr = _whole_sequence(self, hidden_states.detach(), parts["q_compressed"].detach())
+    x, qr = _whole_sequence(self, hidden_states.detach(), _index_latent(self, parts).detach())
     index_query, index_key, index_weights = index_inputs(self.dsa_indexer, x, qr, rope, args)
     training = self.training and torch.is_grad_enabled()
     launch_a2a(self)
@@ -89,6 +89,15 @@ def dsa_kernels(module, args) -> dict:
         loss_kernel="npu" if fused_loss else "torch",
         loss_tp_group=parallel_state.get_tensor_model_parallel_group()
         if fused_loss and tp_split else None)
+
+
+def _index_latent(self, parts):
+    """The query latent the host's indexer reads: its absorbed path feeds the latent after
+    the query layernorm (and before the q-lora scale), its non-absorbed path the latent
+    before the layernorm (the reference DeepSeek-V3.2 reads it after)."""
+    if getattr(self, "enable_mla_absorb", False) and "q_normed" in parts:
+        return parts["q_normed"]
+    return parts["q_compressed"]
 
 
 def _whole_sequence(self, x, qr):
