@@ -36,6 +36,15 @@ from support.mindspeed_llm_real import (BATCH, MODEL, SEED, SEQ, _assemble,  # n
 from support.mindspeed_llm_standin import forward_backward  # noqa: E402
 
 TOLERANCE = 1e-6  # float32 where the host forces it (indexer scores, its loss, complex rope)
+# the indexer loss is a KL divergence near 0 (5e-4 here): the host's float32 softmax of its
+# target rounds relative to the target, which moves the loss by up to ~3e-6 of itself
+LOSS_TOLERANCE = 1e-5
+# the fused indexer's grads come back in bfloat16 (the op's dtype: the host casts its
+# inputs), and under CP each rank's op returns its queries' part of an index key's grad,
+# rounded before the sum over ranks: those grads (the index key's projection and norm)
+# agree to bf16's precision, 2^-8
+BF16_KEY_GRADS = ("dsa_indexer.wk.", "dsa_indexer.k_norm.")
+BF16_TOLERANCE = 1e-2
 DSA = ["--q-lora-rank", "24", "--qk-layernorm", "--enable-dsa-indexer", "--index-n-heads", "4",
        "--index-head-dim", "16", "--index-topk", "6", "--indexer-loss-coeff", "0.5",
        "--use-flash-attn", "--mla-fa-without-pad"]
@@ -99,7 +108,8 @@ def _npu_scatter():
     original = torch.Tensor.scatter_
 
     def scatter_(self, dim, index, *args, **kwargs):
-        if isinstance(index, torch.Tensor) and (index < 0).any():
+        if isinstance(index, torch.Tensor):  # NPU takes int32 picks too
+            index = index.long()
             index = torch.where(index < 0, index + self.shape[dim], index)
         return original(self, dim, index, *args, **kwargs)
 
@@ -108,6 +118,21 @@ def _npu_scatter():
         yield
     finally:
         torch.Tensor.scatter_ = original
+
+
+@contextlib.contextmanager
+def _npu_gather():
+    """NPU's gather takes int32 indices (the fused indexer's picks); CPU's wants int64."""
+    original = torch.gather
+
+    def gather(input, dim, index, *args, **kwargs):
+        return original(input, dim, index.long(), *args, **kwargs)
+
+    torch.gather = gather
+    try:
+        yield
+    finally:
+        torch.gather = original
 
 
 @contextlib.contextmanager
@@ -158,7 +183,7 @@ def _run(module, forward, inputs, cp_size, host_forward=False):
 
         dsa_indexer.DSAIndexer.forward_with_scores = staticmethod(recording)
         try:
-            with _npu_scatter(), _npu_einsum():
+            with _npu_scatter(), _npu_gather(), _npu_einsum():
                 res = forward_backward(module, forward, *inputs)
         finally:
             dsa_indexer.DSAIndexer.forward_with_scores = staticmethod(scores)
@@ -278,6 +303,12 @@ def _case(name, extra, tp_size, cp_size):
 
 
 def _compare(label, per_rank, name, ref):
+    """``per_rank``'s LAGA run against ``ref`` (the host at CP 1)."""
+    # the non-absorbed path's fused indexer: its grads through the bf16 op (the absorbed
+    # path's fused loss computes them itself, in the inputs' dtype)
+    extra = CASES[name]
+    bf16_key_grads = ("--use-fused-lightning-indexer" in extra
+                      and "--enable-mla-absorb" not in extra)
     from mindspeed_laga import layout as layouts
 
     got = _assemble(per_rank, name, "laga")
@@ -289,16 +320,21 @@ def _compare(label, per_rank, name, ref):
     assert torch.equal(picks.sort(-1).values, ref["topk"].long().sort(-1).values), \
         f"{label}: top-k picks differ"
     loss = sum(r[name]["laga"]["loss"] for r in per_rank) / len(per_rank)
-    assert ref["loss"] > 0 and abs(loss - ref["loss"]) <= TOLERANCE * ref["loss"], (label, loss, ref["loss"])
+    assert ref["loss"] > 0 and abs(loss - ref["loss"]) <= LOSS_TOLERANCE * ref["loss"], \
+        (label, loss, ref["loss"])
     assert got["param_grads"].keys() == ref["param_grads"].keys(), label
     assert any(k.startswith("dsa_indexer.") for k in ref["param_grads"]), label
     errors = {"output": got["output"], "hidden_grad": got["hidden_grad"],
               **got["param_grads"]}
     want = {"output": ref["output"], "hidden_grad": ref["hidden_grad"], **ref["param_grads"]}
-    worst = max(((g - want[k]).abs().max() / want[k].abs().max()).item()
-                for k, g in errors.items())
-    print(f"{label}: max relative error {worst:.2e}, loss {loss:.6f} vs {ref['loss']:.6f}")
-    assert worst <= TOLERANCE, label
+    relative = {k: ((g - want[k]).abs().max() / want[k].abs().max()).item()
+                for k, g in errors.items()}
+    bf16 = {k for k in relative if k.startswith(BF16_KEY_GRADS)} if bf16_key_grads else set()
+    worst = max(v for k, v in relative.items() if k not in bf16)
+    print(f"{label}: max relative error {worst:.2e}, loss {loss:.6f} vs {ref['loss']:.6f}"
+          + (f"; bf16 key grads {max(relative[k] for k in bf16):.2e}" if bf16 else ""))
+    assert worst <= TOLERANCE, (label, sorted(relative.items(), key=lambda kv: -kv[1])[:4])
+    assert all(relative[k] <= BF16_TOLERANCE for k in bf16), (label, relative)
 
 
 def _reference(per_rank, name):
