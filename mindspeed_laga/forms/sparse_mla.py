@@ -25,8 +25,10 @@ import torch
 from .. import comm, layout as layouts
 from ..kernels.sparse_base import Chunk, SparseCall
 from ..kernels.sparse_registry import sparse_stages
+from ..kernels.sparse_torch import all_keys_probs
 
 LAYOUTS = ("contiguous", "zigzag")
+LOSS_TARGETS = ("picks", "all_keys")
 
 
 class SparseResult(NamedTuple):
@@ -40,7 +42,8 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
                           qk_head_dim: int, v_head_dim: int, cp_group=None,
                           layout: str = "zigzag", indexer_loss_coeff: Optional[float] = None,
                           indexer_kernel: str = "torch", attention_kernel: str = "torch",
-                          loss_kernel: str = "torch", loss_tp_group=None) -> SparseResult:
+                          loss_kernel: str = "torch", loss_tp_group=None,
+                          loss_target: str = "picks") -> SparseResult:
     """Sparse MLA of this rank's queries over the whole sequence, one gather per call.
 
     Local tensors (s = this rank's tokens, rope applied at their global positions):
@@ -55,7 +58,17 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
     fused ops per chunk of queries against the gathered key prefix), any combination.
     ``loss_tp_group``: the group the query heads are split over (tensor parallel): the
     loss's target sums the attention over every head of the group (None: this rank's).
+    ``loss_target``: "picks", the loss's target is the attention's own probabilities at
+    the picks; "all_keys" (torch loss only), each head's softmax over every key of the
+    sequence, unmasked, read at the picks, an empty pick reading the last key: what
+    MindSpeed-LLM's torch loss computes behind its sparse flash attention, which hands it
+    no mask (kept so a model trains the same with LAGA as without).
     """
+    if loss_target not in LOSS_TARGETS:
+        raise ValueError(f"loss_target must be one of {LOSS_TARGETS}, got {loss_target!r}")
+    if loss_target == "all_keys" and loss_kernel != "torch":
+        raise ValueError("loss_target='all_keys' is a torch loss's target: use "
+                         f"loss_kernel='torch' (got {loss_kernel!r}) or loss_target='picks'")
     _check(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, index_weights,
            index_topk, qk_head_dim, v_head_dim, layout)
     dims = {"kv_latent": kv_latent.shape[-1], "k_pos_emb": k_pos_emb.shape[-1],
@@ -72,9 +85,18 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
     call = SparseCall(latent, k_pe, keys, layouts.positions(layout, size, rank, s).to(query.device),
                       chunks, softmax_scale, qk_head_dim, v_head_dim)
     picks = stages.indexer.topk(call, index_query, index_weights, index_topk)
-    attended = stages.attention.attend(call, query, kv_up_weight, picks, stages.keep)
+    all_keys = loss_target == "all_keys" and indexer_loss_coeff is not None
+    attended = stages.attention.attend(call, query, kv_up_weight, picks,
+                                       None if all_keys else stages.keep)
     loss = None
-    if indexer_loss_coeff is not None:
+    if all_keys:  # an empty pick reads the last key, as a valid one (its score stays -inf)
+        read = picks._replace(indices=torch.where(picks.indices < 0, call.latent.shape[0] - 1,
+                                                  picks.indices))
+        attended = attended._replace(probs=all_keys_probs(call, query, kv_up_weight,
+                                                          read.indices))
+        loss = stages.loss.loss(call, attended, read, index_query, index_weights,
+                                indexer_loss_coeff, loss_tp_group)
+    elif indexer_loss_coeff is not None:
         loss = stages.loss.loss(call, attended, picks, index_query, index_weights,
                                 indexer_loss_coeff, loss_tp_group)
     return SparseResult(attended.output, picks.indices, loss)

@@ -46,6 +46,26 @@ def attention_probs(call, query, kv_up_weight, picks):
         return torch.softmax(_scores(call, query, kv_up_weight, picks.indices)[1], dim=-1)
 
 
+def all_keys_probs(call, query, kv_up_weight, indices):
+    """[b, n, s, k] float32 without gradient: each head's softmax over every key of the
+    sequence, no mask (causal or sparse), read at ``indices`` (valid positions): the
+    target MindSpeed-LLM's torch loss computes behind its sparse flash attention (its
+    ``get_attn_scores`` with no mask: scores in the inputs' dtype, softmax in float32).
+    One head at a time, so the [b, s, S] scores are held once."""
+    with torch.no_grad():
+        n, qk_head_dim = query.shape[2], call.qk_head_dim
+        w_uk = kv_up_weight.view(n, qk_head_dim + call.v_head_dim, -1)[:, :qk_head_dim]
+        heads = []
+        for head in range(n):
+            q_latent = query[:, :, head, :qk_head_dim] @ w_uk[head]            # [s, b, d_c]
+            scores = (torch.einsum("sbc,Sbc->bsS", q_latent, call.latent)
+                      + torch.einsum("sbr,Sbr->bsS", query[:, :, head, qk_head_dim:],
+                                     call.k_pe)) * call.softmax_scale
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            heads.append(torch.gather(probs, -1, indices))
+        return torch.stack(heads, dim=1)
+
+
 def _scores(call, query, kv_up_weight, indices):
     """(q_latent [b, n, s, d_c], scores [b, n, s, k] scaled and masked, the picked
     latent keys [b, s, k, d_c]) of each query over its picked keys."""

@@ -77,18 +77,23 @@ def dsa_kernels(module, args) -> dict:
     The host's fused loss runs only in its absorbed path (``enable_mla_absorb``, which the
     module keeps on with sparse flash attention or ``--mla-mm-split``); its non-absorbed
     path computes the loss in torch even under ``--use-fused-lightning-indexer-loss``.
-    The fused loss reads every head: under TP it gathers them (``loss_tp_group``)."""
+    The fused loss reads every head: under TP it gathers them (``loss_tp_group``). The
+    torch loss behind sparse flash attention takes its target from the unmasked attention
+    over every key (``loss_target``: the host's ``get_attn_scores`` gets no mask there)."""
     from megatron.core import parallel_state
 
     fused_loss = (bool(getattr(args, "use_fused_lightning_indexer_loss", False))
                   and bool(getattr(module, "enable_mla_absorb", False)))
+    sparse_flash = bool(getattr(args, "use_sparse_flash_attn", False))
     tp_split = parallel_state.get_tensor_model_parallel_world_size() > 1
     return dict(
         indexer_kernel="npu" if getattr(args, "use_fused_lightning_indexer", False) else "torch",
-        attention_kernel="npu" if getattr(args, "use_sparse_flash_attn", False) else "torch",
+        attention_kernel="npu" if sparse_flash else "torch",
         loss_kernel="npu" if fused_loss else "torch",
         loss_tp_group=parallel_state.get_tensor_model_parallel_group()
-        if fused_loss and tp_split else None)
+        if fused_loss and tp_split else None,
+        # the host's torch loss behind its sparse flash attention gets no mask
+        loss_target="all_keys" if sparse_flash and not fused_loss else "picks")
 
 
 def _index_latent(self, parts):

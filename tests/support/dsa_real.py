@@ -35,7 +35,9 @@ from support.mindspeed_llm_real import (BATCH, MODEL, SEED, SEQ, _assemble,  # n
                                         _build, _rope_table, prepare)
 from support.mindspeed_llm_standin import forward_backward  # noqa: E402
 
-TOLERANCE = 1e-6  # float32 where the host forces it (indexer scores, its loss, complex rope)
+# float32 where the host forces it (indexer scores, its loss, complex rope, the index key's
+# LayerNorm, whose grads CP sums from the ranks' float32 parts)
+TOLERANCE = 2e-6
 # the indexer loss is a KL divergence near 0 (5e-4 here): the host's float32 softmax of its
 # target rounds relative to the target, which moves the loss by up to ~3e-6 of itself
 LOSS_TOLERANCE = 1e-5
@@ -70,6 +72,8 @@ CASES = {
     "dsa-sparse-flash-ulysses": ["--context-parallel-algo", "ulysses_cp_algo"] + FUSED_DIMS
     + ABSORBED,
 }
+# run at CP 4 too (the contiguous split's chunking is CP 2's; zigzag's differs with CP)
+CP4_CASES = ("dsa-kvallgather", "dsa-ulysses-mmsplit", "dsa-fused-kvallgather")
 # run at TP 2 with sequence parallelism too (the host's own CP 1 at TP 2 as reference)
 TP_CASES = ("dsa-fused-kvallgather",)
 
@@ -353,18 +357,21 @@ def _job(world_size, runs):
 
 
 def check_dsa(names=None) -> None:
-    """Every case (or those of ``names``) at CP 1, 2 and 4, and the TP cases at TP 2."""
+    """Every case (or those of ``names``) at CP 1 and 2 (and 4: ``CP4_CASES``), and the TP
+    cases at TP 2."""
     names = list(names or CASES)
     tp_names = [n for n in TP_CASES if n in names]
     two = _job(2, [(n, 1, cp) for n in names for cp in (1, 2)] + [(n, 2, 1) for n in tp_names])
-    four = _job(4, [(n, 1, 4) for n in names] + [(n, 2, 2) for n in tp_names])
+    four_names = [n for n in CP4_CASES if n in names]
+    four = _job(4, [(n, 1, 4) for n in four_names] + [(n, 2, 2) for n in tp_names])
     for name in names:
         ref = _reference(two[(name, 1, 1)], name)
         _compare(f"{name}: LAGA at CP=1 vs the host's forward", two[(name, 1, 1)], name, ref)
         _compare(f"{name}: LAGA at CP=2 vs the host's forward at CP=1", two[(name, 1, 2)], name,
                  ref)
-        _compare(f"{name}: LAGA at CP=4 vs the host's forward at CP=1", four[(name, 1, 4)], name,
-                 ref)
+        if name in four_names:
+            _compare(f"{name}: LAGA at CP=4 vs the host's forward at CP=1", four[(name, 1, 4)],
+                     name, ref)
     for name in tp_names:
         ref = _reference(two[(name, 2, 1)], name)
         _compare(f"{name}: LAGA at TP=2 (SP) CP=2 vs the host's forward at TP=2 CP=1",
