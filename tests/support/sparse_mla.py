@@ -67,10 +67,12 @@ def _reference_topk(scores, topk):
     return out
 
 
-def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8):
+def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False):
     """Output, picks, loss and grads (of output . grad_out + loss) of the whole sequence.
     ``eps``: added to both distributions in the KL loss, as the DSA reference does (0: the
-    exact KL, as the fused loss op computes it)."""
+    exact KL, as the fused loss op computes it). ``all_keys``: the loss's target from each
+    head's unmasked softmax over every key, read at the picks (an empty one: the last
+    key), as MindSpeed-LLM's torch loss computes it behind sparse flash attention."""
     inputs = {k: x[k].clone().requires_grad_() for k in NAMES}
     q, kv, kpe, iq, ik, iw, w = (inputs[k] for k in NAMES)
     total, b, n, _ = q.shape
@@ -93,8 +95,13 @@ def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8):
     att = torch.einsum("sbnd,tbnd->bnst", q, key) * scale
     probs = att.masked_fill(~picked[:, None], float("-inf")).softmax(-1)
     out = torch.einsum("bnst,tbnv->sbnv", probs, value).reshape(total, b, n * d_v)
-    dist = probs.detach().float().sum(1)
-    target = F.normalize(torch.gather(dist, -1, picks.clamp(min=0)) * valid, p=1, dim=-1)
+    if all_keys:
+        dist = att.detach().softmax(-1, dtype=torch.float32).sum(1)
+        read = torch.where(valid, picks, torch.full_like(picks, total - 1))
+        target = F.normalize(torch.gather(dist, -1, read), p=1, dim=-1)
+    else:
+        dist = probs.detach().float().sum(1)
+        target = F.normalize(torch.gather(dist, -1, picks.clamp(min=0)) * valid, p=1, dim=-1)
     predicted = torch.gather(scores, -1, picks.clamp(min=0)).masked_fill(~valid, float("-inf"))
     if eps:
         predicted = predicted.softmax(-1, dtype=torch.float32)
