@@ -2,7 +2,8 @@
 DeepSeek-V3.2, GLM-5), the host's non-fused and fused paths.
 
 The module's own submodules build, from this rank's tokens only, what the host's
-non-fused forward (``mla_naive_attention``) builds: the query, the latent and the rope key
+forwards (``mla_naive_attention``, ``mla_absorb_attention``) build: the query, the latent
+and the rope key
 (rope in complex form unless ``--apply-rope-no-in-complex``), and the indexer's query,
 key and weights (``DSAIndexer.forward_with_index``: from the detached hidden states and
 the detached query latent as each host path feeds it, :func:`_index_latent`, but without
