@@ -47,6 +47,9 @@ _INCOMPATIBLE = (
      "included, and LAGA rebuilds K/V from that weight as a matrix: fine-tune with LoRA "
      "(drop {flag}, keep --lora-target-modules) or drop " + FLAG),
 )
+# what the refusals above name that LAGA's sparse MLA (DSA) runs (dsa_checks.py): its
+# attention is absorbed MQA over the latent, on the host's sparse flash attention op or not
+_DSA_RUNS = ("enable_mla_absorb", "use_sparse_flash_attn")
 # the modules LAGA reads as a weight instead of calling them (fused; --mla-mm-split)
 KV_UP_MODULES = ("linear_kv_up_proj", "linear_kv_nope", "linear_v")
 
@@ -68,7 +71,7 @@ def check_laga_args(args: Namespace) -> bool:
     if cp_size == 1:
         return False
     dsa = check_dsa(args)  # sparse MLA first: its refusals name DSA (dsa_checks.py)
-    _check_incompatible(args)
+    _check_incompatible(args, dsa)
     _check_lora(args)
     _check_attention_dropout(args)
     _check_documents(args)
@@ -86,9 +89,9 @@ def context_parallel_size(args: Namespace) -> int:
     return int(getattr(args, "context_parallel_size", None) or 1)
 
 
-def _check_incompatible(args: Namespace) -> None:
+def _check_incompatible(args: Namespace, dsa: bool = False) -> None:
     for attr, flag, why in _INCOMPATIBLE:
-        if getattr(args, attr, None):
+        if getattr(args, attr, None) and not (dsa and attr in _DSA_RUNS):
             raise ValueError(f"{FLAG} with {flag} is not supported: " + why.format(flag=flag))
     for attr, value, flag, why in _INCOMPATIBLE_VALUES:
         if attr == "shape_order" and _documents(args):

@@ -53,12 +53,18 @@ def top_k(scores, index_topk: int, query_pos) -> TopK:
     return TopK(positions, picked)
 
 
-def indexer_loss(attn_probs, topk_scores, valid, coeff: float):
+def attention_target(attn_probs):
+    """[b, s, k] float32: the attention's probabilities at the picks (attn_probs
+    [b, n, s, k], no gradient wanted through them) summed over heads, the loss's target
+    before normalization (a sum over more heads adds these of every rank holding some)."""
+    return attn_probs.to(torch.float32).sum(dim=1)
+
+
+def indexer_loss(target, topk_scores, valid, coeff: float):
     """The KL loss of the indexer against the attention (module docstring).
 
-    attn_probs [b, n, s, k]: each head's attention probabilities at the picks (no
-    gradient wanted through them); topk_scores [b, s, k]; valid [b, s, k] bool."""
-    target = attn_probs.to(torch.float32).sum(dim=1)
+    target [b, s, k]: :func:`attention_target`; topk_scores [b, s, k]; valid [b, s, k]
+    bool."""
     target = torch.where(valid, target, torch.zeros_like(target))
     target = F.normalize(target, p=1, dim=-1)
     predicted = F.softmax(topk_scores, dim=-1, dtype=torch.float32)

@@ -9,8 +9,12 @@ DeepSeek-V3.2's dims), and one all-gather of that concatenation serves the index
 scores and top-k, the sparse attention and the indexer's KL loss; its backward is one
 reduce-scatter. Queries, the index queries and the index weights stay local.
 
-The attention runs over the picked keys only (gathered per query), in the inputs'
-dtype; the indexer as ``sparse_index`` describes it.
+Each stage (the indexer's top-k, the attention, the indexer's loss) runs on the kernel
+its argument names (``kernels/sparse_registry.py``): "torch", the math of
+``kernels/sparse_torch.py`` (the attention over the picked keys gathered per query, in the
+inputs' dtype; the indexer as ``sparse_index`` describes it), or "npu", torch_npu's fused
+ops of ``kernels/sparse_npu.py``, run per chunk of this rank's queries against the
+gathered key prefix. Both read the keys of the one gather.
 """
 from __future__ import annotations
 
@@ -19,9 +23,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import comm, layout as layouts
-from .sparse_index import index_scores, indexer_loss, top_k
+from ..kernels.sparse_base import Chunk, SparseCall
+from ..kernels.sparse_registry import sparse_stages
+from ..kernels.sparse_torch import all_keys_probs
 
 LAYOUTS = ("contiguous", "zigzag")
+LOSS_TARGETS = ("picks", "all_keys")
 
 
 class SparseResult(NamedTuple):
@@ -33,8 +40,10 @@ class SparseResult(NamedTuple):
 def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key,
                           index_weights, *, index_topk: int, softmax_scale: float,
                           qk_head_dim: int, v_head_dim: int, cp_group=None,
-                          layout: str = "zigzag", indexer_loss_coeff: Optional[float] = None
-                          ) -> SparseResult:
+                          layout: str = "zigzag", indexer_loss_coeff: Optional[float] = None,
+                          indexer_kernel: str = "torch", attention_kernel: str = "torch",
+                          loss_kernel: str = "torch", loss_tp_group=None,
+                          loss_target: str = "picks") -> SparseResult:
     """Sparse MLA of this rank's queries over the whole sequence, one gather per call.
 
     Local tensors (s = this rank's tokens, rope applied at their global positions):
@@ -44,22 +53,53 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
     ``layout``: how the sequence is split over ``cp_group`` ("contiguous" or "zigzag").
     ``indexer_loss_coeff``: None, no loss; else the KL loss times it, this rank's mean
     over its queries (the attention probabilities it reads pass no gradient).
+    ``indexer_kernel``, ``attention_kernel``, ``loss_kernel``: each stage's kernel, one of
+    ``kernels.sparse_registry.SPARSE_KERNELS`` ("torch": plain torch; "npu": torch_npu's
+    fused ops per chunk of queries against the gathered key prefix), any combination.
+    ``loss_tp_group``: the group the query heads are split over (tensor parallel): the
+    loss's target sums the attention over every head of the group (None: this rank's).
+    ``loss_target``: "picks", the loss's target is the attention's own probabilities at
+    the picks; "all_keys" (torch loss only), each head's softmax over every key of the
+    sequence, unmasked, read at the picks, an empty pick reading the last key: what
+    MindSpeed-LLM's torch loss computes behind its sparse flash attention, which hands it
+    no mask (kept so a model trains the same with LAGA as without).
     """
+    if loss_target not in LOSS_TARGETS:
+        raise ValueError(f"loss_target must be one of {LOSS_TARGETS}, got {loss_target!r}")
+    if loss_target == "all_keys" and loss_kernel != "torch":
+        raise ValueError("loss_target='all_keys' is a torch loss's target: use "
+                         f"loss_kernel='torch' (got {loss_kernel!r}) or loss_target='picks'")
     _check(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, index_weights,
            index_topk, qk_head_dim, v_head_dim, layout)
+    dims = {"kv_latent": kv_latent.shape[-1], "k_pos_emb": k_pos_emb.shape[-1],
+            "index_key": index_key.shape[-1], "heads": query.shape[2],
+            "loss heads": query.shape[2] * comm.check_group(loss_tp_group, "loss_tp_group"),
+            "index heads": index_query.shape[2], "index_topk": index_topk}
+    stages = sparse_stages(indexer_kernel=indexer_kernel, attention_kernel=attention_kernel,
+                           loss_kernel=loss_kernel, dims=dims,
+                           with_loss=indexer_loss_coeff is not None)
     size, rank, s = comm.check_group(cp_group), comm.group_rank(cp_group), query.shape[0]
     latent, k_pe, keys = _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout)
-    query_pos = layouts.positions(layout, size, rank, s).to(query.device)
-    key_pos = torch.arange(size * s, device=query.device)
-    picks = top_k(index_scores(index_query, keys, index_weights, query_pos, key_pos),
-                  index_topk, query_pos)
-    valid = picks.indices >= 0
-    probs, output = _attend(query, latent, k_pe, kv_up_weight, picks.indices, valid,
-                            softmax_scale, qk_head_dim, v_head_dim)
+    chunks = [Chunk(start, length, first + length)
+              for start, length, first in layouts.rank_segments(layout, size, rank, s)]
+    call = SparseCall(latent, k_pe, keys, layouts.positions(layout, size, rank, s).to(query.device),
+                      chunks, softmax_scale, qk_head_dim, v_head_dim)
+    picks = stages.indexer.topk(call, index_query, index_weights, index_topk)
+    all_keys = loss_target == "all_keys" and indexer_loss_coeff is not None
+    attended = stages.attention.attend(call, query, kv_up_weight, picks,
+                                       None if all_keys else stages.keep)
     loss = None
-    if indexer_loss_coeff is not None:
-        loss = indexer_loss(probs.detach(), picks.scores, valid, indexer_loss_coeff)
-    return SparseResult(output, picks.indices, loss)
+    if all_keys:  # an empty pick reads the last key, as a valid one (its score stays -inf)
+        read = picks._replace(indices=torch.where(picks.indices < 0, call.latent.shape[0] - 1,
+                                                  picks.indices))
+        attended = attended._replace(probs=all_keys_probs(call, query, kv_up_weight,
+                                                          read.indices))
+        loss = stages.loss.loss(call, attended, read, index_query, index_weights,
+                                indexer_loss_coeff, loss_tp_group)
+    elif indexer_loss_coeff is not None:
+        loss = stages.loss.loss(call, attended, picks, index_query, index_weights,
+                                indexer_loss_coeff, loss_tp_group)
+    return SparseResult(attended.output, picks.indices, loss)
 
 
 def _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout):
@@ -72,28 +112,6 @@ def _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout):
         order = layouts.to_position_order(layout, size, kv_latent.shape[0])
         gathered = gathered.index_select(0, order.to(gathered.device))
     return torch.split(gathered, widths, dim=-1)
-
-
-def _attend(query, latent, k_pe, kv_up_weight, indices, valid, softmax_scale, qk_head_dim,
-            v_head_dim):
-    """(probabilities [b, n, s, k], output [s, b, n*d_v]): absorbed attention of each
-    query over its picked keys."""
-    s, b, n, _ = query.shape
-    weight = kv_up_weight.view(n, qk_head_dim + v_head_dim, -1)
-    w_uk, w_uv = weight[:, :qk_head_dim], weight[:, qk_head_dim:]
-    q_nope, q_pe = torch.split(query, [qk_head_dim, query.shape[-1] - qk_head_dim], dim=-1)
-    q_latent = torch.einsum("sbnd,ndc->bnsc", q_nope, w_uk)
-    batch = torch.arange(b, device=query.device).view(b, 1, 1)
-    picked = indices.clamp(min=0)
-    latent_sel = latent.transpose(0, 1)[batch, picked]  # [b, s, k, d_c]
-    k_pe_sel = k_pe.transpose(0, 1)[batch, picked]      # [b, s, k, d_r]
-    scores = (torch.einsum("bnsc,bskc->bnsk", q_latent, latent_sel)
-              + torch.einsum("sbnr,bskr->bnsk", q_pe, k_pe_sel)) * softmax_scale
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out_latent = torch.einsum("bnsk,bskc->sbnc", probs, latent_sel)
-    output = torch.einsum("sbnc,nvc->sbnv", out_latent, w_uv)
-    return probs, output.reshape(s, b, n * v_head_dim)
 
 
 def _check(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, index_weights,

@@ -1,15 +1,25 @@
 """LAGA for MindSpeed-LLM's sparse MLA (``CustomMLASelfAttention`` with the DSA indexer:
-DeepSeek-V3.2, GLM-5), the host's non-fused path.
+DeepSeek-V3.2, GLM-5), the host's non-fused and fused paths.
 
 The module's own submodules build, from this rank's tokens only, what the host's
-non-fused forward (``mla_naive_attention``) builds: the query, the latent and the rope key
+forwards (``mla_naive_attention``, ``mla_absorb_attention``) build: the query, the latent
+and the rope key
 (rope in complex form unless ``--apply-rope-no-in-complex``), and the indexer's query,
 key and weights (``DSAIndexer.forward_with_index``: from the detached hidden states and
-the detached query latent before its layernorm, as the host feeds it, but without the
-host's ulysses gathers of q, k and the hidden states). The core
+the detached query latent as each host path feeds it, :func:`_index_latent`, but without
+the host's ulysses gathers of q, k and the hidden states). The core
 (``mindspeed_laga.sparse_laga_attention``) gathers ``[kv_latent | k_pos_emb | index_key]``
 once and returns the attention output, the picks and the indexer's KL loss, which goes to
 the host's own loss tracker and loss auto-scaler exactly as the host's forward hands it.
+
+Each stage runs on the kernel the host's flags pick for it (:func:`dsa_kernels`): the
+indexer's top-k on ``npu_lightning_indexer`` under ``--use-fused-lightning-indexer``, the
+attention on ``npu_sparse_flash_attention`` under ``--use-sparse-flash-attn``, the indexer
+loss on ``npu_sparse_lightning_indexer_grad_kl_loss`` where the host's absorbed path runs
+its fused loss; else the torch kernel, as the host's torch path. Under tensor parallelism
+the indexer reads the whole sequence (gathered over TP under sequence parallelism, as the
+host gathers it), and the fused loss sums the attention over every TP rank's heads, as
+the host's fused loss does (its torch loss reads this rank's heads).
 
 Under every mapped algorithm the queries stay local and no head is split (a ulysses
 recipe runs the gather form on its contiguous split): docs/SPARSE_MLA.md, section
@@ -23,6 +33,8 @@ import torch
 
 from mindspeed_laga.features.laga_args import laga_settings
 from mindspeed_laga.forms.sparse_mla import sparse_laga_attention
+
+from .fb_overlap import hook_a2a, launch_a2a
 
 
 def is_dsa(module) -> bool:
@@ -42,19 +54,65 @@ def laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_a
     parts = {}
     query, kv_latent, k_pos_emb, _ = mla_inputs(_mla_rope(host, args), parts)
     rope = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-    index_query, index_key, index_weights = index_inputs(
-        self.dsa_indexer, hidden_states.detach(), parts["q_compressed"].detach(), rope, args)
+    x, qr = _whole_sequence(self, hidden_states.detach(), _index_latent(self, parts).detach())
+    index_query, index_key, index_weights = index_inputs(self.dsa_indexer, x, qr, rope, args)
     training = self.training and torch.is_grad_enabled()
+    launch_a2a(self)
     result = sparse_laga_attention(
         query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key.to(kv_latent.dtype),
         index_weights, index_topk=args.index_topk, softmax_scale=softmax_scale,
         qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim, cp_group=cp_group,
         layout=laga_settings(args).layout,
-        indexer_loss_coeff=args.indexer_loss_coeff if training else None)
+        indexer_loss_coeff=args.indexer_loss_coeff if training else None,
+        **dsa_kernels(self, args))
     core_out = result.output
     if result.indexer_loss is not None:
         core_out = _attach_loss(self, host, args, core_out, result.indexer_loss)
+    hook_a2a(self, core_out)
     return self.linear_proj(core_out)
+
+
+def dsa_kernels(module, args) -> dict:
+    """``sparse_laga_attention``'s kernel per stage, as the host's flags pick its ops.
+
+    The host's fused loss runs only in its absorbed path (``enable_mla_absorb``, which the
+    module keeps on with sparse flash attention or ``--mla-mm-split``); its non-absorbed
+    path computes the loss in torch even under ``--use-fused-lightning-indexer-loss``.
+    The fused loss reads every head: under TP it gathers them (``loss_tp_group``). The
+    torch loss behind sparse flash attention takes its target from the unmasked attention
+    over every key (``loss_target``: the host's ``get_attn_scores`` gets no mask there)."""
+    from megatron.core import parallel_state
+
+    fused_loss = (bool(getattr(args, "use_fused_lightning_indexer_loss", False))
+                  and bool(getattr(module, "enable_mla_absorb", False)))
+    sparse_flash = bool(getattr(args, "use_sparse_flash_attn", False))
+    tp_split = parallel_state.get_tensor_model_parallel_world_size() > 1
+    return dict(
+        indexer_kernel="npu" if getattr(args, "use_fused_lightning_indexer", False) else "torch",
+        attention_kernel="npu" if sparse_flash else "torch",
+        loss_kernel="npu" if fused_loss else "torch",
+        loss_tp_group=parallel_state.get_tensor_model_parallel_group()
+        if fused_loss and tp_split else None,
+        # the host's torch loss behind its sparse flash attention gets no mask
+        loss_target="all_keys" if sparse_flash and not fused_loss else "picks")
+
+
+def _index_latent(self, parts):
+    """The query latent the host's indexer reads: its absorbed path feeds the latent after
+    the query layernorm (and before the q-lora scale), its non-absorbed path the latent
+    before the layernorm (the reference DeepSeek-V3.2 reads it after)."""
+    if getattr(self, "enable_mla_absorb", False) and "q_normed" in parts:
+        return parts["q_normed"]
+    return parts["q_compressed"]
+
+
+def _whole_sequence(self, x, qr):
+    """The indexer's inputs over this CP rank's whole sequence: under sequence parallelism
+    gathered over TP, as the host's forward gathers them (they carry no gradient)."""
+    if not self.config.sequence_parallel:
+        return x, qr
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+    return gather_from_sequence_parallel_region(x), gather_from_sequence_parallel_region(qr)
 
 
 def _attach_loss(self, host, args, core_out, loss):

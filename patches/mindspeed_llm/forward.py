@@ -41,6 +41,7 @@ from ..attention_mask import key_padding_from_mask
 from ..common import check_weight_once, first_call, start_gather
 from ..lora import effective_weight
 from .dsa import is_dsa, laga_dsa_attention
+from .fb_overlap import hook_a2a, launch_a2a
 from .fp8 import kv_up_linear
 from .host import check_mindspeed_llm_forward, check_mindspeed_llm_module, release_of_module
 from .releases import deinterleave_rope_dims
@@ -133,11 +134,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                                                       lora_scales=release.lora_scales)
     cu_seqlens = (document_boundaries(_mtp_depth(self), settings.loader_scaled_ends)
                   if settings.documents else None)
-    hooked = getattr(self, "a2a_hooked_on_attention", False)
-    if hooked:  # --moe-fb-overlap: start the MoE all-to-all where the original does
-        from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
-            launch_async_all2all)
-        launch_async_all2all()
+    launch_a2a(self)
     core_out = laga_attention(query, kv_latent, k_pos_emb, kv_up_weight,
                               softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
                               check_ranks=check_ranks, latent_gather=gather,
@@ -146,10 +143,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                               key_padding_mask=key_padding,
                               kv_up_linear=up_linear,
                               **settings.core_options())  # pad_v = not --mla-fa-without-pad
-    if hooked and core_out.requires_grad:
-        from mindspeed.core.transformer.moe.moe_feature.fb_overlap.modules.attention import (
-            launch_async_all2all_hook)
-        core_out.register_hook(launch_async_all2all_hook)
+    hook_a2a(self, core_out)
     return self.linear_proj(core_out)
 
 
@@ -264,7 +258,8 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_r
     applied to q_pos_emb and k_pos_emb before rope, as the release's forward does (None:
     nothing). ``lora_scales``: whether the release scales the q/kv latents. ``rope``: the
     rope to apply (None: the module's apply_rotary_pos_emb). ``parts``: a dict that
-    receives ``q_compressed`` (linear_qkv's query latent, before its layernorm).
+    receives ``q_compressed`` (linear_qkv's query latent, before its layernorm) and, with
+    a q_lora_rank, ``q_normed`` (after it).
 
     s is this CP rank's tokens, gathered over TP under sequence parallelism. The
     latent is finished first so its gather overlaps the query projection.
@@ -308,7 +303,7 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_r
     gather = start_gather(overlap_group is not None, kv_latent, k_pos_emb, overlap_group,
                           check_ranks)
 
-    q_no_pe, q_pos_emb = _query_parts(self, q_compressed, s, b, n, lora_scales)
+    q_no_pe, q_pos_emb = _query_parts(self, q_compressed, s, b, n, lora_scales, parts)
     if rotary_pos_emb is not None:
         q_pos_emb = rope_input(q_pos_emb) if rope_input else q_pos_emb
         q_pos_emb = apply_rotary_pos_emb(q_pos_emb, rotary_pos_emb[0], config=self.config,
@@ -317,12 +312,15 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_r
     return query, kv_latent, k_pos_emb, gather
 
 
-def _query_parts(self, q_compressed, s, b, n, lora_scales=True):
-    """(q_no_pe, q_pos_emb), each [s, b, n, *], for q_lora_rank set or not, fused or mm-split."""
+def _query_parts(self, q_compressed, s, b, n, lora_scales=True, parts=None):
+    """(q_no_pe, q_pos_emb), each [s, b, n, *], for q_lora_rank set or not, fused or mm-split.
+    ``parts`` (a dict or None) receives ``q_normed``, the query latent after its layernorm."""
     if self.q_layernorm is None:  # no q_lora_rank: linear_qkv already produced the query
         q = q_compressed.view(s, b, n, -1)
         return torch.split(q, [self.qk_head_dim, self.qk_pos_emb_head_dim], dim=-1)
     q_compressed = self.q_layernorm(q_compressed)
+    if parts is not None:
+        parts["q_normed"] = q_compressed
     if lora_scales and self.mla_scale_q_lora is not None:
         q_compressed = q_compressed * self.mla_scale_q_lora
     if self.mla_mm_split:

@@ -115,3 +115,36 @@ def test_errors_name_the_argument():
     bad[2] = bad[2].float()
     with pytest.raises(ValueError, match="one gather"):
         sparse_laga_attention(*bad, **kw)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("cp_size,layout", [(1, "contiguous"), (2, "contiguous"), (4, "zigzag")])
+def test_all_keys_target_equals_the_hosts_unmasked_target(cp_size, layout):
+    """loss_target="all_keys": the target of MindSpeed-LLM's torch loss behind its sparse
+    flash attention (no mask: every key, an empty pick reading the last one); the output
+    and the attention's grads are those of the default target's run."""
+    want = sm.reference(sm.full_inputs(0), all_keys=True)
+    per_rank = run_on_ranks(sm.worker, cp_size, layout, [(0, False)], sm.TOPK, None,
+                            {"loss_target": "all_keys"}, timeout_s=120)
+    got = sm.assemble(per_rank, 0, layout)
+    assert torch.equal(got["topk_indices"], want["topk_indices"])
+    assert (want["topk_indices"] < 0).any()  # empty picks occur, and read the last key
+    assert abs(got["loss"].item() - want["loss"].item()) <= 1e-6 * abs(want["loss"].item())
+    _close("output", got["output"], want["output"])
+    for name, grad in want["grads"].items():
+        _close(name, got["grads"][name], grad)
+
+
+def test_all_keys_target_is_the_torch_losss():
+    x = sm.full_inputs(0)
+    with pytest.raises(ValueError, match="loss_kernel='torch'"):
+        sparse_laga_attention(*(x[k] for k in sm.LOCAL[:3]), x["kv_up_weight"],
+                              *(x[k] for k in sm.LOCAL[3:]), index_topk=sm.TOPK,
+                              softmax_scale=sm.SCALE, qk_head_dim=sm.D_N, v_head_dim=sm.D_V,
+                              indexer_loss_coeff=sm.COEFF, loss_kernel="npu",
+                              loss_target="all_keys")
+    with pytest.raises(ValueError, match="loss_target must be one of"):
+        sparse_laga_attention(*(x[k] for k in sm.LOCAL[:3]), x["kv_up_weight"],
+                              *(x[k] for k in sm.LOCAL[3:]), index_topk=sm.TOPK,
+                              softmax_scale=sm.SCALE, qk_head_dim=sm.D_N, v_head_dim=sm.D_V,
+                              loss_target="unmasked")

@@ -21,4 +21,4 @@ def test_dsa_equals_the_hosts_forward_at_cp1(host_sources):
                           env=dict(os.environ, **host_sources), timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert "real DSA CustomMLASelfAttention: ok" in proc.stdout, proc.stdout[-4000:]
-    assert proc.stdout.count("max relative error") == 6, proc.stdout[-4000:]
+    assert proc.stdout.count("max relative error") == 14, proc.stdout[-4000:]

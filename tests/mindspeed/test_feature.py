@@ -209,24 +209,41 @@ def test_unsupported_combinations_raise_value_error_naming_the_flag(extra, needl
     assert needle in message and "--mla-latent-all-gather" in message
 
 
-# sparse MLA (DSA): LAGA runs the host's non-fused path, heads never split
+# sparse MLA (DSA): LAGA runs the host's torch path and its fused ops, heads never split
 DSA = ["--enable-dsa-indexer", "--context-parallel-algo", "kvallgather_cp_algo"]
 DSA_REJECTED = [
-    (["--use-sparse-flash-attn"], "--use-sparse-flash-attn"),
-    (["--use-fused-lightning-indexer"], "--use-fused-lightning-indexer"),
-    (["--use-fused-lightning-indexer-loss"], "--use-fused-lightning-indexer-loss"),
-    (["--enable-mla-absorb"], "npu_sparse_flash_attention"),
+    (["--use-sparse-flash-attn"], "--enable-mla-absorb"),
     (["--kv-compress"], "--kv-compress"),
+    (["--kv-compress", "--use-sparse-flash-attn", "--enable-mla-absorb"], "--kv-compress"),
     (["--index-topk-freq", "2"], "--index-topk-freq 2"),
     (["--index-topk-pattern", "CSCS"], "--index-topk-pattern"),
     (["--index-share-for-mtp-iteration"], "--index-share-for-mtp-iteration"),
     (["--reset-attention-mask", "--micro-batch-size", "1"], "--reset-attention-mask"),
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
-    (["--sequence-parallel"], "--sequence-parallel"),
     (["--context-parallel-algo", "megatron_cp_algo"], "megatron_cp_algo"),
     (["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"],
      "hybrid_cp_algo"),
 ]
+# the host's DSA configurations LAGA runs: its fused ops, the absorbed path, TP with SP
+DSA_RUNS = [
+    ["--use-fused-lightning-indexer"],
+    ["--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
+     "--use-sparse-flash-attn", "--enable-mla-absorb"],
+    ["--use-sparse-flash-attn", "--enable-mla-absorb"],
+    ["--enable-mla-absorb"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+]
+
+
+@pytest.mark.parametrize("extra", DSA_RUNS, ids=[" ".join(e) for e in DSA_RUNS])
+def test_dsa_validates_with_the_hosts_fused_ops_and_tp(extra):
+    assert validate(VALID + DSA + extra).mla_latent_all_gather
+
+
+def test_absorb_and_sparse_flash_attention_stay_refused_without_dsa():
+    for extra, needle in ((["--enable-mla-absorb"], "non-absorbed"),
+                          (["--use-sparse-flash-attn"], "dense causal")):
+        with pytest.raises(ValueError, match=needle):
+            validate(VALID + extra)
 
 
 @pytest.mark.parametrize("algo", ["ulysses_cp_algo", "kvallgather_cp_algo"])

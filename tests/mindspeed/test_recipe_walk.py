@@ -36,10 +36,8 @@ WHERE = ("examples/mcore/*/*.sh", "tests/poc/*/*.sh")
 ENTRIES = ("pretrain_gpt.py", "posttrain_gpt.py", "pretrain_deepseek4.py")
 
 # the refusals, as LAGA words them (docs/INTEGRATION.md lists each)
-# sparse MLA runs the host's non-fused DSA path; its fused NPU ops are refused by name
-FUSED_INDEXER = ("--mla-latent-all-gather with --enable-dsa-indexer and "
-                 "--use-fused-lightning-indexer is not supported")
-SPARSE = "--mla-latent-all-gather with --enable-dsa-indexer and --use-sparse-flash-attn is not supported"
+# sparse MLA runs the host's DSA paths, fused ops included; compressed KV (V4) is refused
+KV_COMPRESS = "--mla-latent-all-gather with --enable-dsa-indexer and --kv-compress is not supported"
 OK = "ok"
 HOST = "host: "  # the host refuses the recipe itself, LAGA aside
 V3 = "tests/poc/deepseek3_671b_"
@@ -47,10 +45,10 @@ LONGCAT = "tests/poc/longcat_flash_chat"
 # recipe -> OK, or a substring of the refusal it meets first
 EXPECTED = {
     "examples/mcore/deepseek3/tune_deepseek3_671b_16k_lora_A3_ptd.sh": OK,
-    "examples/mcore/deepseek32/tune_deepseek32_671b_16K_A3_full_ptd.sh": FUSED_INDEXER,
-    "examples/mcore/deepseek4_flash/pretrain_deepseek4_flash_128k_A3_ptd.sh": SPARSE,
+    "examples/mcore/deepseek32/tune_deepseek32_671b_16K_A3_full_ptd.sh": OK,
+    "examples/mcore/deepseek4_flash/pretrain_deepseek4_flash_128k_A3_ptd.sh": KV_COMPRESS,
     "examples/mcore/minicpm3/pretrain_minicpm3_4b_32k_ptd.sh": OK,
-    "tests/poc/deepseek32/tune_deepseek32_671b_cut_128k_A3_ptd.sh": SPARSE,
+    "tests/poc/deepseek32/tune_deepseek32_671b_cut_128k_A3_ptd.sh": OK,
     V3 + "64p_perf/pretrain_deepseek3_16.2b_256k_bf16_A5_ptd.sh": OK,
     V3 + "64p_perf/pretrain_deepseek3_16.2b_256k_fp8_A5_ptd.sh": OK,
     V3 + "64p_perf/pretrain_deepseek3_75.9b_128k_bf16_A5_ptd.sh": OK,
@@ -65,8 +63,8 @@ EXPECTED = {
     V3 + "8p_perf/pretrain_deepseek3_13.9b_128k_fp8_A5_ptd.sh": OK,
     V3 + "8p_perf/pretrain_deepseek3_2.8b_256k_bf16_A5_ptd.sh": OK,
     V3 + "8p_perf/pretrain_deepseek3_2.8b_256k_fp8_A5_ptd.sh": OK,
-    "tests/poc/deepseek4_flash/pretrain_deepseek4_flash_128k_A3_ptd.sh": SPARSE,
-    "tests/poc/deepseek4_flash/pretrain_deepseek4_flash_7.8b_128k_A3_ptd.sh": SPARSE,
+    "tests/poc/deepseek4_flash/pretrain_deepseek4_flash_128k_A3_ptd.sh": KV_COMPRESS,
+    "tests/poc/deepseek4_flash/pretrain_deepseek4_flash_7.8b_128k_A3_ptd.sh": KV_COMPRESS,
     LONGCAT + "/pretrain_longcat_flash_560b_128k_8die_A5_ptd.sh": OK,
     LONGCAT + "_64p_perf/pretrain_longcat_flash_9.9b_128k_bf16_A5_ptd.sh": OK,
     LONGCAT + "_64p_perf/pretrain_longcat_flash_9.9b_128k_fp8_A5_ptd.sh": OK,

@@ -405,11 +405,12 @@ def _run(module, forward, hidden, rope, grad_out):
                                else None) for n, p in module.named_parameters()})
 
 
-def worker(rank, world_size, tp_size, sequence_parallel, cases):
-    """CP = world/TP; this rank's tokens: the CP layout's shard, then, under sequence
-    parallelism, its TP slice. At CP = 1: the real forward and the LAGA path (called
-    directly); at CP > 1: the patched forward, which takes the LAGA path. A hybrid
-    case runs at TP = 1 whatever ``tp_size`` says (so it shares a world size's job)."""
+def worker(rank, world_size, tp_size, sequence_parallel, cases, cp=None):
+    """CP = ``cp``, or world/TP (a smaller CP makes data-parallel copies); this rank's
+    tokens: the CP layout's shard, then, under sequence parallelism, its TP slice. At
+    CP = 1: the real forward and the LAGA path (called directly); at CP > 1: the patched
+    forward, which takes the LAGA path. A hybrid case runs at TP = 1 whatever ``tp_size``
+    says (so it shares a world size's job)."""
     prepare()
     from megatron.core import parallel_state
 
@@ -420,7 +421,7 @@ def worker(rank, world_size, tp_size, sequence_parallel, cases):
     results = {}
     for name, extra in cases.items():
         tp, sp = (1, False) if HYBRID[1] in extra else (tp_size, sequence_parallel)
-        cp_size = world_size // tp
+        cp_size = cp or world_size // tp
         args, module = _build(MODEL + extra, tp, cp_size, sp)
         try:
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -480,8 +481,8 @@ def sft_mask(args, name):
 
 
 def worker_jobs(rank, world_size, jobs):
-    """Several (tp_size, sequence_parallel, cases) jobs of ``worker`` in one spawn."""
-    return [worker(rank, world_size, tp, sp, cases) for tp, sp, cases in jobs]
+    """Several (tp_size, sequence_parallel, cases[, cp]) jobs of ``worker`` in one spawn."""
+    return [worker(rank, world_size, *job) for job in jobs]
 
 
 def _jobs(world_size, jobs):
@@ -721,26 +722,28 @@ def check_numerics(release) -> None:
     tp_names = {k: CASES[k] for k in TP_CASES[:1]}
     general, general_hybrid = ((GENERAL_CASES, GENERAL_HYBRID_CASES) if release.name == "master"
                                else ({}, {}))
-    # one job per world size (each rank's start-up imports the hosts once): CP = 2 with
-    # documents and TP = 2 at CP = 1 in the world of 2; TP = 2 x CP = 2 with and without
-    # SP and hybrid (TP = 1, CP = 4) in the world of 4
-    single = _jobs(1, [(1, False, {**CASES, **DOC_CASES, **HYBRID_CASES, **general,
-                                   **general_hybrid})])[0]
-    two = _jobs(2, [(1, False, {**CASES, **DOC_CASES, **general}), (2, False, tp_names)])
+    # two spawns (each rank's start-up imports the hosts once, some 10 s): in the world of 2
+    # every case at TP = CP = 1 (two data-parallel copies: rank 0's is the reference, and a
+    # world of 1 would pay the imports once more), CP = 2 with documents and TP = 2 at
+    # CP = 1; in the world of 4 TP = 2 x CP = 2 with and without SP and hybrid (TP = 1, CP = 4)
+    cp1, two, tp2 = _jobs(2, [(1, False, {**CASES, **DOC_CASES, **HYBRID_CASES, **general,
+                                          **general_hybrid}, 1),
+                              (1, False, {**CASES, **DOC_CASES, **general}), (2, False, tp_names)])
+    single = cp1[:1]
     four = _jobs(4, [(2, True, {**{k: CASES[k] for k in TP_CASES}, **HYBRID_CASES,
                                 **general_hybrid}), (2, False, tp_names)])
     for name in {**CASES, **HYBRID_CASES}:
         print(f"{name}: softmax_scale {single[0][name]['softmax_scale']:.6f}")
         check(f"{name}: LAGA vs real forward, TP=CP=1", _assemble(single, name, "laga"),
               single[0][name]["original"])
-    for per_rank in (two[0], four[0]):
+    for per_rank in (two, four[0]):
         for name in per_rank[0]:
             first = per_rank[0][name]
             where = (f"TP={first['tp_size']} CP={len(per_rank) // first['tp_size']} "
                      f"SP={first['sequence_parallel']} U={first['ulysses_degree']}")
             check(f"{name}: LAGA at {where} vs real forward, TP=CP=1",
                   _assemble(per_rank, name, "laga"), single[0][name]["original"])
-    tp2, tp2_cp2 = two[1], four[1]
+    tp2_cp2 = four[1]
     for name in tp_names:
         ref = _assemble(tp2, name, "original", 2, False)
         check(f"{name}: LAGA at TP=2 CP=1 vs real forward at TP=2",

@@ -22,9 +22,12 @@ LOCAL = ("query", "kv_latent", "k_pos_emb", "index_query", "index_key", "index_w
 NAMES = LOCAL + ("kv_up_weight",)
 
 
-def full_inputs(seed=0, tie=False, dims=None):
+def full_inputs(seed=0, tie=False, dims=None, index_bf16=False, scales=None):
     """Float64 inputs of the whole sequence (``dims``: overrides of the sizes above);
-    ``tie``: every index key the same, so each query's keys all score alike."""
+    ``tie``: every index key the same, so each query's keys all score alike;
+    ``index_bf16``: the indexer's inputs rounded to bfloat16 values (still float64), so an
+    indexer that casts them to bfloat16 picks what the float64 reference picks;
+    ``scales``: {name: factor} multiplying inputs (a power of two keeps bfloat16 values)."""
     d = {**dict(S=S, B=B, HEADS=HEADS, D_N=D_N, D_R=D_R, D_V=D_V, D_C=D_C,
                 INDEX_HEADS=INDEX_HEADS, INDEX_DIM=INDEX_DIM), **(dims or {})}
     g = torch.Generator().manual_seed(seed)
@@ -42,6 +45,11 @@ def full_inputs(seed=0, tie=False, dims=None):
          "grad_out": randn(s, b, n * d["D_V"])}
     if tie:
         x["index_key"] = x["index_key"][:1].expand_as(x["index_key"]).clone()
+    if index_bf16:
+        for name in ("index_query", "index_key", "index_weights"):
+            x[name] = x[name].bfloat16().double()
+    for name, factor in (scales or {}).items():
+        x[name] = x[name] * factor
     return x
 
 
@@ -59,8 +67,12 @@ def _reference_topk(scores, topk):
     return out
 
 
-def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF):
-    """Output, picks, loss and grads (of output . grad_out + loss) of the whole sequence."""
+def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False):
+    """Output, picks, loss and grads (of output . grad_out + loss) of the whole sequence.
+    ``eps``: added to both distributions in the KL loss, as the DSA reference does (0: the
+    exact KL, as the fused loss op computes it). ``all_keys``: the loss's target from each
+    head's unmasked softmax over every key, read at the picks (an empty one: the last
+    key), as MindSpeed-LLM's torch loss computes it behind sparse flash attention."""
     inputs = {k: x[k].clone().requires_grad_() for k in NAMES}
     q, kv, kpe, iq, ik, iw, w = (inputs[k] for k in NAMES)
     total, b, n, _ = q.shape
@@ -83,26 +95,38 @@ def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF):
     att = torch.einsum("sbnd,tbnd->bnst", q, key) * scale
     probs = att.masked_fill(~picked[:, None], float("-inf")).softmax(-1)
     out = torch.einsum("bnst,tbnv->sbnv", probs, value).reshape(total, b, n * d_v)
-    dist = probs.detach().float().sum(1)
-    target = F.normalize(torch.gather(dist, -1, picks.clamp(min=0)) * valid, p=1, dim=-1)
+    if all_keys:
+        dist = att.detach().softmax(-1, dtype=torch.float32).sum(1)
+        read = torch.where(valid, picks, torch.full_like(picks, total - 1))
+        target = F.normalize(torch.gather(dist, -1, read), p=1, dim=-1)
+    else:
+        dist = probs.detach().float().sum(1)
+        target = F.normalize(torch.gather(dist, -1, picks.clamp(min=0)) * valid, p=1, dim=-1)
     predicted = torch.gather(scores, -1, picks.clamp(min=0)).masked_fill(~valid, float("-inf"))
-    predicted = predicted.softmax(-1, dtype=torch.float32)
-    loss = (target * ((target + 1e-8).log() - (predicted + 1e-8).log())).sum(-1).mean() * coeff
+    if eps:
+        predicted = predicted.softmax(-1, dtype=torch.float32)
+        kl = target * ((target + eps).log() - (predicted + eps).log())
+    else:  # the exact KL: the slots with target 0 add nothing
+        log_predicted = predicted.log_softmax(-1, dtype=torch.float32)
+        kl = torch.where(target > 0, target * (target.log() - log_predicted), torch.zeros_like(target))
+    loss = kl.sum(-1).mean() * coeff
     ((out * x["grad_out"]).sum() + loss).backward()
     return dict(output=out.detach(), topk_indices=picks, loss=loss.detach(),
                 grads={k: v.grad for k, v in inputs.items()})
 
 
-def worker(rank, world_size, layout, seeds_ties, topk=TOPK, dims=None):
+def worker(rank, world_size, layout, seeds_ties, topk=TOPK, dims=None, kernels=None,
+           index_bf16=False, scales=None):
     """LAGA's sparse MLA on this rank's shard of each (seed, tie) input: output, picks,
     loss, the byte counter and grads of (output . grad_out + loss / P), the loss weighted
-    as Megatron's average over CP ranks weights it."""
+    as Megatron's average over CP ranks weights it. ``kernels``: the stages' kernel
+    arguments (``indexer_kernel`` etc.); ``index_bf16``, ``scales``: as in :func:`full_inputs`."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
     results = []
     for seed, tie in seeds_ties:
-        x = full_inputs(seed, tie, dims)
+        x = full_inputs(seed, tie, dims, index_bf16, scales)
         local = {k: layouts.shard(x[k], layout, world_size, rank).clone().requires_grad_()
                  for k in LOCAL}
         weight = x["kv_up_weight"].clone().requires_grad_()
@@ -113,7 +137,7 @@ def worker(rank, world_size, layout, seeds_ties, topk=TOPK, dims=None):
                 *(local[k] for k in LOCAL[:3]), weight, *(local[k] for k in LOCAL[3:]),
                 index_topk=topk, softmax_scale=SCALE, qk_head_dim=x["query"].shape[-1] -
                 x["k_pos_emb"].shape[-1], v_head_dim=d_v, cp_group=group, layout=layout,
-                indexer_loss_coeff=COEFF)
+                indexer_loss_coeff=COEFF, **(kernels or {}))
             grad_out = layouts.shard(x["grad_out"], layout, world_size, rank)
             ((got.output * grad_out).sum() + got.indexer_loss / world_size).backward()
         grads = {k: v.grad for k, v in local.items()}

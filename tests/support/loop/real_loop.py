@@ -8,7 +8,8 @@ What a CPU machine needs for that, and nothing in the host sources changes:
   the source tree on first use; the copy is made once per archive and Python under
   the test cache, with the helper built there);
 - a small Megatron indexed dataset written with Megatron's own
-  ``IndexedDatasetBuilder``: EOD-terminated documents of random tokens;
+  ``IndexedDatasetBuilder``: EOD-terminated documents of random tokens (built once per
+  Megatron source and kept in the test cache, copied for every loop module);
 - tests/support/loop/bootstrap first on PYTHONPATH: its ``sitecustomize`` installs the CPU
   stand-ins (tests/support/npu_host.py) in every rank and records, per rank, the
   losses and grad norm of each iteration at full precision and how often LAGA, the MLA
@@ -179,12 +180,8 @@ def writable_megatron(megatron_src: Path) -> Path:
 
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     key = hashlib.sha256(f"{Path(megatron_src).resolve()}|{suffix}".encode()).hexdigest()[:16]
-    target = cache_dir().parent / "loop" / f"megatron-{key}"
-    if (target / "Megatron-LM" / ".helper-built").is_file():
-        return target / "Megatron-LM"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".copying-", dir=target.parent))
-    try:
+
+    def build(staging: Path):
         copy = staging / "Megatron-LM"
         shutil.copytree(megatron_src, copy, symlinks=False)
         datasets = copy / "megatron" / "core" / "datasets"
@@ -194,14 +191,29 @@ def writable_megatron(megatron_src: Path) -> Path:
                         "-fPIC", *includes, "helpers.cpp", "-o", f"helpers_cpp{suffix}"],
                        cwd=datasets, check=True, capture_output=True, timeout=300)
         (copy / ".helper-built").touch()
+
+    target = cache_dir().parent / "loop" / f"megatron-{key}"
+    return _built_once(target, Path("Megatron-LM") / ".helper-built", build) / "Megatron-LM"
+
+
+def _built_once(target: Path, done: Path, build) -> Path:
+    """``target`` in the test cache: unless ``target / done`` exists, ``build(staging)``
+    fills a fresh folder that is then renamed to ``target`` (atomic: of concurrent runs the
+    first wins)."""
+    if (target / done).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        build(staging)
         try:
-            staging.rename(target)  # atomic: a concurrent run may have won
+            staging.rename(target)
         except OSError:
-            if not (target / "Megatron-LM" / ".helper-built").is_file():
+            if not (target / done).is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target / "Megatron-LM"
+    return target
 
 
 def build_dataset(megatron_src: Path, prefix: Path, documents: List[int], seed: int = 1234):
@@ -351,19 +363,41 @@ def parse_log(text: str) -> Dict[int, dict]:
 
 
 def prepare(sources: dict, workdir: Path, documents: List[int]) -> dict:
-    """Writable sources and the dataset; returns the sources to run with and the data path."""
+    """Writable sources and the dataset; returns the sources to run with and the data path.
+    The dataset is built once (:func:`cached_dataset`) and copied into ``workdir / "data"``:
+    Megatron writes its sample-index cache next to the data, and that stays the caller's."""
     run_sources = dict(sources, MEGATRON_SRC=str(writable_megatron(Path(sources["MEGATRON_SRC"]))))
     prefix = workdir / "data" / "tokens_text_document"
-    prefix.parent.mkdir(parents=True, exist_ok=True)
     if not prefix.with_suffix(".idx").is_file():
-        build_dataset(Path(run_sources["MEGATRON_SRC"]), prefix, documents)
+        built = cached_dataset(Path(run_sources["MEGATRON_SRC"]), documents)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        for suffix in (".bin", ".idx"):  # the index last: its presence marks a whole copy
+            shutil.copyfile(built.with_suffix(suffix), prefix.with_suffix(suffix))
     return dict(sources=run_sources, data_path=str(prefix))
+
+
+def cached_dataset(megatron_src: Path, documents: List[int], seed: int = 1234) -> Path:
+    """The prefix of the dataset :func:`build_dataset` writes for these documents, built once
+    per Megatron source and kept in the test cache: every loop module and release trains on
+    the same bytes. Building it imports Megatron in a subprocess (some 13 s of CPU), which
+    each module and release used to pay again. Keyed by the Megatron source, the documents,
+    the seed, the vocabulary and this file's text (the builder's code)."""
+    from support.thirdparty import cache_dir
+
+    key = hashlib.sha256("|".join([str(Path(megatron_src).resolve()), str(seed), str(VOCAB),
+                                   ",".join(map(str, documents))]).encode()
+                         + Path(__file__).read_bytes()).hexdigest()[:16]
+    name = "tokens_text_document"
+    target = _built_once(cache_dir().parent / "loop" / f"data-{key}", Path(f"{name}.idx"),
+                         lambda staging: build_dataset(megatron_src, staging / name,
+                                                       documents, seed))
+    return target / name
 
 
 def memoized_runs(sources: dict, workdir: Path, argv_for, timeout_s: float):
     """run(name, *args, **kwargs) -> LoopRun, each name run once in ``workdir / name``;
     ``argv_for(ready, *args, **kwargs)`` -> (argv, processes), ``ready`` being what
-    :func:`prepare` returns (writable sources and the dataset, made here once)."""
+    :func:`prepare` returns (writable sources and the shared dataset)."""
     ready = prepare(sources, workdir, default_documents())
     runs = {}
 

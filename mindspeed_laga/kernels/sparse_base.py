@@ -1,0 +1,73 @@
+"""What the sparse MLA (DSA) kernels share: the call they serve and the stages' results.
+
+A sparse kernel offers three stages, each run on this rank's queries against the keys of
+the one packed gather (``forms/sparse_mla.py``):
+
+- ``topk(call, index_query, index_weights, index_topk) -> TopK``: the indexer's picks
+  (global key positions, -1: no key) and its scores at them, with their gradient;
+- ``attend(call, query, kv_up_weight, picks, keep) -> Attended``: the absorbed attention
+  over the picks; ``keep`` names what the loss stage reads ("probs", "stats" or None);
+- ``loss(call, attended, picks, index_query, index_weights, coeff, tp_group)``: the
+  indexer's KL loss, this rank's mean over its query rows, times ``coeff``.
+
+The kernels' names live in ``kernels/sparse_registry.py`` only.
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional
+
+import torch
+
+
+class Chunk(NamedTuple):
+    """A run of this rank's queries with consecutive global positions."""
+    start: int    # its first local query row
+    length: int
+    key_end: int  # one past its last query's position: it sees the key prefix [0, key_end)
+
+
+class SparseCall(NamedTuple):
+    """The gathered keys (position order) and what every stage reads besides its inputs."""
+    latent: torch.Tensor     # [S, b, d_c]
+    k_pe: torch.Tensor       # [S, b, d_r]
+    index_key: torch.Tensor  # [S, b, D]
+    query_pos: torch.Tensor  # [s] global positions of this rank's queries
+    chunks: List[Chunk]
+    softmax_scale: float
+    qk_head_dim: int
+    v_head_dim: int
+
+
+class AbsorbedStats(NamedTuple):
+    """The absorbed attention's inputs and softmax statistics, detached, layout BSND
+    (what the fused KL loss recomputes the attention from)."""
+    query: torch.Tensor          # [b, s, n, d_c]: q_nope @ W_UK per head
+    query_rope: torch.Tensor     # [b, s, n, d_r]
+    softmax_max: torch.Tensor    # [b, 1, s, n] float32
+    softmax_sum: torch.Tensor    # [b, 1, s, n] float32: sum of exp(score - softmax_max)
+
+
+class Attended(NamedTuple):
+    output: torch.Tensor                   # [s, b, n*d_v]
+    probs: Optional[torch.Tensor] = None   # [b, n, s, k] at the picks, detached
+    stats: Optional[AbsorbedStats] = None
+
+
+class SparseKernel:
+    """Base of the sparse kernels (module docstring): the three stages."""
+
+    loss_reads = ""  # what its loss stage reads from the attention: an Attended field
+
+    def check(self, stage: str, argument: str, dims: dict) -> None:
+        """Raise ValueError naming ``argument`` if this kernel cannot run ``stage``
+        ("indexer", "attention", "loss") at these dims; no collective runs."""
+
+    def topk(self, call: SparseCall, index_query, index_weights, index_topk: int):
+        raise NotImplementedError
+
+    def attend(self, call: SparseCall, query, kv_up_weight, picks, keep: Optional[str]) -> Attended:
+        raise NotImplementedError
+
+    def loss(self, call: SparseCall, attended: Attended, picks, index_query, index_weights,
+             coeff: float, tp_group):
+        raise NotImplementedError

@@ -1,0 +1,157 @@
+"""The sparse MLA (DSA) stages on torch_npu's fused ops, the ones MindSpeed-LLM's fused
+DSA paths call.
+
+Every stage runs per chunk of this rank's queries (a run of consecutive global positions:
+one under the contiguous layout, two under zigzag) against the gathered key prefix
+``[0, chunk end)`` with ``sparse_mode=3`` (causal from the lower-right vertex: the
+chunk's last query sees the whole prefix), as the host's kvallgather functions do; the
+keys are slices of the one packed gather, so no stage adds a collective for keys.
+
+- indexer: ``npu_lightning_indexer`` on bfloat16 copies of the index query, key and
+  weights (the host's cast, so the picks are the host's), ``return_value=True``; the
+  prefix starts at position 0, so its indices are global positions (-1: no key); the
+  scores carry the op's gradient.
+- attention: ``npu_sparse_flash_attention`` with ``attention_mode=2`` (MLA-absorb): the
+  query ``q_nope @ W_UK`` per head [b, s_c, n, d_c], key = value = the latent prefix
+  [b, end, 1, d_c], the rope parts as query_rope / key_rope; its output through W_UV.
+  It returns the softmax max/sum the fused loss recomputes the attention from.
+- loss: ``npu_sparse_lightning_indexer_grad_kl_loss``, which returns the summed loss and
+  its grads to the index query, index key and index weights; :class:`_IndexerKLLoss`
+  hands them to autograd (the index key's reaches the gathered tensor, hence the gather's
+  reduce-scatter). With ``tp_group`` the target sums the attention of every head of the
+  group: the absorbed query, its rope part and the softmax statistics are all-gathered
+  along heads first (detached: the attention gets no gradient from the loss).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from ..forms.sparse_index import TopK
+from .sparse_base import AbsorbedStats, Attended, SparseKernel
+from .sparse_torch import attention_probs
+
+# what the ops take: the last dims (kv_lora_rank, rope, index head dim) by input name,
+# and the head counts (the loss's query heads: every head of loss_tp_group)
+OP_DIMS = {"kv_latent": (512,), "k_pos_emb": (64,), "index_key": (128,),
+           "heads": (1, 2, 4, 8, 16, 32, 64, 128), "loss heads": (8, 16, 32, 64, 128),
+           "index heads": (8, 16, 32, 64), "index_topk": range(1, 2049)}
+STAGE_INPUTS = {"indexer": ("index_key", "index_topk"),
+                "attention": ("kv_latent", "k_pos_emb", "heads"),
+                "loss": ("kv_latent", "k_pos_emb", "index_key", "loss heads", "index heads")}
+
+
+def _torch_npu():
+    return importlib.import_module("torch_npu")
+
+
+class SparseNpu(SparseKernel):
+    loss_reads = "stats"
+
+    def check(self, stage, argument, dims):
+        try:
+            _torch_npu()
+        except ImportError as exc:
+            raise ValueError(f"{argument}='npu' needs torch_npu (Ascend CANN + torch_npu "
+                             f"matching your torch); elsewhere use {argument}='torch'") from exc
+        for name in STAGE_INPUTS[stage]:
+            if dims[name] not in OP_DIMS[name]:
+                what = f"{name}'s last dim" if name in STAGE_INPUTS["loss"][:3] else name
+                raise ValueError(f"{argument}='npu': the fused op takes {what} in {OP_DIMS[name]} "
+                                 f"only, got {dims[name]}; use {argument}='torch'")
+
+    def topk(self, call, index_query, index_weights, index_topk):
+        keys = call.index_key.transpose(0, 1).unsqueeze(2).to(torch.bfloat16)  # [b, S, 1, D]
+        indices, scores = [], []
+        for chunk in call.chunks:
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            picked, value = _torch_npu().npu_lightning_indexer(
+                index_query[rows].transpose(0, 1).to(torch.bfloat16), keys[:, :chunk.key_end],
+                index_weights[rows].transpose(0, 1).to(torch.bfloat16), layout_query="BSND",
+                layout_key="BSND", sparse_count=index_topk, sparse_mode=3, return_value=True)
+            indices.append(picked.squeeze(2))
+            scores.append(value.squeeze(2))
+        count = min(index_topk, keys.shape[1])  # the slots past the sequence are all -1
+        return TopK(torch.cat(indices, dim=1)[..., :count].long(),
+                    torch.cat(scores, dim=1)[..., :count])
+
+    def attend(self, call, query, kv_up_weight, picks, keep):
+        s, b, n, _ = query.shape
+        weight = kv_up_weight.view(n, call.qk_head_dim + call.v_head_dim, -1)
+        w_uk, w_uv = weight[:, :call.qk_head_dim], weight[:, call.qk_head_dim:]
+        q_latent = torch.einsum("sbnd,ndc->bsnc", query[..., :call.qk_head_dim], w_uk)
+        q_rope = query[..., call.qk_head_dim:].transpose(0, 1)
+        latent, k_rope = (x.transpose(0, 1).unsqueeze(2) for x in (call.latent, call.k_pe))
+        indices = picks.indices.unsqueeze(2).to(torch.int32)  # [b, s, 1, k]
+        outs, maxes, sums = [], [], []
+        for chunk in call.chunks:
+            rows, keys = slice(chunk.start, chunk.start + chunk.length), slice(0, chunk.key_end)
+            out, softmax_max, softmax_sum = _torch_npu().npu_sparse_flash_attention(
+                q_latent[:, rows], latent[:, keys], latent[:, keys],
+                sparse_indices=indices[:, rows], scale_value=call.softmax_scale,
+                query_rope=q_rope[:, rows], key_rope=k_rope[:, keys],
+                sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=3,
+                attention_mode=2, return_softmax_lse=True)
+            outs.append(out)
+            maxes.append(softmax_max)
+            sums.append(softmax_sum)
+        output = torch.einsum("bsnc,nvc->sbnv", torch.cat(outs, dim=1), w_uv)
+        stats = None
+        if keep == "stats":
+            stats = AbsorbedStats(q_latent.detach(), q_rope.detach(), torch.cat(maxes, dim=2),
+                                  torch.cat(sums, dim=2))
+        probs = attention_probs(call, query, kv_up_weight, picks) if keep == "probs" else None
+        return Attended(output.reshape(s, b, n * call.v_head_dim), probs, stats)
+
+    def loss(self, call, attended, picks, index_query, index_weights, coeff, tp_group):
+        stats = attended.stats
+        if tp_group is not None:  # heads on dim 2 of the query parts, 3 of the statistics
+            stats = AbsorbedStats(*(_gather_heads(x, tp_group, dim)
+                                    for x, dim in zip(stats, (2, 2, 3, 3))))
+        key, key_rope = (x.detach().transpose(0, 1).unsqueeze(2) for x in (call.latent, call.k_pe))
+        key_index = call.index_key.transpose(0, 1).unsqueeze(2)  # [b, S, 1, D], with grad
+        indices = picks.indices.unsqueeze(2).to(torch.int32)
+        total = 0
+        for chunk in call.chunks:
+            rows, keys = slice(chunk.start, chunk.start + chunk.length), slice(0, chunk.key_end)
+            fixed = dict(query=stats.query[:, rows], key=key[:, keys],
+                         sparse_indices=indices[:, rows],
+                         softmax_max=stats.softmax_max[:, :, rows],
+                         softmax_sum=stats.softmax_sum[:, :, rows], scale_value=call.softmax_scale,
+                         query_rope=stats.query_rope[:, rows], key_rope=key_rope[:, keys])
+            total = total + _IndexerKLLoss.apply(
+                index_query[rows].transpose(0, 1), key_index[:, keys],
+                index_weights[rows].transpose(0, 1), fixed)
+        s, b = index_query.shape[:2]
+        return total / (s * b) * coeff  # the op sums over query rows: this rank's mean
+
+
+class _IndexerKLLoss(torch.autograd.Function):
+    """The fused KL loss (summed over query rows) of the index query, index key and index
+    weights; the op computes their grads in the forward, the backward scales them."""
+
+    @staticmethod
+    def forward(ctx, query_index, key_index, weights, fixed):
+        d_query_index, d_key_index, d_weights, loss = \
+            _torch_npu().npu_sparse_lightning_indexer_grad_kl_loss(
+                fixed["query"], fixed["key"], query_index, key_index, weights,
+                fixed["sparse_indices"], fixed["softmax_max"], fixed["softmax_sum"],
+                scale_value=fixed["scale_value"], query_rope=fixed["query_rope"],
+                key_rope=fixed["key_rope"], layout="BSND", sparse_mode=3)
+        ctx.save_for_backward(d_query_index, d_key_index, d_weights)
+        return loss[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*((g * grad).to(g.dtype) for g in ctx.saved_tensors), None)
+
+
+def _gather_heads(x, group, dim):
+    """``x`` of every rank of ``group`` concatenated along ``dim``, in rank order (the
+    heads a TP rank holds); not a CP collective, so the byte counter does not record it."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
