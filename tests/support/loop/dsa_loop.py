@@ -39,7 +39,8 @@ What changes from each recipe, and why:
 - GLM-5 pretrains on real_loop's random-token documents (NullTokenizer).
 
 ``python tests/support/loop/dsa_loop.py --cp 2 --laga [--non-fused] v32-16k`` runs one case
-and prints its losses (``--non-fused``: the recipe without its fused flags, NON_FUSED).
+and prints its losses (``--non-fused``: without the fused flags the case leaves out,
+NON_FUSED; ``--without FLAG`` leaves out any other).
 """
 from __future__ import annotations
 
@@ -65,9 +66,6 @@ DSA_SCALED = dict(real_loop.SCALED, **{
 # DSA flags the recipes may leave at the host's default, set here (the default top-k 2048
 # and 64 index heads are far beyond the shrunk model)
 DSA_ADDED = ("--index-n-heads", "--index-head-dim", "--index-topk")
-# the recipes' fused flags: LAGA's non-fused variant of each case leaves them out
-FUSED = ("--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
-         "--use-sparse-flash-attn", "--enable-mla-absorb")
 # stock flags left out besides real_loop.DROPPED and families.DROPPED, and why
 EXTRA_DROPPED = {
     # TP 1: no sequence parallelism; PP 1: no virtual pipeline
@@ -107,11 +105,19 @@ RECIPES = {
                       cp=2, algo="ulysses_cp_algo",
                       scaled={"--moe-router-num-groups": "1", "--moe-router-group-topk": "1"}),
 }
-# the flags each case's non-fused variant leaves out (the recipe's own fused flags)
+# the recipe's fused flags each case leaves out: LAGA's fused path at CP 2 and the host's
+# fused indexer at CP 1 part on the 16K tune from iteration 2 (tests/loop/test_dsa_loop.py)
 NON_FUSED = {
     "v32-16k": ("--use-fused-lightning-indexer",),
-    "v32-128k": FUSED,
-    "glm5": ("--use-sparse-flash-attn", "--enable-mla-absorb"),
+    "v32-128k": (),
+    "glm5": (),
+}
+# each recipe's fused ops (tests/support/fake_dsa_ops.py) as the cases run them
+FUSED_OPS = {
+    "v32-16k": (),
+    "v32-128k": ("npu_lightning_indexer", "npu_sparse_flash_attention",
+                 "npu_sparse_lightning_indexer_grad_kl_loss"),
+    "glm5": ("npu_sparse_flash_attention",),
 }
 
 
