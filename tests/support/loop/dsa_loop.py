@@ -23,8 +23,8 @@ What changes from each recipe, and why:
   sequence), 2 layers (one dense, one MoE; the 128K recipe's one MoE layer as shipped),
   MoE with 4 tiny experts, MTP as shipped; 4 iterations at the pretrain loop's learning
   rate (3e-3: full fine-tuning, no LoRA);
-- TP 1, PP 1, EP 1, no sequence parallelism (LAGA's DSA path runs at TP 1), no virtual
-  pipeline, no recompute (it would only rerun the same forwards), fp32 (bf16 would hide
+- TP 1, PP 1, EP 1, no sequence parallelism (one rank per CP slot keeps each run to 2
+  or 4 processes on a 2-core machine), no virtual pipeline, no recompute (it would only rerun the same forwards), fp32 (bf16 would hide
   small differences), NPU-only fusions and overlaps off (real_loop.DROPPED,
   families.DROPPED, EXTRA_DROPPED);
 - the router's CP-local balance terms (``--seq-aux``, ``seq_aux_loss``,
