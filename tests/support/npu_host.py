@@ -22,6 +22,11 @@ a process on an NPU host with ``torch_npu.contrib.transfer_to_npu`` imported:
   ``enable_timing=True`` and recorded, like the real one.
 - ``torch.histc`` counts integer input, as the NPU kernel does (MindSpeed-LLM's
   ``--seq-aux`` router counts expert ids with it); the CPU kernel takes floats only.
+- ``Tensor.scatter_`` taking int32 and -1 indices, ``gather`` int32 ones, ``Tensor.float``
+  contiguous (the DSA indexer's host code relies on them: npu_scatter_, npu_gather,
+  npu_float);
+- ``torch.distributed.all_reduce`` with ``ReduceOp.AVG`` on a gloo group (a sum over
+  the group's size: the DSA indexer's loss tracker averages with it);
 - ``torch.distributed.reduce_scatter`` on a gloo group: HCCL has it, gloo before torch 2.9
   does not ("ProcessGroupGloo does not support reduce_scatter"), and Megatron's MoE
   dispatcher calls it under tensor parallelism with uneven splits. Here it is an all-reduce
@@ -34,7 +39,9 @@ a process on an NPU host with ``torch_npu.contrib.transfer_to_npu`` imported:
   not use: ``scipy``, ``torchair``, ``acl``, ``datasets``, ``peft`` (only where the real
   package is not installed). Any name imported from them exists; calling or
   instantiating it raises ``NpuHostError`` naming the stand-in, so a code path that
-  really needs the package fails instead of running on a dummy.
+  really needs the package fails instead of running on a dummy. One exception:
+  ``scipy.linalg.hadamard`` (the DSA indexer's rotation) is Sylvester's construction,
+  as scipy documents it.
 
 Deliberately not provided: ``transformer_engine`` and ``apex`` (with a catch-all stub
 Megatron would pick a dummy ``FusedAdam``; MindSpeed brings its own replacements, as on
@@ -532,6 +539,99 @@ def _install_gloo_reduce_scatter():
     dist.reduce_scatter = reduce_scatter
 
 
+def _install_gloo_all_reduce_avg():
+    """``all_reduce`` with ``ReduceOp.AVG`` on a gloo group (HCCL has it, gloo does not; the
+    DSA indexer's loss tracker averages with it): a sum divided by the group's size."""
+    import torch.distributed as dist
+
+    native = dist.all_reduce
+
+    @functools.wraps(native)
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op != dist.ReduceOp.AVG or dist.get_backend(group) != "gloo":
+            return native(tensor, op=op, group=group, async_op=async_op)
+        native(tensor, op=dist.ReduceOp.SUM, group=group)
+        tensor.div_(dist.get_world_size(group))
+        return _DoneWork() if async_op else None
+
+    dist.all_reduce = all_reduce
+
+
+# ---------------------------------------------------------------- tensor semantics
+
+def npu_scatter_(native):
+    """``Tensor.scatter_`` as the DSA path's host code relies on it on NPU: an int32 index
+    (the fused indexer's picks) is taken, and a -1 pick (a query with fewer visible keys
+    than top-k) lands on the last column, which every such row masks causally anyway;
+    CPU torch raises on both."""
+
+    @functools.wraps(native)
+    def scatter_(self, dim, index, *args, **kwargs):
+        if isinstance(index, torch.Tensor) and not index.is_floating_point():
+            index = index.long()
+            index = torch.where(index < 0, index + self.shape[dim], index)
+        return native(self, dim, index, *args, **kwargs)
+
+    return scatter_
+
+
+def npu_float(native):
+    """``Tensor.float`` handing back a contiguous tensor, as the recipes' bf16 -> float32
+    cast does (a copy): the float32 runs here would otherwise keep the strides, and the
+    host's interleaved complex rope fails in ``view_as_complex`` (last dim stride)."""
+
+    @functools.wraps(native)
+    def cast(self, *args, **kwargs):
+        return native(self, *args, **kwargs).contiguous()
+
+    return cast
+
+
+def npu_gather(native):
+    """``gather`` taking an int32 index as NPU does (the host gathers with the fused
+    indexer's int32 picks in its indexer loss); CPU torch raises."""
+
+    @functools.wraps(native)
+    def gather(input, dim, index, *args, **kwargs):
+        if isinstance(index, torch.Tensor) and index.dtype == torch.int32:
+            index = index.long()
+        return native(input, dim, index, *args, **kwargs)
+
+    return gather
+
+
+def position_ordered_topk(native):
+    """``topk`` whose tied values come in position order (the lower index first). The op
+    leaves the order of ties unspecified (CPU's and NPU's kernels each pick their own);
+    the DSA indexer's top-k picks ties (index scores of exactly 0, where ReLU zeroes every
+    head) across the k-th place, so two correct implementations may train different
+    models. LAGA, and the fused indexer's stand-in (fake_dsa_ops), pick by position: a
+    loop comparing them with the host's torch path installs this in every rank
+    (install_position_ordered_topk)."""
+
+    @functools.wraps(native)
+    def topk(input, k, dim=-1, largest=True, sorted=True, *, out=None):
+        if out is not None:
+            return native(input, k, dim, largest, sorted, out=out)
+        order = torch.sort(input, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((order.values.narrow(dim, 0, k),
+                                        order.indices.narrow(dim, 0, k)))
+
+    return topk
+
+
+def install_position_ordered_topk():
+    torch.topk = position_ordered_topk(torch.topk)
+    torch.Tensor.topk = position_ordered_topk(torch.Tensor.topk)
+
+
+def _install_tensor_semantics():
+    torch.Tensor.scatter_ = npu_scatter_(torch.Tensor.scatter_)
+    torch.Tensor.gather = npu_gather(torch.Tensor.gather)
+    torch.gather = npu_gather(torch.gather)
+    torch.Tensor.float = npu_float(torch.Tensor.float)
+
+
 # ---------------------------------------------------------------- torch_npu
 
 def _package(name: str, doc: str) -> types.ModuleType:
@@ -615,6 +715,20 @@ def _registering_decorator(*args, **kwargs):
     return lambda converter: converter
 
 
+def sylvester_hadamard(n, dtype=int):
+    """scipy.linalg.hadamard as scipy documents it: Sylvester's construction, n a power of
+    2 (the DSA indexer's rotation calls it; CPU hosts without scipy get this one)."""
+    import numpy
+    if n < 1 or n & (n - 1):
+        raise ValueError("n must be a positive integer, and n must be a power of 2")
+    h = numpy.ones((1, 1), dtype=dtype)
+    while h.shape[0] < n:
+        h = numpy.block([[h, h], [h, -h]])
+    return h
+
+
+# names a stand-in module must answer at import time, by module
+STAND_IN_FUNCTIONS = {"scipy.linalg": {"hadamard": sylvester_hadamard}}
 # names a stand-in must answer at import time, per top-level package
 IMPORT_TIME_NAMES = {
     "torchair": {"register_fx_node_ge_converter": _registering_decorator,
@@ -648,6 +762,7 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__path__ = []
         module.__file__ = f"<stand-in {spec.name}>"
         module.__dict__.update(IMPORT_TIME_NAMES.get(spec.name.split(".")[0], {}))
+        module.__dict__.update(STAND_IN_FUNCTIONS.get(spec.name, {}))
         return module
 
     def exec_module(self, module):
@@ -675,6 +790,8 @@ def install() -> types.ModuleType:
     torch.npu = npu
     _install_device_mapping()
     _install_gloo_reduce_scatter()
+    _install_gloo_all_reduce_avg()
+    _install_tensor_semantics()
     missing = [name for name in IMPORT_STAND_INS if importlib.util.find_spec(name) is None]
     if missing:
         sys.meta_path.insert(0, StandInFinder(missing))

@@ -199,6 +199,32 @@ def tensor_methods_and_device_tensors_as_transfer_to_npu_has_them():
     assert importlib.util.find_spec("torch_npu") is not None  # accelerate asks this
 
 
+@check
+def dsa_indexer_tensor_semantics_as_on_npu():
+    """int32 and -1 picks in scatter_ (-1: the last column), int32 in gather, contiguous
+    float casts, scipy's Sylvester hadamard (the DSA indexer's host code needs each)."""
+    picks = torch.tensor([[0, -1], [1, 2]], dtype=torch.int32)
+    mask = torch.full((2, 3), float("-inf")).scatter_(-1, picks, 0)
+    assert mask.tolist() == [[0, float("-inf"), 0], [float("-inf"), 0, 0]], mask
+    values = torch.arange(6.0).view(2, 3)
+    assert torch.gather(values, -1, picks.abs()).tolist() == [[0, 1], [4, 5]]
+    assert values.gather(-1, picks.abs()).tolist() == [[0, 1], [4, 5]]
+    strided = torch.ones(4, 2).t()
+    assert not strided.is_contiguous() and strided.float().is_contiguous()
+    import scipy.linalg
+    h = scipy.linalg.hadamard(4, dtype=float)
+    assert (h @ h.T == 4 * torch.eye(4).numpy()).all() and h[0].tolist() == [1, 1, 1, 1]
+    raises(ValueError, scipy.linalg.hadamard, 6, match="power of 2")
+
+
+@check
+def position_ordered_topk_puts_tied_values_in_position_order():
+    topk = npu_host.position_ordered_topk(torch.topk)
+    values, indices = topk(torch.tensor([[0.0, 1.0, 0.0, 0.0, 2.0]]), 3)
+    assert values.tolist() == [[2, 1, 0]] and indices.tolist() == [[4, 1, 0]], indices
+    assert topk(torch.tensor([3.0, 1.0, 1.0]), 2, largest=False).indices.tolist() == [1, 2]
+
+
 REDUCE_SCATTER_SIZES = [3, 5]  # uneven, as Megatron's MoE dispatcher passes them
 
 
@@ -214,13 +240,16 @@ def _reduce_scatter_rank(rank: int, port: int):
     dist.reduce_scatter(out, pieces)
     work = dist.reduce_scatter(torch.empty_like(out), pieces, async_op=True)
     work.wait()
+    mean = torch.full((2,), float(rank + 1))  # AVG: the DSA indexer's loss tracker
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    assert mean.tolist() == [1.5, 1.5], mean
     print(json.dumps(out.tolist()), flush=True)
     dist.barrier()  # both ranks are done; leave without tearing the group down (gloo can hang
     os._exit(0)     # there in a rank whose peer left first)
 
 
 @check
-def gloo_reduce_scatter_sums_uneven_pieces():
+def gloo_reduce_scatter_sums_uneven_pieces_and_all_reduce_averages():
     import socket
     import subprocess
 

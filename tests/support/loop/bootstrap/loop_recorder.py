@@ -17,6 +17,9 @@ CORE_ATTENTION_SUFFIX = "DotProductAttention"
 # how the fused-attention stand-in treats a row its mask leaves without keys, where the NPU's
 # result is unspecified (the host's own left-padded SFT attention: tests/support/loop/tune_loop.py)
 UNSPECIFIED_ROWS_ENV = "LAGA_LOOP_NPU_UNSPECIFIED_ROWS"
+# set: torch.topk orders tied values by position (npu_host.position_ordered_topk; the DSA
+# recipes' loop, tests/support/loop/dsa_loop.py)
+ORDERED_TOPK_ENV = "LAGA_LOOP_POSITION_ORDERED_TOPK"
 
 
 def start(folder):
@@ -29,24 +32,41 @@ def start(folder):
     if os.environ.get(UNSPECIFIED_ROWS_ENV):  # e.g. "zero" (tests/support/fake_torch_npu.py)
         from support import fake_torch_npu
         fake_torch_npu.UNSPECIFIED_ROWS = os.environ[UNSPECIFIED_ROWS_ENV]
+    if os.environ.get(ORDERED_TOPK_ENV):
+        npu_host.install_position_ordered_topk()
     _count_laga()
+    _count_dsa_ops(torch_npu)
     _count_modules()
     _after_import("megatron.training.initialize", _warmup_under_fork_rng)
     _after_import("mindspeed_llm.training.training", _record_training_log)
     atexit.register(_write, folder, torch_npu)
 
 
+def _counted(key, fn):
+    """fn, each call counted in COUNTS[key]."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        COUNTS[key] += 1
+        return fn(*args, **kwargs)
+    return call
+
+
 def _count_laga():
     import mindspeed_laga.api as api
+    # sparse MLA (DSA): LAGA's core, which the DSA adapter imports by name
+    import mindspeed_laga.forms.sparse_mla as sparse_mla
 
-    laga_attention = api.laga_attention
+    api.laga_attention = _counted("laga_attention", api.laga_attention)
+    sparse_mla.sparse_laga_attention = _counted("laga_sparse_attention",
+                                                sparse_mla.sparse_laga_attention)
 
-    @functools.wraps(laga_attention)
-    def counted(*args, **kwargs):
-        COUNTS["laga_attention"] += 1
-        return laga_attention(*args, **kwargs)
 
-    api.laga_attention = counted
+def _count_dsa_ops(torch_npu):
+    """The stand-in's fused DSA ops (tests/support/fake_dsa_ops.py): each call counted."""
+    from support import fake_dsa_ops
+
+    for name, op in fake_dsa_ops.OPS.items():
+        setattr(torch_npu, name, _counted(name, op))
 
 
 def _count_modules():

@@ -8,7 +8,8 @@ In a torchrun rank (``RANK`` set) with ``LAGA_LOOP_RECORD`` naming a folder, bef
   what are CPU tensors here, and how much it draws depends on the sequence length per
   rank, so without this CP=1 and CP=2 would start from different weights;
 - counters are put around ``mindspeed_laga.api.laga_attention`` (before LAGA's patch
-  imports it), around every ``CustomMLASelfAttention`` call and every core attention
+  imports it) and ``sparse_laga_attention`` (sparse MLA), around the stand-in's fused DSA
+  ops, around every ``CustomMLASelfAttention`` call and every core attention
   module call and every forward of MindSpeed's TE modules (global forward pre-hooks;
   tests/support/loop/te_modules.py), and the stand-in's ``npu_fusion_attention``
   records its calls;
