@@ -105,16 +105,16 @@ RECIPES = {
                       cp=2, algo="ulysses_cp_algo",
                       scaled={"--moe-router-num-groups": "1", "--moe-router-group-topk": "1"}),
 }
-# the recipe's fused flags each case leaves out: LAGA's fused path at CP 2 and the host's
-# fused indexer at CP 1 part on the 16K tune from iteration 2 (tests/loop/test_dsa_loop.py)
+# the recipe's fused flags ``--non-fused`` leaves out (the cases run them all)
 NON_FUSED = {
     "v32-16k": ("--use-fused-lightning-indexer",),
-    "v32-128k": (),
-    "glm5": (),
+    "v32-128k": ("--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
+                 "--use-sparse-flash-attn", "--enable-mla-absorb"),
+    "glm5": ("--use-sparse-flash-attn", "--enable-mla-absorb"),
 }
 # each recipe's fused ops (tests/support/fake_dsa_ops.py) as the cases run them
 FUSED_OPS = {
-    "v32-16k": (),
+    "v32-16k": ("npu_lightning_indexer",),
     "v32-128k": ("npu_lightning_indexer", "npu_sparse_flash_attention",
                  "npu_sparse_lightning_indexer_grad_kl_loss"),
     "glm5": ("npu_sparse_flash_attention",),
