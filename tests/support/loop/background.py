@@ -24,8 +24,9 @@ class Runner:
     """``runner(name, *args, **kwargs)`` -> LoopRun, each name run once in ``workdir / name``;
     ``runner.start(name, *args, **kwargs)`` begins that run in the background and returns at
     once (a later call with that name waits for it). ``argv_for(ready, *args, **kwargs)`` ->
-    (argv, processes), ``ready`` being what :func:`real_loop.prepare` returns: the writable
-    sources and the data path, a separate copy of the dataset for background runs."""
+    (argv, processes) or (argv, processes, more keyword arguments of real_loop.run_loop),
+    ``ready`` being what :func:`real_loop.prepare` returns: the writable sources and the
+    data path, a separate copy of the dataset for background runs."""
 
     def __init__(self, sources: dict, workdir: Path, argv_for, timeout_s: float):
         documents = real_loop.default_documents()
@@ -36,9 +37,9 @@ class Runner:
 
     def _call(self, background: bool, name: str, args, kwargs):
         ready = self._ready[background]
-        argv, nproc = self._argv_for(ready, *args, **kwargs)
+        argv, nproc, *options = self._argv_for(ready, *args, **kwargs)
         return lambda: real_loop.run_loop(ready["sources"], self._workdir / name, nproc, argv,
-                                          timeout_s=self._timeout_s)
+                                          timeout_s=self._timeout_s, **dict(*options))
 
     def start(self, name: str, *args, **kwargs) -> None:
         if name not in self._runs:
