@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from support.loop import families, real_loop
+from support.loop import background, families, real_loop
 from support.loop.compare import (RUN_TIMEOUT_S, assert_ran, assert_same_training,
                                   require_loop_modules)
 
@@ -54,23 +54,17 @@ CASES = {
 @pytest.fixture(scope="module")
 def family_loop(host_sources, tmp_path_factory):
     """run(name, family, cp, laga, **recipe): one loop of a family's shrunk recipe on the
-    master pair (sources and the dataset prepared once for every case)."""
+    master pair (sources and the dataset prepared once for every case); run.start(name, ...)
+    begins it in the background."""
     require_loop_modules()
-    workdir = tmp_path_factory.mktemp("family-loop")
-    ready = real_loop.prepare(host_sources, workdir, real_loop.default_documents())
-    llm = Path(ready["sources"]["MINDSPEED_LLM_SRC"])
-    runs = {}
 
-    def run(name, family, cp, laga, **recipe):
-        if name not in runs:
-            argv = families.family_recipe(llm, family, cp, laga, ready["data_path"], **recipe)
-            entry = families.family_named(family).entry
-            runs[name] = real_loop.run_loop(ready["sources"], workdir / name,
-                                            real_loop.ranks(argv), argv,
-                                            timeout_s=RUN_TIMEOUT_S, script=entry)
-        return runs[name]
+    def argv_for(ready, family, cp, laga, **recipe):
+        llm = Path(ready["sources"]["MINDSPEED_LLM_SRC"])
+        argv = families.family_recipe(llm, family, cp, laga, ready["data_path"], **recipe)
+        return argv, real_loop.ranks(argv), dict(script=families.family_named(family).entry)
 
-    return run
+    return background.Runner(host_sources, tmp_path_factory.mktemp("family-loop"), argv_for,
+                             RUN_TIMEOUT_S)
 
 
 def assert_laga_on_every_mla(run, family):
@@ -88,14 +82,19 @@ def assert_laga_on_every_mla(run, family):
 def test_family_loop_equals_reference(family_loop, case):
     family, recipe, against = CASES[case]
     cp = families.family_named(family).cp
-    ref_cp = 1 if against == "cp1" else cp
-    ref = family_loop(f"{case}-reference", family, ref_cp, False, **recipe)
+    reference = (f"{case}-reference", family, 1 if against == "cp1" else cp, False)
+    if against == "cp1":  # one rank: it runs beside the multi-rank run (support/loop/background.py)
+        family_loop.start(*reference, **recipe)
+    run = family_loop(case, family, cp, True, **recipe)
+    assert_laga_on_every_mla(run, family)
+    assert_same_training(run, check_reference(family_loop(*reference, **recipe)))
+
+
+def check_reference(ref):
     assert_ran(ref, laga=False)
     losses = ref.series("lm loss")
     assert max(losses) - min(losses) > 1e-3, f"the losses do not move: {losses}"
-    run = family_loop(case, family, cp, True, **recipe)
-    assert_laga_on_every_mla(run, family)
-    assert_same_training(run, ref)
+    return ref
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)

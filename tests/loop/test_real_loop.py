@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from support.loop import real_loop
+from support.loop import background, real_loop
 from support.loop.compare import (RUN_TIMEOUT_S, assert_release_found, assert_same_training,
                                   require_loop_modules)
 from support.thirdparty import RELEASE_NAMES, release_sources
@@ -46,20 +46,15 @@ MTP = ["--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-mem-efficient-log
 
 def _runner(sources, workdir):
     """run(name, cp, algo, laga, **recipe): one loop of the scaled-down stock recipe on these
-    host sources, each name run once (writable sources and the dataset prepared here)."""
+    host sources, each name run once (writable sources and the dataset prepared here);
+    run.start(name, ...) begins it in the background (support/loop/background.py)."""
     require_loop_modules()
-    ready = real_loop.prepare(sources, workdir, real_loop.default_documents())
-    runs = {}
 
-    def run(name, cp, algo="ulysses_cp_algo", laga=True, **recipe):
-        if name not in runs:
-            argv = real_loop.recipe(Path(ready["sources"]["MINDSPEED_LLM_SRC"]), cp, algo, laga,
-                                    ready["data_path"], **recipe)
-            runs[name] = real_loop.run_loop(ready["sources"], workdir / name, cp, argv,
-                                            timeout_s=RUN_TIMEOUT_S)
-        return runs[name]
+    def argv_for(ready, cp, algo="ulysses_cp_algo", laga=True, **recipe):
+        return real_loop.recipe(Path(ready["sources"]["MINDSPEED_LLM_SRC"]), cp, algo, laga,
+                                ready["data_path"], **recipe), cp
 
-    return run
+    return background.Runner(sources, workdir, argv_for, RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -68,21 +63,25 @@ def loop(host_sources, tmp_path_factory):
     return _runner(host_sources, tmp_path_factory.mktemp("real-loop"))
 
 
+def _reference_name(recipe) -> str:
+    settings = "-".join(f"{k}={v}" for k, v in sorted(recipe.items()))
+    return re.sub(r"[^\w=.-]+", "_", "cp1-" + settings)
+
+
+def _start_reference(loop, **recipe):
+    """Start the CP = 1 run in the background, beside the multi-rank run it is compared with."""
+    loop.start(_reference_name(recipe), 1, **recipe)
+
+
 def _reference(loop, **recipe):
     """CP = 1 with --mla-latent-all-gather: a no-op, so the host's own attention runs."""
-    name = re.sub(r"[^\w=.-]+", "_", "cp1-" + "-".join(f"{k}={v}" for k, v in sorted(recipe.items())))
-    ref = loop(name, 1, **recipe)
+    ref = loop(_reference_name(recipe), 1, **recipe)
     for counts in ref.counts:
         assert counts.get("laga_attention", 0) == 0, counts
         assert counts["core_attention"] == counts["mla_forward"] > 0, counts
     losses = ref.series("lm loss")
     assert max(losses) - min(losses) > 1e-3, f"the losses do not move: {losses}"
     return ref
-
-
-@pytest.fixture(scope="module")
-def reference(loop):
-    return _reference(loop)
 
 
 def expected_mla_calls(run) -> int:
@@ -117,10 +116,11 @@ CASES = {
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 @pytest.mark.parametrize("case", list(CASES))
-def test_loop_equals_cp1(loop, reference, case):
+def test_loop_equals_cp1(loop, case):
+    _start_reference(loop)
     run = loop(case, **CASES[case])
     assert_laga_ran_everywhere(run, recomputed=CASES[case].get("recompute", False))
-    assert_same_training(run, reference)
+    assert_same_training(run, _reference(loop))
 
 
 # --- packed documents (--reset-attention-mask, micro-batch 1) --------------------------------
@@ -148,10 +148,10 @@ DOCUMENT_CASES = {
 def test_documents_loop_equals_cp1(loop, case):
     settings = dict(DOCUMENT_CASES[case], documents=True)
     cp, algo = settings.pop("cp"), settings.pop("algo")
-    ref = _reference(loop, **settings)
+    _start_reference(loop, **settings)
     run = loop(case, cp, algo, **settings)
     assert_laga_ran_everywhere(run)
-    assert_same_training(run, ref)
+    assert_same_training(run, _reference(loop, **settings))
 
 
 # --- the other release pairs ------------------------------------------------------------------
@@ -194,11 +194,11 @@ def release_loop(tmp_path_factory):
 @pytest.mark.parametrize("release", list(RELEASE_CASES))
 def test_release_loop_equals_cp1(release_loop, release):
     loop = release_loop(release)
-    ref = _reference(loop, **RELEASE_CASES[release])
+    _start_reference(loop, **RELEASE_CASES[release])
     run = loop("ulysses_cp_algo", 2, "ulysses_cp_algo", **RELEASE_CASES[release])
     assert_release_found(run, release)
     assert_laga_ran_everywhere(run)
-    assert_same_training(run, ref)
+    assert_same_training(run, _reference(loop, **RELEASE_CASES[release]))
 
 
 # (release, what the case leaves out of its stock recipe, the refusal every rank prints);
