@@ -78,81 +78,41 @@ CP4_CASES = ("dsa-kvallgather", "dsa-ulysses-mmsplit", "dsa-fused-kvallgather")
 TP_CASES = ("dsa-fused-kvallgather",)
 
 
-def _sylvester(n, dtype=int):
-    """scipy.linalg.hadamard: Sylvester's construction, n a power of 2."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h.numpy().astype(dtype)
-
-
 def _install_hadamard():
     import scipy.linalg
-    scipy.linalg.hadamard = _sylvester
+
+    from support.npu_host import sylvester_hadamard
+    scipy.linalg.hadamard = sylvester_hadamard
 
 
 @contextlib.contextmanager
-def _npu_float_cast():
-    """NPU's dtype cast hands back a contiguous tensor; CPU's keeps the strides, and the
-    host's interleaved complex rope then fails in ``view_as_complex`` (last dim stride)."""
-    original = torch.Tensor.float
-
-    def cast(self, *args, **kwargs):
-        return original(self, *args, **kwargs).contiguous()
-
-    torch.Tensor.float = cast
+def _patched(owner, name, wrap):
+    """``owner.name`` replaced by ``wrap(the original)`` inside the block."""
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
     try:
         yield
     finally:
-        torch.Tensor.float = original
+        setattr(owner, name, original)
 
 
-@contextlib.contextmanager
-def _npu_scatter():
-    original = torch.Tensor.scatter_
-
-    def scatter_(self, dim, index, *args, **kwargs):
-        if isinstance(index, torch.Tensor):  # NPU takes int32 picks too
-            index = index.long()
-            index = torch.where(index < 0, index + self.shape[dim], index)
-        return original(self, dim, index, *args, **kwargs)
-
-    torch.Tensor.scatter_ = scatter_
-    try:
-        yield
-    finally:
-        torch.Tensor.scatter_ = original
-
-
-@contextlib.contextmanager
-def _npu_gather():
-    """NPU's gather takes int32 indices (the fused indexer's picks); CPU's wants int64."""
-    original = torch.gather
-
-    def gather(input, dim, index, *args, **kwargs):
-        return original(input, dim, index.long(), *args, **kwargs)
-
-    torch.gather = gather
-    try:
-        yield
-    finally:
-        torch.gather = original
-
-
-@contextlib.contextmanager
-def _npu_einsum():
+def _npu_einsum(native):
     """NPU's einsum hands back a contiguous tensor; CPU's may be a permuted view, and the
     host's absorbed path then fails to ``view`` its output (W_UV's einsum)."""
-    original = torch.einsum
-
     def einsum(*args, **kwargs):
-        return original(*args, **kwargs).contiguous()
+        return native(*args, **kwargs).contiguous()
 
-    torch.einsum = einsum
-    try:
+    return einsum
+
+
+@contextlib.contextmanager
+def _npu_host_forward():
+    """What the host's own forward relies on NPU for (support/npu_host.py's stand-ins: int32
+    and -1 picks in scatter_ and gather), and NPU's contiguous einsum."""
+    from support.npu_host import npu_gather, npu_scatter_
+    with _patched(torch.Tensor, "scatter_", npu_scatter_), \
+            _patched(torch, "gather", npu_gather), _patched(torch, "einsum", _npu_einsum):
         yield
-    finally:
-        torch.einsum = original
 
 
 def _picks_of_laga(recorded):
@@ -187,7 +147,7 @@ def _run(module, forward, inputs, cp_size, host_forward=False):
 
         dsa_indexer.DSAIndexer.forward_with_scores = staticmethod(recording)
         try:
-            with _npu_scatter(), _npu_gather(), _npu_einsum():
+            with _npu_host_forward():
                 res = forward_backward(module, forward, *inputs)
         finally:
             dsa_indexer.DSAIndexer.forward_with_scores = staticmethod(scores)
@@ -210,7 +170,8 @@ def worker(rank, world_size, runs):
     prepare()
     _install_hadamard()
     _install_fused_ops()
-    with _npu_float_cast():
+    from support.npu_host import npu_float
+    with _patched(torch.Tensor, "float", npu_float):  # NPU's cast: a contiguous copy
         return {(name, tp, cp): _case(name, CASES[name], tp, cp) for name, tp, cp in runs}
 
 

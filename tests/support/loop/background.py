@@ -2,8 +2,8 @@
 one of CI's two cores idle while it imports and trains, so a test starts its reference
 beside the multi-rank run it is compared with and waits for it when it compares.
 
-At most one background run at a time in the whole session (one worker thread): with the
-test's own run that is the machine's two cores. Each background run trains on its own
+At most one background run at a time in the whole pytest process (one worker thread):
+with the test's own run that is the machine's two cores. Each background run trains on its own
 copy of the dataset (Megatron's rank 0 writes its sample-index cache next to the data,
 not atomically, so two concurrent runs must not share a data folder), in its own output
 folder, on its own rendezvous port (real_loop.run_loop asks the OS for a free one per
