@@ -38,7 +38,9 @@ from mindspeed_laga.features.laga_args import laga_settings
 from mindspeed_laga.features.laga_checks import padded_length_error, sequence_multiple
 
 from ..attention_mask import key_padding_from_mask
-from ..common import check_weight_once, first_call, start_gather
+from mindspeed_laga import agreement
+
+from ..common import agree_per_micro_batch, check_weight_once, first_call, start_gather
 from ..lora import effective_weight
 from .dsa import is_dsa, laga_dsa_attention
 from .fb_overlap import hook_a2a, launch_a2a
@@ -110,7 +112,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
         return _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
                               release)
     settings = laga_settings(megatron_args)
-    check_ranks = first_call(self)
+    check_ranks = agree_per_micro_batch(self, cp_group)
     # (a LoRA-wrapped module it cannot read raises here, on every CP rank on the first call)
     kv_up_weight = check_weight_once(check_ranks, lambda: _kv_up_weight(self), cp_group)
     key_padding = None
@@ -132,7 +134,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                                                       rope_cu_seqlens=packed_seq_params,
                                                       rope_input=rope_input,
                                                       lora_scales=release.lora_scales)
-    cu_seqlens = (document_boundaries(_mtp_depth(self), settings.loader_scaled_ends)
+    cu_seqlens = (document_boundaries(_mtp_depth(self), settings.loader_scaled_ends, cp_group)
                   if settings.documents else None)
     launch_a2a(self)
     core_out = laga_attention(query, kv_latent, k_pos_emb, kv_up_weight,
@@ -181,7 +183,7 @@ def _length_error(settings, megatron_args, cp_group):
                            else None)
 
 
-def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True):
+def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True, cp_group=None):
     """--reset-attention-mask: the global document boundaries [0, end_1, ..., S].
 
     MindSpeed keeps the cumulative ends (no leading 0) in ``get_actual_seq_len``;
@@ -194,7 +196,8 @@ def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True):
     whose rolled tokens end each document d earlier); ``mtp_depth`` picks the row,
     as the host's own core attention does with its ``mtp_idx``. A sample that ends
     on an EOD repeats the last end (an empty document): it holds no token, so it
-    is dropped.
+    is dropped. A tensor of ends is read from the device once per micro-batch
+    (``agreement.memo``: the layers of one forward share MindSpeed's one tensor).
     """
     from mindspeed.core.context_parallel.get_batch_utils import get_actual_seq_len, get_ring_degree
 
@@ -203,10 +206,18 @@ def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True):
         raise ValueError("--reset-attention-mask is set but MindSpeed holds no document "
                          "boundaries (get_actual_seq_len() is None): feed batches through "
                          "MindSpeed's get_batch, or drop --reset-attention-mask")
+    scale = get_ring_degree() if loader_scaled else 1
+    if not isinstance(ends, torch.Tensor):
+        return _boundaries(ends, mtp_depth, scale)
+    key = ("actual_seq_len",) + agreement.tensor_key(ends) + (mtp_depth, scale)
+    return agreement.memo(cp_group, key, lambda: _boundaries(ends, mtp_depth, scale))
+
+
+def _boundaries(ends, mtp_depth: int, scale: int):
     ends = torch.as_tensor(ends)
     if ends.dim() == 2:  # one row per MTP depth
         ends = ends[mtp_depth]
-    ends = ends.reshape(-1).double() * (get_ring_degree() if loader_scaled else 1)
+    ends = ends.reshape(-1).double() * scale
     boundaries = [0]
     for end in torch.round(ends).tolist():
         if int(end) != boundaries[-1]:
