@@ -91,7 +91,9 @@ laga_check_launch_values() {  # what torchrun and the host read
     for v in CP SEQ_LEN TP NNODES NPUS_PER_NODE; do laga_positive "$v"; done
     laga_int MASTER_PORT 1 65535 "a port number from 1 to 65535"
     laga_int NODE_RANK 0 $((NNODES - 1)) "an integer from 0 to NNODES-1 = $((NNODES - 1))"
-    [ -n "$MASTER_ADDR" ] || laga_fail "MASTER_ADDR is empty: name the first node's host or address"
+    case "$MASTER_ADDR" in
+        *[[:space:]]*) laga_fail "MASTER_ADDR=$MASTER_ADDR: one host name or address, no spaces" ;;
+    esac
     laga_one_of TRANSFORMER_IMPL "local transformer_engine"
 }
 

@@ -34,6 +34,7 @@ BAD = [
     ({"MASTER_PORT": str(2**64 + 6000)}, f"MASTER_PORT={2**64 + 6000}: must be a port number"),
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: must be an integer from 0 to NNODES-1 = 1"),
     ({"NODE_RANK": "-1"}, "NODE_RANK=-1: must be an integer from 0"),
+    ({"MASTER_ADDR": "node0 node1"}, "MASTER_ADDR=node0 node1: one host name or address"),
     ({"LAGA_BLOCK": "4096"}, "LAGA_BLOCK=4096 needs LAGA_RECOMPUTE=1"),
     ({"LAGA_BLOCK": "0", "LAGA_RECOMPUTE": "1"}, "LAGA_BLOCK=0: must be a positive integer"),
     ({"LAGA": "0", "LAGA_TRIM": "1"}, "LAGA_TRIM=1 needs LAGA=1"),
