@@ -4,8 +4,8 @@
 #
 # The caller sets TP, PP, EP, SEQ_LEN, GBS and the node defaults (NPUS_PER_NODE, NNODES,
 # MASTER_PORT), may name its own 0/1 switches in LAGA_SWITCHES, and says how it packs
-# documents: LAGA_DOCUMENTS_SWITCH names its switch for --reset-attention-mask, or
-# LAGA_DOCUMENTS=general when it always packs under --attention-mask-type general. Each script's test
+# documents: LAGA_DOCUMENTS_SWITCH names its switch for --reset-attention-mask, or is
+# "general" when it always packs under --attention-mask-type general. Each script's test
 # compares its launch line with its stock MindSpeed-LLM recipe flag for flag, so a flag
 # here is one both stock recipes pass (a recipe of another shape replaces MODEL_ARGS and
 # TRAIN_ARGS after sourcing this file). Every environment value is checked here, before
@@ -114,17 +114,17 @@ laga_check_laga_options() {  # LAGA's kernel and options, as LAGAFeature checks 
         laga_fail "LAGA_KERNEL=$LAGA_KERNEL needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
 }
 
-# laga_documents: LAGA_DOCUMENTS, the recipe's packed documents: "" (none), packed
-# (--reset-attention-mask, when the caller's 0/1 switch LAGA_DOCUMENTS_SWITCH is 1) or
-# general (a caller that always packs with --attention-mask-type general sets it so).
+# laga_documents: LAGA_DOCUMENTS, the recipe's packed documents, from the caller's
+# LAGA_DOCUMENTS_SWITCH: the name of its 0/1 switch for --reset-attention-mask ("packed"
+# when it is 1, else ""), or "general" for a recipe that always packs under
+# --attention-mask-type general.
 laga_documents() {
-    if [ "${LAGA_DOCUMENTS:-}" = general ]; then
-        return 0
-    elif [ -n "${LAGA_DOCUMENTS_SWITCH:-}" ] && [ "${!LAGA_DOCUMENTS_SWITCH}" = 1 ]; then
-        LAGA_DOCUMENTS=packed
-    else
-        LAGA_DOCUMENTS=
-    fi
+    LAGA_DOCUMENTS=
+    case "${LAGA_DOCUMENTS_SWITCH:-}" in
+        '') ;;
+        general) LAGA_DOCUMENTS=general ;;
+        *) [ "${!LAGA_DOCUMENTS_SWITCH}" != 1 ] || LAGA_DOCUMENTS=packed ;;
+    esac
 }
 
 # laga_check_cp: the CP algorithm, its Ulysses degree and the sequence length, as
