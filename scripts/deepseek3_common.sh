@@ -1,4 +1,5 @@
-# What the DeepSeek-V3 recipes (pretrain_deepseek3_laga.sh, tune_deepseek3_laga.sh) share,
+# What the DeepSeek-V3 recipes (pretrain_deepseek3_laga.sh, tune_deepseek3_laga.sh and
+# pretrain_deepseek3_128k_laga.sh) share,
 # sourced by each after it sets its own layout: the model, the settings both stock
 # recipes train with, the CP flags, LAGA's switch and flags, and the launch.
 #
