@@ -12,7 +12,7 @@ _API = {"FORMS": ".api", "absorbed_attention": ".api", "explicit_attention": ".a
         "laga_attention": ".api", "CommCounter": ".comm", "count_bytes": ".comm",
         "LatentGather": ".forms.latent_source", "start_latent_gather": ".forms.latent_source",
         "mla_attention_reference": ".reference",
-        "SparseResult": ".forms.sparse_mla", "sparse_laga_attention": ".forms.sparse_mla",
+        "SparseResult": ".sparse.form", "sparse_laga_attention": ".sparse.form",
         "new_micro_batch": ".agreement", "settle": ".agreement"}
 
 
