@@ -10,8 +10,10 @@ blocks, by what the code asks for rather than by what it costs there:
   (``aten.nonzero``, ``aten.masked_select``, the ``unique`` family, indexing with a bool
   mask) and copies to the CPU from another device (``aten._to_copy``, ``aten.copy_``);
 - patched ``Tensor.tolist``, ``Tensor.numpy``, ``Tensor.item``, ``Tensor.cpu`` and
-  ``Tensor.to(<cpu device>)``, which on CPU tensors read memory without dispatching (or do
-  nothing), but copy from the device on an accelerator. An op a patched method runs inside
+  ``Tensor.to("cpu")``, which on CPU tensors read memory without dispatching (or do
+  nothing), but copy from the device on an accelerator. ``to`` counts only a device named
+  by string: ``x.to(query.device)`` is the host-to-device move of a host-made tensor, which
+  a CPU run cannot tell from a read by its target. An op a patched method runs inside
   is not counted again (one ``.item()`` counts once).
 
 ``with count_host_syncs() as syncs:`` counts everywhere inside; ``everywhere=False`` counts
@@ -68,13 +70,17 @@ def _bool_index(func, args) -> bool:
 
 
 def _to_cpu_target(args, kwargs) -> bool:
-    """Whether ``Tensor.to(*args, **kwargs)`` names the CPU as its device."""
+    """Whether ``Tensor.to(*args, **kwargs)`` names the CPU, by name ("cpu", "cpu:0").
+
+    Only a device given by name counts: ``x.to(query.device)`` or ``x.to(other)`` moves a
+    host-made tensor (positions, an index) to where the inputs live, a copy to the device
+    on an accelerator, and on a CPU run its target reads as the CPU too."""
     device = kwargs.get("device")
     for a in args:
-        if isinstance(a, (str, torch.device)):
+        if isinstance(a, str):
             device = a
-        elif isinstance(a, torch.Tensor):
-            device = a.device
+    if not isinstance(device, str):
+        return False
     try:
         return _is_cpu(device)
     except RuntimeError:  # a string that is no device

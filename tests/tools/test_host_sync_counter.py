@@ -26,7 +26,7 @@ READS = {
     "numpy": (lambda t: t.numpy(), "Tensor.numpy"),
     "cpu": (lambda t: t.cpu(), "Tensor.cpu"),
     "to-cpu-str": (lambda t: t.to("cpu"), "Tensor.to(cpu)"),
-    "to-cpu-kw": (lambda t: t.to(device=torch.device("cpu"), dtype=torch.float64), "Tensor.to(cpu)"),
+    "to-cpu-kw": (lambda t: t.to(device="cpu", dtype=torch.float64), "Tensor.to(cpu)"),
     "nonzero": (lambda t: t.nonzero(), "aten.nonzero"),
     "bool-index": (lambda t: t[MASK], "aten.index (bool mask)"),
     "masked_select": (lambda t: t.masked_select(MASK), "aten.masked_select"),
@@ -62,6 +62,16 @@ def test_device_work_forward_and_backward_reads_nothing():
         torch.where(out > 0.5, out, out * 2).sum().backward()
     assert syncs.by_op() == {}
     assert q.grad is not None
+
+
+def test_a_move_to_the_inputs_device_is_no_read():
+    """``positions.to(query.device)``: a host-made tensor going to the device (a CPU run's
+    device reads as the CPU, so a device given as an object is not taken for a read)."""
+    with count_host_syncs() as syncs:
+        torch.arange(3).to(VALUES.device)
+        torch.arange(3).to(VALUES)
+        torch.arange(3).to(device=VALUES.device)
+    assert syncs.by_op() == {}
 
 
 def test_regions_file_counts_where_they_were_made():
