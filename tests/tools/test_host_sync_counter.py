@@ -144,3 +144,27 @@ def test_nested_counters_each_count_once():
             VALUES[0].item()
             torch.equal(VALUES, VALUES)
     assert outer.by_op() == inner.by_op() == {"Tensor.item": 1, "aten.equal": 1}
+
+
+def _function(module: str, reads: bool):
+    """An autograd function defined, as far as ``__module__`` tells, in ``module``."""
+    def backward(ctx, grad):
+        if reads:
+            grad.sum().item()
+        return grad
+
+    return type("Fn", (torch.autograd.Function,), {
+        "__module__": module, "forward": staticmethod(lambda ctx, x: x * 1),
+        "backward": staticmethod(backward)})
+
+
+def test_backward_regions_hold_laga_functions_only():
+    """tests/support/laga_regions.py: a LAGA autograd function's backward runs in
+    ``laga.backward``; a host function's read is not LAGA's."""
+    from support.laga_regions import BACKWARD, assert_patchable, backward_regions
+    assert_patchable()
+    laga, host = _function("mindspeed_laga.forms.x", True), _function("megatron.core.x", True)
+    x = torch.ones(2, requires_grad=True)
+    with count_host_syncs(everywhere=False) as syncs, backward_regions(syncs):
+        host.apply(laga.apply(x)).sum().backward()
+    assert syncs.by_region() == {BACKWARD: 1}
