@@ -1,0 +1,107 @@
+"""LAGA's host-side time per MLA layer call in steady state, against the host's own forward.
+
+    python scripts/dev/host_time.py                  # 2 gloo ranks on CPU, about a minute
+    python scripts/dev/host_time.py --repeats 200 --layers 4
+
+At small dims on CPU the arithmetic costs next to nothing, so what a call takes is its
+Python and dispatch overhead: the time the host spends launching a layer, which on an
+accelerator is what must stay ahead of the device. On 2 gloo ranks (CP = 2) it builds
+megatron-core's tiny MLA GPT (mindspeed_laga.tools.megatron_cpu, ``--layers`` layers), and
+times, on the same modules and inputs, per layer call:
+
+- LAGA: ``MLASelfAttention.forward`` patched by ``patch_megatron_mla`` (allgather);
+- the host: megatron-core's own ``MLASelfAttention.forward`` (the flag off; its core
+  attention is megatron_cpu's CP baseline, which all-gathers K and V: megatron-core's own
+  CP attention has no CPU path).
+
+The layers are called in a chain (forward, then backward of the chain), as in a model, so
+every layer past the first runs in steady state (the first opens the micro-batch). The
+two run interleaved, one repeat each in turn (their order alternating), after a barrier,
+so drifts in the machine's load fall on both alike. Printed: the median forward time of
+the steady-state layers, the median backward time per layer, their sum, for each, and
+LAGA's ratio to the host.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def _chain(attentions, forward, hidden):
+    """Forward through every layer (timed per layer), then backward of the chain."""
+    import torch.distributed as dist
+    dist.barrier()
+    times, h = [], hidden
+    for attention in attentions:
+        start = time.perf_counter()
+        h, _ = forward(attention, h, None)
+        times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    h.sum().backward()
+    return times, time.perf_counter() - start
+
+
+def worker(rank, world_size, layers, repeats, warmup):
+    import warnings
+
+    import torch
+    warnings.simplefilter("ignore")  # megatron-core's CPU fallbacks warn on every call
+
+    import mindspeed_laga
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from mindspeed_laga.tools import megatron_cpu as mc
+
+    tiny = mc.TinyMLA(num_layers=layers)
+    mc.init_parallel(cp=world_size)
+    model = mc.build_tiny_mla_gpt(tiny, cp=world_size)
+    attentions = [layer.self_attention for layer in model.decoder.layers]
+    mindspeed_laga.patch_megatron_mla(cp_algo="allgather")
+    try:
+        forwards = {"laga": MLASelfAttention.forward,
+                    "host": MLASelfAttention.forward.__wrapped__}
+        generator = torch.Generator().manual_seed(rank)
+        hidden = torch.randn(tiny.seq_length // world_size, tiny.micro_batch, tiny.hidden_size,
+                             generator=generator).requires_grad_()
+        samples = {name: {"forward": [], "backward": []} for name in forwards}
+        for repeat in range(warmup + repeats):
+            order = list(forwards) if repeat % 2 == 0 else list(forwards)[::-1]
+            for name in order:
+                model.zero_grad(set_to_none=True)
+                per_layer, backward = _chain(attentions, forwards[name], hidden)
+                if repeat >= warmup:
+                    samples[name]["forward"].extend(per_layer[1:])  # past the micro-batch's opening
+                    samples[name]["backward"].append(backward / len(attentions))
+        return {name: {phase: statistics.median(values) for phase, values in phases.items()}
+                for name, phases in samples.items()}
+    finally:
+        mindspeed_laga.unpatch_megatron_mla()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4, help="MLA layers in the chain (>= 2)")
+    parser.add_argument("--repeats", type=int, default=100, help="timed repeats of each")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed repeats first")
+    args = parser.parse_args(argv)
+    if args.layers < 2:
+        parser.error("--layers must be >= 2: the first layer of a chain opens the micro-batch")
+    from mindspeed_laga.tools.spawn import run_on_ranks
+    per_rank = run_on_ranks(worker, 2, args.layers, args.repeats, args.warmup, timeout_s=1800)
+    print(f"MLA layer call on CPU, CP = 2 (gloo), tiny dims, {args.layers} layers chained, "
+          f"{args.repeats} interleaved repeats; median ms per layer call (the slower rank)")
+    print(f"{'':>6} {'forward':>9} {'backward':>9} {'total':>9}")
+    rows = {}
+    for name in ("host", "laga"):
+        forward = max(r[name]["forward"] for r in per_rank) * 1e3
+        backward = max(r[name]["backward"] for r in per_rank) * 1e3
+        rows[name] = (forward, backward, forward + backward)
+        print(f"{name:>6} {forward:9.3f} {backward:9.3f} {forward + backward:9.3f}")
+    ratio = [l / h for l, h in zip(rows["laga"], rows["host"])]
+    print(f"{'ratio':>6} {ratio[0]:9.2f} {ratio[1]:9.2f} {ratio[2]:9.2f}   (LAGA / host)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
