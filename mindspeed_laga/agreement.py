@@ -54,6 +54,8 @@ class GroupAgreement:
     device: Optional[torch.device] = None  # where the last exchange ran
     memo: Dict[tuple, object] = field(default_factory=dict)    # device reads of this epoch
     deferred: Optional[BaseException] = None  # an adapter's local failure for the next call
+    folding: bool = False          # a FOLD call is building its row now
+    content: Optional[torch.Tensor] = None  # device digest of contents read in FOLD calls
 
     @property
     def per_micro_batch(self) -> bool:
@@ -144,13 +146,18 @@ def agree_call(cp_group, check_ranks, failure, device, row: Callable[[], Dict[st
         skipped.count(cp_group)
         if failure is not None:
             raise skipped.tell_peers(handshake.as_exception(failure), cp_group)
-        _fold(group, row())
+        group.folding = True
+        try:
+            values = row()
+        finally:
+            group.folding = False
+        _fold(group, values)
         return
     values = row() if failure is None else _row_or_empty(row)
     values["calls"] = group.digest
     handshake.agree(values, failure, cp_group, device, names=names, force=True,
                     details=details if failure is None else None,
-                    on_calls=_explain_calls(group))
+                    on_calls=_explain_calls(group), content=group.content)
     group.agreed_epoch, group.device = group.epoch, torch.device(device)
     _clear(group)
 
@@ -168,7 +175,7 @@ def settle(cp_group=None) -> None:
         device = group.device or handshake.exchange_device("meta", key)
         values = {"stage": handshake.STAGES.index("settle"), "calls": group.digest}
         handshake.agree(values, None, key, device, force=True,
-                        on_calls=_explain_calls(group))
+                        on_calls=_explain_calls(group), content=group.content)
         _clear(group)
 
 
@@ -182,6 +189,46 @@ def memo(cp_group, key: tuple, read: Callable[[], object]):
     if key not in group.memo:
         group.memo[key] = read()
     return group.memo[key]
+
+
+def content_code(cp_group, kind: str, t: torch.Tensor, host_code: Callable[[], int]) -> int:
+    """The agreement's code of ``t``'s content (key padding). In a call that exchanges:
+    ``host_code()``, read once per micro-batch (:func:`memo`). In a call that exchanges
+    nothing: no read; the content is hashed on the device (once per tensor and
+    micro-batch) into the group's content digest, which the next exchange or settle
+    carries, and the row holds ``handshake.CONTENT`` in place of a code, so ranks that
+    pass equal contents agree whether they reuse a tensor or build a new one."""
+    group = _STATES.get(cp_group) if cp_group is not None else None
+    if group is None or not group.folding:
+        return memo(cp_group, (kind,) + tensor_key(t), host_code)
+    key = ("device", kind) + tensor_key(t)
+    if key not in group.memo:
+        group.memo[key] = device_code(t)
+    code = group.memo[key]
+    group.content = code if group.content is None else group.content * 1000003 + code
+    return handshake.CONTENT
+
+
+_WEIGHTS: Dict[tuple, torch.Tensor] = {}
+
+
+def device_code(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 device tensor hashing ``t``'s values (bool or integer) with a pseudo-random
+    64-bit weight per position (int64 arithmetic wraps): no host read. Random weights make
+    two different tensors collide with probability about 2**-64 (a weight per position that
+    is a small integer would let other padding patterns sum alike)."""
+    flat = t.detach().reshape(-1).to(torch.int64)
+    key = (flat.device, flat.numel())
+    if key not in _WEIGHTS:
+        pos = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)
+        mixed = pos * _GOLDEN
+        mixed = mixed ^ (mixed >> 29)
+        _WEIGHTS[key] = (mixed * _ODD) | 1
+    return (flat * _WEIGHTS[key]).sum() + flat.numel()
+
+
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_ODD = 0x632BE59BD9B4E019
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -200,7 +247,7 @@ def _fold(group: GroupAgreement, values: Dict[str, int]) -> None:
 
 
 def _clear(group: GroupAgreement) -> None:
-    group.digest, group.folded, group.rows = 0, 0, []
+    group.digest, group.folded, group.rows, group.content = 0, 0, [], None
 
 
 def _row_or_empty(row) -> Dict[str, int]:

@@ -407,9 +407,9 @@ def _exchange(o: AttnOptions, tensors, dims, documents, failure) -> None:
         values = _agreed_values(o, tensors, dims)
         values["ulysses_degree"] = _ulysses_degree_value(o.cp_algo, o.ulysses_group)
         values["documents"] = documents_code(documents)
-        values["key_padding"] = agreement.memo(
-            o.cp_group, ("key_padding",) + agreement.tensor_key(mask),
-            lambda: padding_code(mask)) if isinstance(mask, torch.Tensor) else 0
+        values["key_padding"] = agreement.content_code(
+            o.cp_group, "key_padding", mask, lambda: padding_code(mask)) \
+            if isinstance(mask, torch.Tensor) else 0
         return values
 
     details = {"documents": list(documents or ()),

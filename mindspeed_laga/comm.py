@@ -244,10 +244,13 @@ def all_to_all_raw(x: torch.Tensor, group, direction: str, tag: str = "",
     return out
 
 
-def handshake(values: List[int], group, device) -> List[List[int]]:
-    """All-gather a few integers per rank (argument checks before data moves)."""
+def handshake(values: List[int], group, device, slot=None) -> List[List[int]]:
+    """All-gather a few integers per rank (argument checks before data moves); ``slot``:
+    (index, 0-d int64 device tensor) written into the row on the device, unread before."""
     size = group_size(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
+    if slot is not None:
+        mine[slot[0]] = slot[1].to(device)
     out = torch.empty(size * len(values), dtype=torch.int64, device=device)
     _record("handshake", "forward", _nbytes(mine), (size - 1) * _nbytes(mine), size)
     _all_gather_tensor(out, mine, group=group)

@@ -53,8 +53,9 @@ FIELDS = ("rejected", "stage", "check_ranks", "form", "cp_algo", "layout", "caus
           # sparse MLA (DSA)
           "index_topk", "index_heads", "index_head_dim", "loss_target", "loss_coeff",
           "indexer_kernel", "attention_kernel", "loss_kernel",
-          # the digest of the calls that exchanged nothing since the last exchange (agreement.py)
-          "calls")
+          # the digests of the calls that exchanged nothing since the last exchange
+          # (agreement.py): of their rows, and of the contents hashed on the device
+          "calls", "content")
 # What a row comes from: a dense form, the overlapped gather, sparse MLA, or agreement.settle.
 STAGES = ("attention", "start_latent_gather", "sparse_attention", "settle")
 # How a difference is named in the message (arguments by their keyword).
@@ -74,6 +75,7 @@ LABELS = {"local_len": "the local sequence length", "micro_batch": "the micro-ba
           "indexer_kernel": "indexer_kernel", "attention_kernel": "attention_kernel",
           "loss_kernel": "loss_kernel"}
 UNKNOWN = -1
+CONTENT = -2  # a code left to the device-side content digest (agreement.content_code)
 # The dtypes the forms run (float8 and the rest are refused by name), as handshake codes.
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # The inputs in requires-grad bit order (bit i: input i needs a gradient).
@@ -128,7 +130,8 @@ def skips(cp_group) -> bool:
 
 def agree(values: Dict[str, int], failure, cp_group, device,
           names: Optional[Dict[str, Sequence[str]]] = None, *, force: bool = False,
-          details: Optional[Dict[str, object]] = None, on_calls=None) -> None:
+          details: Optional[Dict[str, object]] = None, on_calls=None,
+          content=None) -> None:
     """Exchange ``values`` (keys from FIELDS) and this rank's verdict; raise alike on every rank.
 
     ``failure``: this rank's local error (an exception, or its message), None
@@ -138,7 +141,9 @@ def agree(values: Dict[str, int], failure, cp_group, device,
     ``details``: per field, this rank's full value behind a code (the document
     boundaries behind their hash), a list or a function returning it, gathered only when
     ranks differ on it. ``on_calls()``: this rank's distinct folded rows, flattened
-    (agreement.py), gathered only when the ranks' ``calls`` digests differ.
+    (agreement.py), gathered only when the ranks' ``calls`` digests differ; ``content``:
+    a 0-d int64 device tensor sent as the ``content`` field without a host read before
+    the exchange (the digest of tensor contents seen in those calls).
     """
     if comm.group_size(cp_group) == 1:
         _raise(failure)
@@ -150,7 +155,8 @@ def agree(values: Dict[str, int], failure, cp_group, device,
         return
     row, failure = _pack(values, failure)
     device = exchange_device(device, cp_group)
-    table = comm.handshake(row, cp_group, device)
+    slot = (FIELDS.index("content"), content) if content is not None else None
+    table = comm.handshake(row, cp_group, device, slot=slot)
     _raise_on_rejection(table, failure, cp_group, device)
     _raise_on_difference(table, names or {}, details or {}, cp_group, device)
     _raise_on_calls(table, names or {}, on_calls, cp_group, device)
@@ -324,7 +330,7 @@ def _raise_on_difference(table: List[List[int]], names: Dict[str, Sequence[str]]
             "micro-batches, agreement.settle on every rank alike)")
     for i, field in enumerate(FIELDS[2:], start=2):
         values = [row[i] for row in table]
-        if field != "calls" and len(set(values)) > 1:
+        if field not in ("calls", "content") and len(set(values)) > 1:
             if field in details:  # every rank sees the same table, so all gather together
                 detail = details[field]
                 shown = _gather_detail(detail() if callable(detail) else detail, cp_group,
@@ -338,7 +344,13 @@ def _raise_on_difference(table: List[List[int]], names: Dict[str, Sequence[str]]
 def _raise_on_calls(table: List[List[int]], names, on_calls, cp_group, device) -> None:
     """The digests of the calls that exchanged nothing differ: gather each rank's distinct
     rows (on this path only) and name the first field that differs."""
-    calls = FIELDS.index("calls")
+    calls, content = FIELDS.index("calls"), FIELDS.index("content")
+    if len({row[content] for row in table}) > 1 and len({row[calls] for row in table}) < 2:
+        raise ValueError(
+            f"CP ranks disagree on key_padding_mask in a later call: its contents differ "
+            "(compared on the device; the calls after the first of a micro-batch exchange "
+            "nothing: the difference was found at the next agreement, before any optimizer "
+            "step); every rank of cp_group must pass the same value")
     if len({row[calls] for row in table}) < 2:
         return
     flat = _gather_detail(on_calls() if on_calls is not None else [], cp_group, device,

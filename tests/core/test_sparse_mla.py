@@ -10,6 +10,7 @@ positions on every rank and CP size; the byte counter sees one all-gather of
 import pytest
 import torch
 
+from mindspeed_laga import handshake
 from mindspeed_laga.sparse.form import sparse_laga_attention
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import sparse_mla as sm
@@ -69,11 +70,13 @@ def test_tie_picks_lowest_positions(measured, references):
 @pytest.mark.timeout(200)
 def test_one_gather_one_reduce_scatter(measured):
     """Per call: one all-gather of d_c + d_r + D values per local token forward, one
-    reduce-scatter of the same backward, nothing else."""
+    reduce-scatter of the same backward, nothing else but the ranks' agreement (one row of
+    int64 per rank, exchanged on every call here: the workers open no micro-batch)."""
     cp_size, _, per_rank = measured
     tokens = sm.S // cp_size * sm.B
     width = (sm.D_C + sm.D_R + sm.INDEX_DIM) * tokens * 8
-    expected = [("all_gather", "forward", width), ("reduce_scatter", "backward", width)]
+    expected = [("handshake", "forward", len(handshake.FIELDS) * 8),
+                ("all_gather", "forward", width), ("reduce_scatter", "backward", width)]
     for ranks in per_rank:
         for run in ranks:
             assert run["records"] == (expected if cp_size > 1 else []), run["records"]
@@ -92,7 +95,7 @@ def test_counter_at_deepseek_v32_dims():
     bf = 8  # float64 inputs
     for ranks in per_rank:
         (run,) = ranks
-        forward = [p for kind, d, p in run["records"] if d == "forward"]
+        forward = [p for kind, d, p in run["records"] if d == "forward" and kind != "handshake"]
         values = forward[0] / bf / (V32["S"] // 2 * V32["B"])
         assert len(forward) == 1 and values == 704, run["records"]
     assert HOST_KVALLGATHER_VALUES == 1920 and round(HOST_KVALLGATHER_VALUES / 704, 2) == 2.73
