@@ -199,6 +199,25 @@ def test_tables_fit_100_columns(capsys, argv):
     assert not wide, wide
 
 
+@pytest.mark.parametrize("copies", [0, 2])
+def test_memory_table_fits_100_columns_for_any_number_of_kernels(capsys, monkeypatch, copies):
+    """``--kernel both`` shows every CPU kernel: with every registered kind (npu's too), and
+    with more kernels of the same kinds (shown once each kind, the others named), in blocks
+    that stay within 100 columns."""
+    from mindspeed_laga.kernels.registry import KERNEL_NAMES, model_kind
+    from mindspeed_laga.tools.commands import plan
+    extra = tuple(f"{k}_{i}" for i in range(copies) for k in KERNEL_NAMES)
+    monkeypatch.setattr(plan, "CPU_KERNELS", KERNEL_NAMES + extra)
+    monkeypatch.setattr(plan, "model_kind", lambda k, device: model_kind(k.split("_")[0], device))
+    code, out, err = run_cli(capsys, "plan", "--kernel", "both", "--cp-algo", "allgather")
+    assert code == 0, err
+    wide = [line for line in out.splitlines() if len(line) > 100]
+    assert not wide, wide
+    headers = [block.splitlines()[0] for block in out.split("\nmemory")[1:]]
+    assert sorted(k for h in headers for k in KERNEL_NAMES if f"saved {k} " in h) == sorted(KERNEL_NAMES)
+    assert all(f"{k}_0" in out and f"{k}_0 " not in " ".join(headers) for k in KERNEL_NAMES[:copies])
+
+
 def test_every_flag_says_what_it_is():
     plan = cli.build_parser()._subparsers._group_actions[0].choices["plan"]
     silent = [a.option_strings for a in plan._actions if a.option_strings and not a.help]

@@ -492,13 +492,38 @@ def _print_comm_flops(entry: dict, algo: str) -> None:
     _print_rows(cells, algo)
 
 
+MEMORY_COLUMNS = 36  # one kernel's saved, form/expl and peak columns in the memory table
+
+
+def _kernel_groups(per_kernel: Dict[str, dict]) -> Dict[str, List[str]]:
+    """{shown kernel: the kernels after it with the same figures (the same cost-model
+    kind)}: a kernel that differs in nothing gets no columns of its own."""
+    groups: Dict[str, List[str]] = {}
+    for k, rows in per_kernel.items():
+        same = next((g for g in groups if per_kernel[g] == rows), None)
+        groups.setdefault(k, []) if same is None else groups[same].append(k)
+    return groups
+
+
 def _print_memory(entry: dict, algo: str) -> None:
-    kernels = list(entry["kernels"])
+    """Per kernel the memory columns, as many kernels a block as fit WIDTH (a block per
+    line of kernels: any number of registered kernels stays within the terminal)."""
+    groups = _kernel_groups(entry["kernels"])
+    shown = list(groups)
+    per_block = max(1, (WIDTH - 20) // MEMORY_COLUMNS)
+    for start in range(0, len(shown), per_block):
+        _print_memory_block(entry, algo, shown[start:start + per_block])
+    for k, same in groups.items():
+        if same:
+            _say(f"{', '.join(same)} = {k} in every memory column (the same cost-model kind)", "  ")
+
+
+def _print_memory_block(entry: dict, algo: str, kernels: List[str]) -> None:
     print()
-    print(f"{'memory':<20}" + "".join(f" {'saved ' + k:>12} {'form/expl':>9} {'peak ' + k:>12}"
-                                      for k in kernels))
+    print(f"{'memory':<20}" + "".join(f" {('saved ' + k)[:12]:>12} {'form/expl':>9} "
+                                      f"{('peak ' + k)[:12]:>12}" for k in kernels))
     print(f"{'':<20}" + "".join(f" {'(worst rank)':>12} {'':>9} {'(worst rank)':>12}" for _ in kernels))
-    print("-" * (20 + 36 * len(kernels)))
+    print("-" * (20 + MEMORY_COLUMNS * len(kernels)))
     cells = {}
     for name in entry["kernels"][kernels[0]]:
         line = []
