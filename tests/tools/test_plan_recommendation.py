@@ -103,7 +103,7 @@ def test_every_algorithm_names_the_host_algorithm_that_runs_it(name):
     from mindspeed_laga.tools.commands.recommend import training_flags
     from mindspeed_laga.tools.runspec import standard_runs
     from mindspeed_laga.tools import costmodel as cm
-    from features.laga_args import CP_ALGO_MAP
+    from mindspeed_laga.features.laga_args import CP_ALGO_MAP
     a = ALGOS[name]
     assert a.host_algo, f"{name} names no MindSpeed --context-parallel-algo"
     cfg = cm.Config(cm.preset("deepseek-v3"), 4096, cp_size=4, cp_algo=name,
