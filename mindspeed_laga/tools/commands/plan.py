@@ -593,10 +593,14 @@ def _print_times(times: dict) -> None:
         algos = list(m["rows"])
         label = {a: f"hybrid U={m.get('ulysses_degree')}" if takes_ulysses_degree(a) else a for a in algos}
         timed = [a for a in algos if "error" not in m["rows"][a]]
-        print(f"  {'variant':<20}" + "".join(f" {label[a]:>12}" for a in timed))
         variants = list(dict.fromkeys(v for a in timed for v in m["rows"][a]))
-        for v in variants:
-            print(f"  {v:<20}" + "".join(f" {1e3 * m['rows'][a][v]['total_s']:>12.2f}" for a in timed))
+        per_block = max(1, (WIDTH - 22) // 13)  # as many algorithm columns as fit WIDTH
+        for start in range(0, len(timed), per_block):
+            block = timed[start:start + per_block]
+            print(f"  {'variant':<20}" + "".join(f" {label[a]:>12}" for a in block))
+            for v in variants:
+                print(f"  {v:<20}" + "".join(f" {1e3 * m['rows'][a][v]['total_s']:>12.2f}"
+                                             for a in block))
         for a in algos:
             if a not in timed:
                 _say(f"{label[a]}: n/a: {m['rows'][a]['error']}", "  ")
