@@ -12,7 +12,8 @@ _API = {"FORMS": ".api", "absorbed_attention": ".api", "explicit_attention": ".a
         "laga_attention": ".api", "CommCounter": ".comm", "count_bytes": ".comm",
         "LatentGather": ".forms.latent_source", "start_latent_gather": ".forms.latent_source",
         "mla_attention_reference": ".reference",
-        "SparseResult": ".forms.sparse_mla", "sparse_laga_attention": ".forms.sparse_mla"}
+        "SparseResult": ".sparse.form", "sparse_laga_attention": ".sparse.form",
+        "new_micro_batch": ".agreement", "settle": ".agreement"}
 
 
 def __getattr__(name):
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = ["laga_attention", "explicit_attention", "absorbed_attention", "FORMS",
            "count_bytes", "CommCounter", "start_latent_gather", "LatentGather", "mla_attention_reference",
-           "sparse_laga_attention", "SparseResult",
+           "sparse_laga_attention", "SparseResult", "new_micro_batch", "settle",
            "patch_megatron_mla", "unpatch_megatron_mla"]
 
 

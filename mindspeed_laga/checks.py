@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
-from . import comm, handshake, kernels
+from . import agreement, comm, handshake, kernels
 from .cp_algos import ALGOS, algo
 from .key_padding import check_empty_rows, check_key_padding, padding_code, padding_counts
 from .options import AttnOptions
@@ -240,8 +240,9 @@ def _takes_degree(cp_algo) -> bool:
     return known is not None and known.takes_ulysses_degree
 
 
-def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
-    """cu_seqlens -> a tuple of global document boundaries (or None), checked."""
+def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1, cp_group=None):
+    """cu_seqlens -> a tuple of global document boundaries (or None), checked (a tensor is
+    read once per micro-batch: agreement.memo)."""
     if cu_seqlens is None:
         return resolve_documents(None, 0, layout, cp_size, degree)
     if query.shape[1] != 1:
@@ -255,7 +256,8 @@ def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1):
         if cu_seqlens.device.type == "meta":
             raise ValueError("cu_seqlens is a meta tensor (it has no values); pass the document "
                              "boundaries as a CPU/device integer tensor or a list of ints")
-        cu_seqlens = cu_seqlens.tolist()
+        cu_seqlens = agreement.memo(cp_group, ("cu_seqlens",) + agreement.tensor_key(cu_seqlens),
+                                    cu_seqlens.tolist)
     try:
         return resolve_documents(cu_seqlens, query.shape[0] * cp_size, layout, cp_size, degree)
     except OverflowError:  # int(inf)
@@ -370,7 +372,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
         degree = _check_ulysses_group(o.cp_algo, o.ulysses_group, o.cp_group, cp_size, dims.heads)
         _check_split(dims, query.shape[0], cp_size, o.cp_algo, o.layout, degree)
-        documents = _documents(o.cu_seqlens, query, cp_size, o.layout, degree)
+        documents = _documents(o.cu_seqlens, query, cp_size, o.layout, degree, o.cp_group)
         kernel = kernels.resolve(o.kernel, query.device, query.dtype, o.blockwise, o.pad_v)
         check_empty_rows(o.empty_rows)
         check_key_padding(o.key_padding_mask, query, cp_size, documents)
@@ -391,25 +393,29 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
 
 
 def _exchange(o: AttnOptions, tensors, dims, documents, failure) -> None:
-    """The handshake (handshake.py), unless every rank agreed to skip it and this call does
-    not ask for it (explicit check_ranks=True). Raises ``failure`` here on this rank."""
-    force = o.check_ranks is True
-    if handshake.skips(o.cp_group) and not force:  # build no row on the hot path
-        handshake.agree({}, failure, o.cp_group, "cpu")
+    """The agreement of this call (agreement.py decides whether it exchanges, folds or
+    skips, alike on every rank). Raises ``failure`` here on this rank."""
+    if comm.group_size(o.cp_group) == 1:
+        if failure is not None:
+            raise failure
         return
-    values = _agreed_values(o, tensors, dims)
-    values["ulysses_degree"] = _ulysses_degree_value(o.cp_algo, o.ulysses_group)
-    details = None
-    if failure is None:
-        values["documents"] = documents_code(documents)
-        mask = o.key_padding_mask
-        values["key_padding"] = padding_code(mask)
-        details = {"documents": list(documents or ()),
-                   "key_padding": [] if mask is None else padding_counts(mask)}
     query = tensors[0]
     device = query.device if isinstance(query, torch.Tensor) else "cpu"
-    handshake.agree(values, failure, o.cp_group, device, names=_NAMES, force=force,
-                    details=details)
+    mask = o.key_padding_mask
+
+    def row() -> Dict[str, int]:
+        values = _agreed_values(o, tensors, dims)
+        values["ulysses_degree"] = _ulysses_degree_value(o.cp_algo, o.ulysses_group)
+        values["documents"] = documents_code(documents)
+        values["key_padding"] = agreement.memo(
+            o.cp_group, ("key_padding",) + agreement.tensor_key(mask),
+            lambda: padding_code(mask)) if isinstance(mask, torch.Tensor) else 0
+        return values
+
+    details = {"documents": list(documents or ()),
+               "key_padding": (lambda: []) if mask is None else (lambda: padding_counts(mask))}
+    agreement.agree_call(o.cp_group, o.check_ranks, failure, device, row, names=_NAMES,
+                         details=details)
 
 
 _NAMES = {"empty_rows": EMPTY_ROWS, "form": FORMS, "cp_algo": ATTN_CP_ALGOS, "layout": LAYOUTS,
@@ -448,5 +454,15 @@ def _agreed_values(o: AttnOptions, tensors, dims: Optional[MLADims]) -> Dict[str
         values.update(recompute_kv=_flag(o.recompute_kv),
                       trim_causal_prefix=_flag(o.trim_causal_prefix),
                       kv_block_size=block if isinstance(block, int) and not isinstance(block, bool)
-                      else 0, latent_gather=int(o.latent_gather is not None))
+                      else 0, latent_gather=int(o.latent_gather is not None),
+                      kv_up_linear=kv_up_linear_code(o.kv_up_linear))
     return values
+
+
+def kv_up_linear_code(linear) -> int:
+    """The up-projection as an int64 for the agreement: 0 for F.linear (None); else the
+    function's ``agreement_code`` (an adapter's code of its FP8 recipe and scales), or 1."""
+    if linear is None:
+        return 0
+    code = getattr(linear, "agreement_code", 1)
+    return code if isinstance(code, int) and not isinstance(code, bool) else 1

@@ -14,11 +14,13 @@ travel as an int64 is that rank's rejection, never an error before the
 exchange, and meta tensors exchange on the backend's device.
 
 The row has the same length for every call that can handshake (the
-attention forms and ``start_latent_gather``), so a rank that overlaps the
-latent gather and one that does not meet in the same collective and the
-difference is reported, not hung on.
+attention forms, sparse MLA, ``start_latent_gather`` and ``agreement.settle``),
+so a rank that overlaps the latent gather and one that does not meet in the same
+collective and the difference is reported, not hung on.
 
-``check_ranks`` and the group's policy (see docs/DESIGN.md, section
+*Which* calls exchange is ``agreement.py``'s decision: once per micro-batch for a
+group that opens micro-batches (the adapters do), every call otherwise. In the
+latter, per-call mode (see docs/DESIGN.md, section
 "Handshake"): the first call on a CP group always exchanges, whatever
 ``check_ranks`` says, and the exchanged row carries ``check_ranks`` itself. Once every rank has
 passed ``check_ranks=False`` in an exchange, the group's later calls skip it
@@ -47,8 +49,14 @@ FIELDS = ("rejected", "stage", "check_ranks", "form", "cp_algo", "layout", "caus
           "softmax_scale", "local_len", "micro_batch", "heads", "qk_head_dim", "rope_dim",
           "v_head_dim", "kv_lora_rank", "dtype", "requires_grad", "recompute_kv",
           "kv_block_size", "trim_causal_prefix", "latent_gather", "documents", "ulysses_degree", "key_padding",
-          "empty_rows")
-STAGES = ("attention", "start_latent_gather")
+          "empty_rows", "kv_up_linear",
+          # sparse MLA (DSA)
+          "index_topk", "index_heads", "index_head_dim", "loss_target", "loss_coeff",
+          "indexer_kernel", "attention_kernel", "loss_kernel",
+          # the digest of the calls that exchanged nothing since the last exchange (agreement.py)
+          "calls")
+# What a row comes from: a dense form, the overlapped gather, sparse MLA, or agreement.settle.
+STAGES = ("attention", "start_latent_gather", "sparse_attention", "settle")
 # How a difference is named in the message (arguments by their keyword).
 LABELS = {"local_len": "the local sequence length", "micro_batch": "the micro-batch",
           "heads": "the heads", "rope_dim": "the qk_pos_emb_head_dim",
@@ -57,7 +65,14 @@ LABELS = {"local_len": "the local sequence length", "micro_batch": "the micro-ba
           "requires_grad": "which inputs need grads (requires_grad under grad mode)",
           "ulysses_degree": "the size of ulysses_group", "documents": "documents (cu_seqlens)",
           "key_padding": "key_padding_mask (which keys are padding; shown: padding keys "
-                         "per sample)"}
+                         "per sample)",
+          "kv_up_linear": "kv_up_linear (the up-projection: F.linear, or the FP8 recipe "
+                          "and scales of the host's matmul)",
+          "index_topk": "index_topk", "index_heads": "the index heads (index_query.shape[2])",
+          "index_head_dim": "the index head dim (index_key.shape[-1])",
+          "loss_target": "loss_target", "loss_coeff": "indexer_loss_coeff",
+          "indexer_kernel": "indexer_kernel", "attention_kernel": "attention_kernel",
+          "loss_kernel": "loss_kernel"}
 UNKNOWN = -1
 # The dtypes the forms run (float8 and the rest are refused by name), as handshake codes.
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -96,7 +111,10 @@ def _grad_names(bits: int) -> List[str]:
 
 
 def reset(cp_group=None) -> None:
-    """Exchange again on every call of ``cp_group`` (all groups when None); call on every rank."""
+    """Exchange again on every call of ``cp_group`` (all groups when None), in per-call mode
+    until the group opens a micro-batch again; call on every rank."""
+    from . import agreement  # agreement builds on this module
+    agreement.reset(cp_group)
     if cp_group is None:
         _SKIP.clear()
     else:
@@ -110,7 +128,7 @@ def skips(cp_group) -> bool:
 
 def agree(values: Dict[str, int], failure, cp_group, device,
           names: Optional[Dict[str, Sequence[str]]] = None, *, force: bool = False,
-          details: Optional[Dict[str, Sequence[int]]] = None) -> None:
+          details: Optional[Dict[str, object]] = None, on_calls=None) -> None:
     """Exchange ``values`` (keys from FIELDS) and this rank's verdict; raise alike on every rank.
 
     ``failure``: this rank's local error (an exception, or its message), None
@@ -118,7 +136,9 @@ def agree(values: Dict[str, int], failure, cp_group, device,
     ``names`` maps a field to the names of its codes, for the message;
     ``force``: exchange even when the group skips (explicit ``check_ranks=True``);
     ``details``: per field, this rank's full value behind a code (the document
-    boundaries behind their hash), gathered only when ranks differ on it.
+    boundaries behind their hash), a list or a function returning it, gathered only when
+    ranks differ on it. ``on_calls()``: this rank's distinct folded rows, flattened
+    (agreement.py), gathered only when the ranks' ``calls`` digests differ.
     """
     if comm.group_size(cp_group) == 1:
         _raise(failure)
@@ -133,6 +153,7 @@ def agree(values: Dict[str, int], failure, cp_group, device,
     table = comm.handshake(row, cp_group, device)
     _raise_on_rejection(table, failure, cp_group, device)
     _raise_on_difference(table, names or {}, details or {}, cp_group, device)
+    _raise_on_calls(table, names or {}, on_calls, cp_group, device)
     if all(r[FIELDS.index("check_ranks")] == 0 for r in table):
         _SKIP[cp_group] = True
 
@@ -202,6 +223,14 @@ def _raise(failure) -> None:
 
 def _as_exception(failure) -> BaseException:
     return failure if isinstance(failure, BaseException) else ValueError(failure)
+
+
+as_exception = _as_exception
+
+
+def row_of(values: Dict[str, int]) -> tuple:
+    """``values`` as a full row (UNKNOWN where absent), as a tuple: what a call folds."""
+    return tuple(values.get(name, UNKNOWN) for name in FIELDS)
 
 
 def check_same_weight(weight, cp_group, name: str = "kv_up_weight",
@@ -282,19 +311,57 @@ def _raise_on_difference(table: List[List[int]], names: Dict[str, Sequence[str]]
                          details: Dict[str, Sequence[int]], cp_group, device) -> None:
     stage = FIELDS.index("stage")
     if len({row[stage] for row in table}) > 1:
-        by_rank = [STAGES[row[stage]] for row in table]
+        by_rank = [STAGES[row[stage]] if 0 <= row[stage] < len(STAGES) else row[stage]
+                   for row in table]
+        if set(by_rank) <= {"attention", "start_latent_gather"}:
+            raise ValueError(
+                f"CP ranks disagree on latent_gather: the ranks' calls are {by_rank}; every "
+                "rank must start the overlapped gather (start_latent_gather + latent_gather=) "
+                "or none")
         raise ValueError(
-            f"CP ranks disagree on latent_gather: the ranks' calls are {by_rank}; every rank "
-            "must start the overlapped gather (start_latent_gather + latent_gather=) or none")
+            f"CP ranks are in different calls: {by_rank} (by rank); every rank of cp_group "
+            "must make the same LAGA calls in the same order (the same modules, the same "
+            "micro-batches, agreement.settle on every rank alike)")
     for i, field in enumerate(FIELDS[2:], start=2):
         values = [row[i] for row in table]
-        if len(set(values)) > 1:
+        if field != "calls" and len(set(values)) > 1:
             if field in details:  # every rank sees the same table, so all gather together
-                shown = _gather_detail(details[field], cp_group, device)
+                detail = details[field]
+                shown = _gather_detail(detail() if callable(detail) else detail, cp_group,
+                                       device)
             else:
                 shown = [_show(field, v, names) for v in values]
             raise ValueError(f"CP ranks disagree on {LABELS.get(field, field)}: {shown} (by "
                              "rank); every rank of cp_group must pass the same value")
+
+
+def _raise_on_calls(table: List[List[int]], names, on_calls, cp_group, device) -> None:
+    """The digests of the calls that exchanged nothing differ: gather each rank's distinct
+    rows (on this path only) and name the first field that differs."""
+    calls = FIELDS.index("calls")
+    if len({row[calls] for row in table}) < 2:
+        return
+    flat = _gather_detail(on_calls() if on_calls is not None else [], cp_group, device,
+                          shorten=False)
+    width = len(FIELDS)
+    rows = [[tuple(f[i:i + width]) for i in range(0, len(f or []), width)] for f in flat]
+    why = "(the calls after the first of a micro-batch exchange nothing: the difference " \
+          "was found at the next agreement, before any optimizer step)"
+    for k in range(max(len(r) for r in rows)):
+        kth = [r[k] if k < len(r) else None for r in rows]
+        if any(row is None for row in kth):
+            raise ValueError(f"CP ranks made different LAGA calls in a micro-batch {why}; "
+                             "every rank of cp_group must run the same modules in the same "
+                             "order")
+        for i, field in enumerate(FIELDS[2:], start=2):
+            values = [row[i] for row in kth]
+            if len(set(values)) > 1:
+                shown = [_show(field, v, names) for v in values]
+                raise ValueError(f"CP ranks disagree on {LABELS.get(field, field)} in a later "
+                                 f"call: {shown} (by rank) {why}; every rank of cp_group must "
+                                 "pass the same value")
+    raise ValueError(f"CP ranks made their LAGA calls in a different order or number {why}; "
+                     "every rank of cp_group must run the same modules in the same order")
 
 
 def _gather_detail(mine: Sequence[int], cp_group, device, shorten: bool = True) -> List[object]:
@@ -313,7 +380,7 @@ def _shorten(values: List[int], keep: int = 12):
 def _show(field: str, value: int, names: Dict[str, Sequence[str]]):
     if value == UNKNOWN:
         return "unknown"
-    if field == "softmax_scale":
+    if field in ("softmax_scale", "loss_coeff"):
         return bits_float(value)
     if field == "dtype" and 0 <= value < len(DTYPES):
         return str(DTYPES[value])

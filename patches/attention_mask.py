@@ -12,53 +12,28 @@ mask split by CP) is refused by name on every CP rank before any data
 collective: LAGA never runs a different mask than the host's. A plain causal
 mask (no padding) gives None: the fast path.
 
-The check costs one comparison of the mask per distinct mask state (a block
-of rows at a time, so nothing of [S, S] is allocated): the verdict is kept for
-the same object at the same version counter and last row, so the layers of one
-forward, and its recompute, check it once, and an edit through ``.data`` or
-numpy (which bumps no version counter) is read again. With CP every call
-exchanges the verdict and a digest of the padding (``key_padding.padding_code``),
-the mask's or None: the ranks raise together on any difference, whatever their
-calls' mask objects.
+The check costs one comparison of the mask (a block of rows at a time, so
+nothing of [S, S] is allocated) once per micro-batch: under CP the verdict is kept
+for the micro-batch (``agreement.memo``, keyed by the mask's storage, view and
+version counter, which a recompute's ``detach`` keeps), so the layers of one
+forward, and its recompute, read nothing from the device. The next micro-batch
+reads the mask again, whatever object it is; an edit within one micro-batch that
+bumps no version counter (through ``.data`` or numpy) is read at the next one.
+Without micro-batches (no CP, or a caller that never opens one) every call reads
+it. The ranks' agreement on the padding is the core call's (its ``key_padding``
+field, exchanged once per micro-batch); a mask this rank refuses does not raise
+here under CP: the layer's core call reports it on every rank
+(``agreement.defer_failure``), before any data collective.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
 
-from mindspeed_laga import handshake
-from mindspeed_laga.key_padding import padding_code, padding_counts
+from mindspeed_laga import agreement
 
 COMPRESSED_MASK_SIZE = 2048  # MindSpeed's compressed causal mask (flash attention, sparse mode 2/3)
-
-
-class MaskVerdict:
-    """The last mask seen and what it means: (key padding or None, error or None).
-
-    Kept for the same object at the same version counter *and* the same last row (the
-    padding, [b|1, S], compared on every call): an edit through ``.data`` or numpy
-    bumps no version counter, and a stale verdict would hand the core old padding."""
-
-    def __init__(self):
-        self.ref, self.state, self.row, self.result = None, None, None, None
-
-    def lookup(self, mask, *shape):
-        same = self.ref is not None and self.ref() is mask and self.state == (mask._version, shape)
-        return self.result if same and torch.equal(self.row, _last_row(mask)) else None
-
-    def keep(self, mask, result, *shape):
-        self.ref, self.state = weakref.ref(mask), (mask._version, shape)
-        self.row, self.result = _last_row(mask).clone(), result
-
-
-def _last_row(mask: torch.Tensor) -> torch.Tensor:
-    """What the padding is read from: the last query's row (the whole tensor below 2-D)."""
-    return mask[..., -1, :] if mask.dim() >= 2 else mask
-
-
-_VERDICT = MaskVerdict()
 
 
 def key_padding_from_mask(mask, seq_len: int, micro_batch: int, cp_group,
@@ -67,37 +42,36 @@ def key_padding_from_mask(mask, seq_len: int, micro_batch: int, cp_group,
 
     ``length_error(S)``: the message for a full length the CP split cannot take, or None
     (the mask's S is the batch's padded length, which --no-pad-to-seq-lengths varies).
-    Raises on every CP rank alike when any rank's mask is not causal + key padding over
-    the full sequence, or the ranks' masks differ: with CP every call exchanges the
-    verdict and a digest of the padding, a mask or None, before any data moves (whether
-    a rank's mask is new, reused or absent is its own business, so no call may skip it:
-    a rank that skipped would meet its peers' exchange with its data collective)."""
-    padding, failure = _verdict(mask, seq_len, micro_batch, length_error)
+    A mask that is not causal + key padding over the full sequence raises; under CP
+    (a group of size > 1) the raise is left to the layer's core call, which reports it on
+    every CP rank alike (module docstring)."""
+    padding, failure = _verdict(mask, seq_len, micro_batch, length_error, cp_group)
+    if failure is None:
+        return padding
     if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
-        device = mask.device if mask is not None else handshake.exchange_device("meta", cp_group)
-        handshake.agree({"key_padding": padding_code(padding)}, failure, cp_group, device,
-                        force=True, details={"key_padding": padding_counts(padding)
-                                             if padding is not None else []})
-    if failure is not None:
-        raise failure
-    return padding
+        agreement.defer_failure(cp_group, failure)
+        return None
+    raise failure
 
 
-def _verdict(mask, seq_len: int, micro_batch: int, length_error):
-    """(key padding or None, this rank's error or None), checked once per mask state."""
+def _verdict(mask, seq_len: int, micro_batch: int, length_error, cp_group):
+    """(key padding or None, this rank's error or None), read once per micro-batch."""
     if mask is None:
         return None, None
-    result = _VERDICT.lookup(mask, seq_len, micro_batch)
-    if result is None:
-        try:
-            length = mask.shape[-1] if mask.dim() else 0
-            if length_error is not None and length_error(length):
-                raise ValueError(length_error(length))
-            result = (_key_padding(mask, seq_len, micro_batch), None)
-        except ValueError as exc:
-            result = (None, exc)
-        _VERDICT.keep(mask, result, seq_len, micro_batch)
-    return result
+    if not isinstance(mask, torch.Tensor):
+        return None, ValueError(_refused(f"an attention mask of type {type(mask).__name__}"))
+    key = ("attention_mask",) + agreement.tensor_key(mask) + (seq_len, micro_batch)
+    return agreement.memo(cp_group, key, lambda: _read(mask, seq_len, micro_batch, length_error))
+
+
+def _read(mask, seq_len: int, micro_batch: int, length_error):
+    try:
+        length = mask.shape[-1] if mask.dim() else 0
+        if length_error is not None and length_error(length):
+            raise ValueError(length_error(length))
+        return _key_padding(mask, seq_len, micro_batch), None
+    except ValueError as exc:
+        return None, exc
 
 
 def _key_padding(mask: torch.Tensor, seq_len: int, micro_batch: int) -> Optional[torch.Tensor]:

@@ -1,10 +1,12 @@
 """What both host patches share: the first-call checks (shapes, the same weights), the
-overlapped gather and the error an untested host raises.
+per-micro-batch agreement, the overlapped gather and the error an untested host raises.
 
-Every CP rank runs the same modules in the same order, so the ranks agree on
-shapes on a module's first call only and skip the exchange together later
-(no host sync per step). The first call also checks that every CP rank holds
-the same ``kv_up_weight`` (one more small exchange: a checksum).
+Every CP rank runs the same modules in the same order, so the ranks check a module
+in full on its first call (the warm-up: its row, and that every CP rank holds the
+same ``kv_up_weight``, one more small exchange: a checksum), and after that agree
+once per micro-batch (mindspeed_laga/agreement.py): a module called again outside
+backward opens the next micro-batch, whose first LAGA call exchanges; the others
+exchange nothing and read nothing from the device.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Dict, Optional
 
 import torch.distributed as dist
 
-from mindspeed_laga import handshake
+from mindspeed_laga import agreement, handshake
 
 
 def first_call(module) -> bool:
@@ -22,6 +24,15 @@ def first_call(module) -> bool:
     first = not getattr(module, "_laga_checked", False)
     module._laga_checked = True
     return first
+
+
+def agree_per_micro_batch(module, cp_group) -> Optional[bool]:
+    """``check_ranks`` for this call of ``module``: True on its first call (checked in full),
+    None after (the agreement protocol). Counts the call first (agreement.open_micro_batch),
+    so the first module of each new micro-batch opens it on every rank alike."""
+    first = first_call(module)
+    agreement.open_micro_batch(module, cp_group)
+    return True if first else None
 
 
 def check_weight_once(first: bool, read_weight, cp_group, settings=None):

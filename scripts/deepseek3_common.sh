@@ -1,13 +1,18 @@
-# What the DeepSeek-V3 recipes (pretrain_deepseek3_laga.sh, tune_deepseek3_laga.sh) share,
+# What the DeepSeek-V3 recipes (pretrain_deepseek3_laga.sh, tune_deepseek3_laga.sh and
+# pretrain_deepseek3_128k_laga.sh) share,
 # sourced by each after it sets its own layout: the model, the settings both stock
 # recipes train with, the CP flags, LAGA's switch and flags, and the launch.
 #
 # The caller sets TP, PP, EP, SEQ_LEN, GBS and the node defaults (NPUS_PER_NODE, NNODES,
-# MASTER_PORT), and may name its own 0/1 switches in LAGA_SWITCHES. Each script's test
+# MASTER_PORT), may name its own 0/1 switches in LAGA_SWITCHES, and says how it packs
+# documents: LAGA_DOCUMENTS_SWITCH names its switch for --reset-attention-mask, or is
+# "general" when it always packs under --attention-mask-type general. Each script's test
 # compares its launch line with its stock MindSpeed-LLM recipe flag for flag, so a flag
 # here is one both stock recipes pass (a recipe of another shape replaces MODEL_ARGS and
 # TRAIN_ARGS after sourcing this file). Every environment value is checked here, before
 # anything launches (DRY_RUN=1 too): a wrong one stops the script with one line, exit 2.
+# The CP checks refuse what MindSpeed(-LLM) refuses at start-up and, with LAGA=1, what
+# LAGAFeature refuses (features/laga_checks.py), so a dry run that passes is one they take.
 
 LAGA=${LAGA:-1}
 LAGA_KERNEL=${LAGA_KERNEL:-auto}   # auto = npu_fusion_attention on NPU tensors
@@ -23,6 +28,14 @@ ULYSSES_DEGREE=${ULYSSES_DEGREE:-}   # hybrid_cp_algo's --ulysses-degree-in-cp
 MINDSPEED_LLM_DIR=${MINDSPEED_LLM_DIR:-$PWD}
 NUM_HEADS=128                        # DeepSeek-V3's attention heads
 TRANSFORMER_IMPL=${TRANSFORMER_IMPL:-local}
+DRY_RUN=${DRY_RUN:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+NODE_RANK=${NODE_RANK:-0}
+# The kernels --mla-laga-kernel takes (features/laga_args.py, KERNEL_CHOICES).
+LAGA_KERNELS="auto eager npu"
+# Every integer is at most this: checked as text before any arithmetic, so a value past
+# bash's 64-bit integers (CP=18446744073709551618) cannot wrap into a small one.
+LAGA_INT_MAX=2147483647
 
 # laga_fail MESSAGE...: one line on stderr naming the script, exit 2.
 laga_fail() {
@@ -30,35 +43,102 @@ laga_fail() {
     exit 2
 }
 
-laga_positive() {  # laga_positive NAME: the variable NAME holds a positive integer
-    case "${!1}" in
-        '' | *[!0-9]* | 0*) laga_fail "$1=${!1}: must be a positive integer" ;;
+# laga_int NAME MIN MAX WORDS: the variable NAME holds a decimal integer from MIN to MAX
+# (no sign, no leading zero); else one line "NAME=value: must be WORDS".
+laga_int() {
+    local value=${!1}
+    case "$value" in
+        0) ;;
+        '' | *[!0-9]* | 0*) laga_fail "$1=$value: must be $4" ;;
     esac
+    if ((${#value} > ${#3})) || ((value < $2 || value > $3)); then
+        laga_fail "$1=$value: must be $4"
+    fi
+}
+
+laga_positive() {  # laga_positive NAME: the variable NAME holds a positive integer
+    laga_int "$1" 1 "$LAGA_INT_MAX" "a positive integer up to $LAGA_INT_MAX"
+}
+
+# laga_one_of NAME CHOICES: the variable NAME holds one of the space-separated CHOICES.
+laga_one_of() {
+    local choice
+    for choice in $2; do
+        [ "${!1}" != "$choice" ] || return 0
+    done
+    laga_fail "$1=${!1}: use one of ${2// /, }"
 }
 
 # laga_check_env: the values above and the caller's, before anything launches.
 laga_check_env() {
-    local v heads
-    for v in LAGA LAGA_RECOMPUTE LAGA_TRIM LAGA_OVERLAP ${LAGA_SWITCHES:-}; do
+    laga_check_switches
+    laga_check_launch_values
+    laga_check_laga_options
+    laga_check_cp
+}
+
+laga_check_switches() {  # every 0/1 switch
+    local v
+    for v in LAGA LAGA_RECOMPUTE LAGA_TRIM LAGA_OVERLAP DRY_RUN ${LAGA_SWITCHES:-}; do
         case "${!v}" in
             0 | 1) ;;
             *) laga_fail "$v=${!v}: must be 0 or 1" ;;
         esac
     done
-    for v in CP SEQ_LEN TP; do laga_positive "$v"; done
-    [ -z "$LAGA_BLOCK" ] || laga_positive LAGA_BLOCK
-    case "$CP_TYPE" in
-        ulysses_cp_algo | kvallgather_cp_algo | megatron_cp_algo | hybrid_cp_algo) ;;
-        *) laga_fail "CP_TYPE=$CP_TYPE: use ulysses_cp_algo, kvallgather_cp_algo, megatron_cp_algo or hybrid_cp_algo" ;;
+}
+
+laga_check_launch_values() {  # what torchrun and the host read
+    local v
+    for v in CP SEQ_LEN TP NNODES NPUS_PER_NODE; do laga_positive "$v"; done
+    laga_int MASTER_PORT 1 65535 "a port number from 1 to 65535"
+    laga_int NODE_RANK 0 $((NNODES - 1)) "an integer from 0 to NNODES-1 = $((NNODES - 1))"
+    case "$MASTER_ADDR" in
+        *[[:space:]]*) laga_fail "MASTER_ADDR=$MASTER_ADDR: one host name or address, no spaces" ;;
     esac
-    heads=$((NUM_HEADS / TP))
+    laga_one_of TRANSFORMER_IMPL "local transformer_engine"
+}
+
+laga_check_laga_options() {  # LAGA's kernel and options, as LAGAFeature checks them
+    laga_one_of LAGA_KERNEL "$LAGA_KERNELS"
+    [ -z "$LAGA_BLOCK" ] || laga_positive LAGA_BLOCK
+    if [ -n "$LAGA_BLOCK" ] && [ "$LAGA_RECOMPUTE" != 1 ]; then
+        laga_fail "LAGA_BLOCK=$LAGA_BLOCK needs LAGA_RECOMPUTE=1 (blockwise rebuild keeps no K/V for backward)"
+    fi
+    [ "$LAGA" = 0 ] || return 0
+    # LAGA=0 runs MindSpeed's own attention, which none of these reach
+    local v
+    for v in LAGA_RECOMPUTE LAGA_TRIM LAGA_OVERLAP; do
+        [ "${!v}" = 0 ] || laga_fail "$v=${!v} needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
+    done
+    [ -z "$LAGA_BLOCK" ] || laga_fail "LAGA_BLOCK=$LAGA_BLOCK needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
+    [ "$LAGA_KERNEL" = auto ] ||
+        laga_fail "LAGA_KERNEL=$LAGA_KERNEL needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
+}
+
+# laga_documents: LAGA_DOCUMENTS, the recipe's packed documents, from the caller's
+# LAGA_DOCUMENTS_SWITCH: the name of its 0/1 switch for --reset-attention-mask ("packed"
+# when it is 1, else ""), or "general" for a recipe that always packs under
+# --attention-mask-type general.
+laga_documents() {
+    LAGA_DOCUMENTS=
+    case "${LAGA_DOCUMENTS_SWITCH:-}" in
+        '') ;;
+        general) LAGA_DOCUMENTS=general ;;
+        *) [ "${!LAGA_DOCUMENTS_SWITCH}" != 1 ] || LAGA_DOCUMENTS=packed ;;
+    esac
+}
+
+# laga_check_cp: the CP algorithm, its Ulysses degree and the sequence length, as
+# MindSpeed(-LLM) checks them at start-up and, with LAGA=1, as LAGAFeature does.
+laga_check_cp() {
+    local heads=$((NUM_HEADS / TP))
+    laga_documents
+    laga_one_of CP_TYPE "ulysses_cp_algo kvallgather_cp_algo megatron_cp_algo hybrid_cp_algo"
+    if [ "$LAGA_DOCUMENTS" = general ] && [ "$CP_TYPE" = kvallgather_cp_algo ]; then
+        laga_fail "CP_TYPE=kvallgather_cp_algo takes causal masks only, and this recipe trains with --attention-mask-type general: use ulysses_cp_algo, megatron_cp_algo or hybrid_cp_algo"
+    fi
     if [ -n "$ULYSSES_DEGREE" ]; then
-        laga_positive ULYSSES_DEGREE
-        [ "$CP_TYPE" = hybrid_cp_algo ] ||
-            laga_fail "ULYSSES_DEGREE=$ULYSSES_DEGREE goes with CP_TYPE=hybrid_cp_algo, not $CP_TYPE"
-        ((CP % ULYSSES_DEGREE == 0)) || laga_fail "ULYSSES_DEGREE=$ULYSSES_DEGREE must divide CP=$CP"
-        ((heads % ULYSSES_DEGREE == 0)) ||
-            laga_fail "ULYSSES_DEGREE=$ULYSSES_DEGREE must divide the $heads attention heads per TP rank"
+        laga_check_ulysses_degree "$heads"
     elif [ "$CP_TYPE" = hybrid_cp_algo ]; then
         laga_fail "CP_TYPE=hybrid_cp_algo needs ULYSSES_DEGREE=U, a divisor of CP=$CP"
     fi
@@ -66,15 +146,37 @@ laga_check_env() {
         ((heads % CP == 0)) ||
             laga_fail "CP=$CP must divide the $heads attention heads per TP rank (ulysses_cp_algo splits them)"
         ((SEQ_LEN % CP == 0)) || laga_fail "SEQ_LEN=$SEQ_LEN must be a multiple of CP=$CP"
+    elif [ "$CP_TYPE" = kvallgather_cp_algo ] && [ -n "$LAGA_DOCUMENTS" ]; then
+        ((SEQ_LEN % CP == 0)) ||
+            laga_fail "SEQ_LEN=$SEQ_LEN must be a multiple of CP=$CP (kvallgather_cp_algo cuts packed documents into CP slices)"
     else
         ((SEQ_LEN % (2 * CP) == 0)) ||
             laga_fail "SEQ_LEN=$SEQ_LEN must be a multiple of 2*CP=$((2 * CP)) ($CP_TYPE cuts it into 2*CP chunks)"
     fi
+    local world=$((NNODES * NPUS_PER_NODE)) model=$((TP * PP * CP))
+    ((world % model == 0)) ||
+        laga_fail "CP=$CP: TP*PP*CP = $TP*$PP*$CP = $model must divide the world size NNODES*NPUS_PER_NODE = $world"
+}
+
+# laga_check_ulysses_degree HEADS: hybrid_cp_algo's U, U ranks a Ulysses group and
+# CP/U > 1 rings (MindSpeed); LAGA=1 also needs U > 1 and no packed documents there.
+laga_check_ulysses_degree() {
+    laga_positive ULYSSES_DEGREE
+    [ "$CP_TYPE" = hybrid_cp_algo ] ||
+        laga_fail "ULYSSES_DEGREE=$ULYSSES_DEGREE goes with CP_TYPE=hybrid_cp_algo, not $CP_TYPE"
+    ((CP % ULYSSES_DEGREE == 0)) || laga_fail "ULYSSES_DEGREE=$ULYSSES_DEGREE must divide CP=$CP"
+    ((ULYSSES_DEGREE < CP)) ||
+        laga_fail "ULYSSES_DEGREE=$ULYSSES_DEGREE must be less than CP=$CP (hybrid_cp_algo needs two rings or more: use CP_TYPE=ulysses_cp_algo)"
+    (($1 % ULYSSES_DEGREE == 0)) ||
+        laga_fail "ULYSSES_DEGREE=$ULYSSES_DEGREE must divide the $1 attention heads per TP rank"
+    [ "$LAGA" = 1 ] || return 0
+    ((ULYSSES_DEGREE > 1)) ||
+        laga_fail "ULYSSES_DEGREE=1 with LAGA=1: hybrid_cp_algo needs U > 1 (use CP_TYPE=megatron_cp_algo for a ring alone)"
+    [ "$LAGA_DOCUMENTS" != packed ] ||
+        laga_fail "CP_TYPE=hybrid_cp_algo with packed documents ($LAGA_DOCUMENTS_SWITCH=1) is not covered by LAGA: set $LAGA_DOCUMENTS_SWITCH=0, use ulysses_cp_algo, kvallgather_cp_algo or megatron_cp_algo, or LAGA=0"
 }
 laga_check_env
 
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-NODE_RANK=${NODE_RANK:-0}
 CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-/path/to/save/ckpt}
 DATA_PATH=${DATA_PATH:-/path/to/dataset_prefix}
 TOKENIZER_PATH=${TOKENIZER_PATH:-/path/to/tokenizer}
@@ -269,7 +371,7 @@ deepseek3_launch() {
         --load "$CKPT_LOAD_DIR"
         --transformer-impl "$TRANSFORMER_IMPL"
         --distributed-backend nccl)
-    if [ "${DRY_RUN:-0}" = "1" ]; then
+    if [ "$DRY_RUN" = "1" ]; then
         laga_print_command "${cmd[@]}"
         return 0
     fi

@@ -42,6 +42,7 @@ SEQ_LEN=${SEQ_LEN:-131072}   # a multiple of 2*CP (zigzag) and of CP (ulysses)
 MBS=1
 GBS=16
 TRANSFORMER_IMPL=transformer_engine
+LAGA_DOCUMENTS_SWITCH=general  # packed, --attention-mask-type general, always
 
 # shellcheck source=deepseek3_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/deepseek3_common.sh"

@@ -17,10 +17,13 @@
 #   LAGA=1 bash /path/to/mindspeed-laga/scripts/pretrain_deepseek3_laga.sh
 #   LAGA=0 bash ...            # the same run on MindSpeed's own CP attention
 #   DRY_RUN=1 bash ...         # print the command (one flag a line) instead of running it
-# Every environment value is checked before anything launches (DRY_RUN too): LAGA and the
-# other switches 0 or 1, CP_TYPE one of the four, CP dividing the heads (ulysses) and
-# SEQ_LEN (2*CP for the zigzag algorithms), ULYSSES_DEGREE dividing CP with hybrid_cp_algo;
-# a run also checks the working directory, torchrun and mindspeed_laga, each in one line.
+# Every environment value is checked before anything launches (DRY_RUN too): LAGA, DRY_RUN
+# and the other switches 0 or 1; LAGA_KERNEL, TRANSFORMER_IMPL and CP_TYPE one of their
+# choices; the integers (CP, SEQ_LEN, NNODES, NPUS_PER_NODE, NODE_RANK, MASTER_PORT,
+# LAGA_BLOCK, ULYSSES_DEGREE) in range, no wrap-around; LAGA_BLOCK with LAGA_RECOMPUTE=1;
+# CP dividing the heads (ulysses) and SEQ_LEN, TP*PP*CP the world size; ULYSSES_DEGREE
+# with hybrid_cp_algo, 1 < U < CP dividing CP, and (LAGA=1) RESET_MASK=0. A run also
+# checks the working directory, torchrun and mindspeed_laga, each in one line.
 set -eo pipefail
 
 export CPU_AFFINITY_CONF=1
@@ -44,6 +47,7 @@ RESET_MASK=${RESET_MASK:-1}          # packed documents, as upstream
 SEQ_LEN=${SEQ_LEN:-4096}   # a multiple of 2*CP (zigzag) and of CP (ulysses)
 GBS=3840
 LAGA_SWITCHES="RESET_MASK"  # checked 0 or 1 with LAGA's own (deepseek3_common.sh)
+LAGA_DOCUMENTS_SWITCH=RESET_MASK  # packed documents: the CP checks depend on them
 
 # shellcheck source=deepseek3_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/deepseek3_common.sh"

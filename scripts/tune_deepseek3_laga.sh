@@ -43,6 +43,7 @@ LORA_TARGETS=${LORA_TARGETS:-linear_qkv linear_proj linear_fc1 linear_fc2}
 PADDING_SIDE=${PADDING_SIDE:-right}
 PACKED=${PACKED:-0}
 LAGA_SWITCHES="PACKED"  # checked 0 or 1 with LAGA's own (deepseek3_common.sh)
+LAGA_DOCUMENTS_SWITCH=PACKED  # packed documents: the CP checks depend on them
 
 # shellcheck source=deepseek3_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/deepseek3_common.sh"

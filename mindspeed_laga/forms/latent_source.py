@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm, handshake
+from .. import agreement, comm, handshake
 from ..double_backward import once_differentiable
 from ..kernels.precision import autocast_dtype, to_autocast
 from ..vocab.attn_setup import AttnSetup
@@ -167,7 +167,7 @@ def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_
                       requires_grad=handshake.grad_pattern({"kv_latent": kv_latent,
                                                             "k_pos_emb": k_pos_emb}))
     device = kv_latent.device if isinstance(kv_latent, torch.Tensor) else "cpu"
-    handshake.agree(values, error, cp_group, device, force=check_ranks is True)
+    agreement.agree_call(cp_group, check_ranks, error, device, lambda: values)
     return LatentGather(kv_latent, k_pos_emb, cp_group, passed)
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed_laga import layout as layouts
-from mindspeed_laga import comm
+from mindspeed_laga import agreement, comm
 from mindspeed_laga.cp_algos import algo
 from mindspeed_laga.kernels.registry import KERNELS
 from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, FORMS, LAYOUTS
@@ -231,10 +231,11 @@ def _apply_rope(module, x, table, mscale):
 
 
 def _core_options(settings: MegatronPatchSettings, first: bool) -> Dict:
-    """The core's keywords; by default the ranks agree on shapes on a module's first call
-    only (:func:`check_first_call` has checked the settings and kv_up_weight then)."""
+    """The core's keywords; by default the ranks check a module in full on its first call
+    (:func:`check_first_call` has checked the settings and kv_up_weight then) and agree
+    once per micro-batch after (``check_ranks=None``: mindspeed_laga/agreement.py)."""
     options = dict(settings.core_options)
-    options.setdefault("check_ranks", first)
+    options.setdefault("check_ranks", True if first else None)
     return options
 
 
@@ -245,6 +246,8 @@ def check_first_call(module, settings: MegatronPatchSettings, cp_group) -> bool:
     ``cp_algo``/``ulysses_degree`` would otherwise wait to build a Ulysses group its peers
     never build. Returns whether this is the module's first call."""
     first = first_call(module)
+    if settings.core_options.get("check_ranks") is not False:
+        agreement.open_micro_batch(module, cp_group)
     check = first and settings.core_options.get("check_ranks", True) is not False
     check_weight_once(check, lambda: kv_up_weight_of(module), cp_group, {
         "patch_megatron_mla(form=)": (settings.form, FORMS),
@@ -322,13 +325,25 @@ def _covered_call(module, args: Dict, settings: MegatronPatchSettings, cp_group)
     extra = {}
     params = args.get("packed_seq_params")
     if is_thd(params):
-        extra["packed"] = packed_batch(params, hidden_states, cp_group.size(), _causal(module),
-                                       settings.cp_algo, settings.layout)
+        # read from the device once per micro-batch: every layer gets the same tensors
+        extra["packed"] = agreement.memo(
+            cp_group, _thd_key(params, hidden_states, _causal(module)),
+            lambda: packed_batch(params, hidden_states, cp_group.size(), _causal(module),
+                                 settings.cp_algo, settings.layout))
     if algo(settings.cp_algo).takes_ulysses_degree:
         check_hybrid_shape(settings.ulysses_degree, cp_group.size(),
                            module.num_attention_heads_per_partition)
         extra["ulysses_group"] = comm.ulysses_group(cp_group, settings.ulysses_degree)
     return extra
+
+
+def _thd_key(params, hidden_states, causal: bool) -> tuple:
+    """What packed_batch reads, by tensor metadata (agreement.tensor_key): no device read."""
+    fields = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+              "max_seqlen_q", "max_seqlen_kv")
+    values = [getattr(params, name, None) for name in fields]
+    return ("thd", tuple(hidden_states.shape), causal) + tuple(
+        agreement.tensor_key(v) if isinstance(v, torch.Tensor) else v for v in values)
 
 
 def make_forward(original: Callable, settings: MegatronPatchSettings) -> Callable:

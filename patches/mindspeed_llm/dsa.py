@@ -32,7 +32,7 @@ import sys
 import torch
 
 from mindspeed_laga.features.laga_args import laga_settings
-from mindspeed_laga.forms.sparse_mla import sparse_laga_attention
+from mindspeed_laga.sparse.form import sparse_laga_attention
 
 from .fb_overlap import hook_a2a, launch_a2a
 
@@ -44,17 +44,19 @@ def is_dsa(module) -> bool:
 
 
 def laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
-                       mla_inputs, kv_up_weight, softmax_scale):
+                       inputs, kv_up_weight, softmax_scale, check_ranks=None):
     """Sparse MLA with LAGA as the core; returns ``linear_proj``'s (output, bias).
 
-    ``mla_inputs(rope, parts)``: the adapter's query / latent / rope-key builder
-    (forward.py), called with the DSA rope and a dict that receives ``q_compressed``."""
+    ``check_ranks``: the core's (True on the module's first call, None after: the ranks
+    agree once per micro-batch, patches/common.py).
+    ``inputs``: the module's MLA inputs built with :func:`dsa_rope` (forward.py's
+    ``MlaInputs``: ``query``, ``kv_latent``, ``k_pos_emb``, and the query latents
+    ``q_compressed`` / ``q_normed`` the indexer reads)."""
     args = megatron_args
     host = sys.modules[type(self).__module__]
-    parts = {}
-    query, kv_latent, k_pos_emb, _ = mla_inputs(_mla_rope(host, args), parts)
+    query, kv_latent, k_pos_emb = inputs.query, inputs.kv_latent, inputs.k_pos_emb
     rope = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-    x, qr = _whole_sequence(self, hidden_states.detach(), _index_latent(self, parts).detach())
+    x, qr = _whole_sequence(self, hidden_states.detach(), _index_latent(self, inputs).detach())
     index_query, index_key, index_weights = index_inputs(self.dsa_indexer, x, qr, rope, args)
     training = self.training and torch.is_grad_enabled()
     launch_a2a(self)
@@ -64,7 +66,7 @@ def laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_a
         qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim, cp_group=cp_group,
         layout=laga_settings(args).layout,
         indexer_loss_coeff=args.indexer_loss_coeff if training else None,
-        **dsa_kernels(self, args))
+        check_ranks=check_ranks, **dsa_kernels(self, args))
     core_out = result.output
     if result.indexer_loss is not None:
         core_out = _attach_loss(self, host, args, core_out, result.indexer_loss)
@@ -97,13 +99,13 @@ def dsa_kernels(module, args) -> dict:
         loss_target="all_keys" if sparse_flash and not fused_loss else "picks")
 
 
-def _index_latent(self, parts):
+def _index_latent(self, inputs):
     """The query latent the host's indexer reads: its absorbed path feeds the latent after
     the query layernorm (and before the q-lora scale), its non-absorbed path the latent
     before the layernorm (the reference DeepSeek-V3.2 reads it after)."""
-    if getattr(self, "enable_mla_absorb", False) and "q_normed" in parts:
-        return parts["q_normed"]
-    return parts["q_compressed"]
+    if getattr(self, "enable_mla_absorb", False) and inputs.q_normed is not None:
+        return inputs.q_normed
+    return inputs.q_compressed
 
 
 def _whole_sequence(self, x, qr):
@@ -125,9 +127,10 @@ def _attach_loss(self, host, args, core_out, loss):
     return host.DSAIndexerLossAutoScaler.apply(core_out, loss)
 
 
-def _mla_rope(host, args):
+def dsa_rope(module, args):
     """The rope the host's DSA forward applies to q_pos_emb / k_pos_emb, with the adapter's
     call signature (t, freqs, config=, cu_seqlens=)."""
+    host = sys.modules[type(module).__module__]
     if getattr(args, "apply_rope_no_in_complex", False):
         return None  # the module's apply_rotary_pos_emb, as without DSA
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -38,9 +39,11 @@ from mindspeed_laga.features.laga_args import laga_settings
 from mindspeed_laga.features.laga_checks import padded_length_error, sequence_multiple
 
 from ..attention_mask import key_padding_from_mask
-from ..common import check_weight_once, first_call, start_gather
+from mindspeed_laga import agreement
+
+from ..common import agree_per_micro_batch, check_weight_once, start_gather
 from ..lora import effective_weight
-from .dsa import is_dsa, laga_dsa_attention
+from .dsa import dsa_rope, is_dsa, laga_dsa_attention
 from .fb_overlap import hook_a2a, launch_a2a
 from .fp8 import kv_up_linear
 from .host import check_mindspeed_llm_forward, check_mindspeed_llm_module, release_of_module
@@ -110,7 +113,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
         return _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
                               release)
     settings = laga_settings(megatron_args)
-    check_ranks = first_call(self)
+    check_ranks = agree_per_micro_batch(self, cp_group)
     # (a LoRA-wrapped module it cannot read raises here, on every CP rank on the first call)
     kv_up_weight = check_weight_once(check_ranks, lambda: _kv_up_weight(self), cp_group)
     key_padding = None
@@ -127,17 +130,15 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
                          "the FP8 up-projection. Pack the samples (--reset-attention-mask) or "
                          "drop --fp8-format")
     rope_input = _rope_input(release, megatron_args)
-    query, kv_latent, k_pos_emb, gather = _mla_inputs(self, hidden_states, rotary_pos_emb,
-                                                      cp_group if overlap else None, check_ranks,
-                                                      rope_cu_seqlens=packed_seq_params,
-                                                      rope_input=rope_input,
-                                                      lora_scales=release.lora_scales)
-    cu_seqlens = (document_boundaries(_mtp_depth(self), settings.loader_scaled_ends)
+    inputs = _mla_inputs(self, hidden_states, rotary_pos_emb, cp_group if overlap else None,
+                         check_ranks, rope_cu_seqlens=packed_seq_params, rope_input=rope_input,
+                         lora_scales=release.lora_scales)
+    cu_seqlens = (document_boundaries(_mtp_depth(self), settings.loader_scaled_ends, cp_group)
                   if settings.documents else None)
     launch_a2a(self)
-    core_out = laga_attention(query, kv_latent, k_pos_emb, kv_up_weight,
+    core_out = laga_attention(inputs.query, inputs.kv_latent, inputs.k_pos_emb, kv_up_weight,
                               softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
-                              check_ranks=check_ranks, latent_gather=gather,
+                              check_ranks=check_ranks, latent_gather=inputs.gather,
                               qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim,
                               cu_seqlens=cu_seqlens, ulysses_group=_ulysses_group(settings),
                               key_padding_mask=key_padding,
@@ -148,19 +149,19 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
 
 
 def _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args, release):
-    """The DSA path: this adapter's query / latent / rope-key builder, with the host's DSA
-    rope, feeds patches/mindspeed_llm/dsa.py. The host's DSA forward ignores the layer's
-    attention mask (its picks are causal by position), and so does this path."""
-    rope_input = _rope_input(release, megatron_args)
-    kv_up_weight = check_weight_once(first_call(self), lambda: _kv_up_weight(self), cp_group)
-
-    def mla_inputs(rope, parts):
-        return _mla_inputs(self, hidden_states, rotary_pos_emb, None, False,
-                           rope_input=rope_input, lora_scales=release.lora_scales, rope=rope,
-                           parts=parts)
-
+    """The DSA path, one way: MindSpeed-LLM's inputs built here (this adapter's query /
+    latent / rope-key builder with the host's DSA rope), then patches/mindspeed_llm/dsa.py
+    runs LAGA's sparse call and the host's loss bookkeeping. The host's DSA forward
+    ignores the layer's attention mask (its picks are causal by position), and so does
+    this path."""
+    check_ranks = agree_per_micro_batch(self, cp_group)
+    kv_up_weight = check_weight_once(check_ranks, lambda: _kv_up_weight(self), cp_group)
+    inputs = _mla_inputs(self, hidden_states, rotary_pos_emb, None, check_ranks,
+                         rope_input=_rope_input(release, megatron_args),
+                         lora_scales=release.lora_scales, rope=dsa_rope(self, megatron_args))
     return laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
-                              mla_inputs, kv_up_weight, softmax_scale(self, megatron_args))
+                              inputs, kv_up_weight, softmax_scale(self, megatron_args),
+                              check_ranks)
 
 
 def _full_length(self, hidden_states, cp_group) -> int:
@@ -181,7 +182,7 @@ def _length_error(settings, megatron_args, cp_group):
                            else None)
 
 
-def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True):
+def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True, cp_group=None):
     """--reset-attention-mask: the global document boundaries [0, end_1, ..., S].
 
     MindSpeed keeps the cumulative ends (no leading 0) in ``get_actual_seq_len``;
@@ -194,7 +195,8 @@ def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True):
     whose rolled tokens end each document d earlier); ``mtp_depth`` picks the row,
     as the host's own core attention does with its ``mtp_idx``. A sample that ends
     on an EOD repeats the last end (an empty document): it holds no token, so it
-    is dropped.
+    is dropped. A tensor of ends is read from the device once per micro-batch
+    (``agreement.memo``: the layers of one forward share MindSpeed's one tensor).
     """
     from mindspeed.core.context_parallel.get_batch_utils import get_actual_seq_len, get_ring_degree
 
@@ -203,10 +205,18 @@ def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True):
         raise ValueError("--reset-attention-mask is set but MindSpeed holds no document "
                          "boundaries (get_actual_seq_len() is None): feed batches through "
                          "MindSpeed's get_batch, or drop --reset-attention-mask")
+    scale = get_ring_degree() if loader_scaled else 1
+    if not isinstance(ends, torch.Tensor):
+        return _boundaries(ends, mtp_depth, scale)
+    key = ("actual_seq_len",) + agreement.tensor_key(ends) + (mtp_depth, scale)
+    return agreement.memo(cp_group, key, lambda: _boundaries(ends, mtp_depth, scale))
+
+
+def _boundaries(ends, mtp_depth: int, scale: int):
     ends = torch.as_tensor(ends)
     if ends.dim() == 2:  # one row per MTP depth
         ends = ends[mtp_depth]
-    ends = ends.reshape(-1).double() * (get_ring_degree() if loader_scaled else 1)
+    ends = ends.reshape(-1).double() * scale
     boundaries = [0]
     for end in torch.round(ends).tolist():
         if int(end) != boundaries[-1]:
@@ -248,18 +258,27 @@ def _rope_input(release, megatron_args):
     return None
 
 
+class MlaInputs(NamedTuple):
+    """What the module's own submodules build from this rank's tokens."""
+    query: torch.Tensor      # [s, b, n, d_n + d_r], rope applied
+    kv_latent: torch.Tensor  # [s, b, d_c]
+    k_pos_emb: torch.Tensor  # [s, b, d_r], rope applied
+    gather: object           # the latent all-gather started early, or None
+    q_compressed: torch.Tensor       # linear_qkv's query latent, before its layernorm
+    q_normed: Optional[torch.Tensor]  # after it (None without a q_lora_rank)
+
+
 def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_ranks=True,
-                rope_cu_seqlens=None, rope_input=None, lora_scales=True, rope=None, parts=None):
+                rope_cu_seqlens=None, rope_input=None, lora_scales=True, rope=None) -> MlaInputs:
     """query [s,b,n,d_n+d_r], kv_latent [s,b,d_c], k_pos_emb [s,b,d_r] as the original builds
-    them, and the latent all-gather already started when ``overlap_group`` is given.
+    them, the latent all-gather already started when ``overlap_group`` is given, and the
+    query latents the DSA indexer reads (:class:`MlaInputs`).
 
     ``rope_cu_seqlens``: what the original passes to rope as ``cu_seqlens``
     (``packed_seq_params`` under --reset-attention-mask, else None). ``rope_input``:
     applied to q_pos_emb and k_pos_emb before rope, as the release's forward does (None:
     nothing). ``lora_scales``: whether the release scales the q/kv latents. ``rope``: the
-    rope to apply (None: the module's apply_rotary_pos_emb). ``parts``: a dict that
-    receives ``q_compressed`` (linear_qkv's query latent, before its layernorm) and, with
-    a q_lora_rank, ``q_normed`` (after it).
+    rope to apply (None: the module's apply_rotary_pos_emb).
 
     s is this CP rank's tokens, gathered over TP under sequence parallelism. The
     latent is finished first so its gather overlaps the query projection.
@@ -276,8 +295,6 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_r
     q_compressed, kv_compressed, k_pos_emb = torch.split(
         self.linear_qkv(hidden_states), [self.q_rank, self.kv_lora_rank, self.qk_pos_emb_head_dim],
         dim=-1)
-    if parts is not None:
-        parts["q_compressed"] = q_compressed
 
     kv_latent = self.kv_layernorm(kv_compressed)
     if lora_scales and self.mla_scale_kv_lora is not None:
@@ -303,33 +320,32 @@ def _mla_inputs(self, hidden_states, rotary_pos_emb, overlap_group=None, check_r
     gather = start_gather(overlap_group is not None, kv_latent, k_pos_emb, overlap_group,
                           check_ranks)
 
-    q_no_pe, q_pos_emb = _query_parts(self, q_compressed, s, b, n, lora_scales, parts)
+    q_no_pe, q_pos_emb, q_normed = _query_parts(self, q_compressed, s, b, n, lora_scales)
     if rotary_pos_emb is not None:
         q_pos_emb = rope_input(q_pos_emb) if rope_input else q_pos_emb
         q_pos_emb = apply_rotary_pos_emb(q_pos_emb, rotary_pos_emb[0], config=self.config,
                                          cu_seqlens=rope_cu_seqlens)
     query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
-    return query, kv_latent, k_pos_emb, gather
+    return MlaInputs(query, kv_latent, k_pos_emb, gather, q_compressed, q_normed)
 
 
-def _query_parts(self, q_compressed, s, b, n, lora_scales=True, parts=None):
-    """(q_no_pe, q_pos_emb), each [s, b, n, *], for q_lora_rank set or not, fused or mm-split.
-    ``parts`` (a dict or None) receives ``q_normed``, the query latent after its layernorm."""
+def _query_parts(self, q_compressed, s, b, n, lora_scales=True):
+    """(q_no_pe, q_pos_emb), each [s, b, n, *], for q_lora_rank set or not, fused or mm-split,
+    and the query latent after its layernorm (None without a q_lora_rank)."""
     if self.q_layernorm is None:  # no q_lora_rank: linear_qkv already produced the query
         q = q_compressed.view(s, b, n, -1)
-        return torch.split(q, [self.qk_head_dim, self.qk_pos_emb_head_dim], dim=-1)
-    q_compressed = self.q_layernorm(q_compressed)
-    if parts is not None:
-        parts["q_normed"] = q_compressed
+        return (*torch.split(q, [self.qk_head_dim, self.qk_pos_emb_head_dim], dim=-1), None)
+    q_normed = self.q_layernorm(q_compressed)
+    q_compressed = q_normed
     if lora_scales and self.mla_scale_q_lora is not None:
         q_compressed = q_compressed * self.mla_scale_q_lora
     if self.mla_mm_split:
         q_no_pe, _ = self.linear_qk_nope(q_compressed)
         q_pos_emb, _ = self.linear_qk_rope(q_compressed)
-        return q_no_pe.view(s, b, n, -1), q_pos_emb.view(s, b, n, -1)
+        return q_no_pe.view(s, b, n, -1), q_pos_emb.view(s, b, n, -1), q_normed
     q, _ = self.linear_q_up_proj(q_compressed)
     q = q.view(s, b, n, -1)
-    return torch.split(q, [self.qk_head_dim, self.qk_pos_emb_head_dim], dim=-1)
+    return (*torch.split(q, [self.qk_head_dim, self.qk_pos_emb_head_dim], dim=-1), q_normed)
 
 
 def _kv_up_weight(self):

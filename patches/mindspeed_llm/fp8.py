@@ -27,6 +27,10 @@ Megatron adds to ``main_grad`` as for any parameter).
 """
 from __future__ import annotations
 
+import enum
+import hashlib
+import struct
+
 import torch
 
 from ..lora import UnsupportedLoRAError, base_layer, is_wrapped
@@ -49,8 +53,23 @@ def kv_up_linear(attention):
                 "K/V through the base layer's FP8 matmul and knows no adapter beside it (peft "
                 "does not wrap MindSpeed's TE linears). Remove it from --lora-target-modules, "
                 "or drop --fp8-format")
-    return lambda latent, weight_rows, first_row: FP8UpProjection.apply(
-        latent, weight_rows, fp8_meta)
+    def linear(latent, weight_rows, first_row):
+        return FP8UpProjection.apply(latent, weight_rows, fp8_meta)
+
+    linear.agreement_code = recipe_code(fp8_meta)  # the CP ranks agree on the FP8 recipe
+    return linear
+
+
+def recipe_code(fp8_meta) -> int:
+    """The FP8 recipe (format, scaling, block size, ...) as a nonzero int64, from host facts
+    only: what the CP ranks agree on for ``kv_up_linear`` (the scales themselves follow from
+    the recipe and the latent, which every rank gathers alike)."""
+    recipe = getattr(fp8_meta, "fp8_recipe", None)
+    facts = vars(recipe) if hasattr(recipe, "__dict__") else {}
+    simple = sorted((k, repr(v)) for k, v in facts.items()
+                    if isinstance(v, (bool, int, float, str, type(None), enum.Enum)))
+    digest = hashlib.blake2b(repr((type(recipe).__name__, simple)).encode(), digest_size=8)
+    return struct.unpack("<q", digest.digest())[0] or 1
 
 
 class FP8UpProjection(torch.autograd.Function):

@@ -1,23 +1,26 @@
-"""Sparse MLA's kernels per stage (kernels/sparse_*.py): the fused ops equal the torch math.
+"""Sparse MLA's stage kernels (mindspeed_laga/sparse/): every registered one equals the math.
 
 The stand-ins of tests/support/fake_dsa_ops.py run as torch_npu, in float64, at the ops'
 dims (tests/support/sparse_kernels.py). At CP 1, 2 and 4, contiguous and zigzag, every
-combination of torch and npu stages gives the output, the picks, the indexer loss and
-every grad of the single-process float64 reference (the npu indexer's bfloat16 scores
-into the torch loss: loss and index grads as close as bfloat16 allows), and the byte
-counter still sees one gather and one reduce-scatter. The npu indexer picks exactly what
-the torch indexer picks on the same bfloat16 inputs, per chunk against the key prefix.
-With ``loss_tp_group`` (two ranks holding four heads each) the loss and its grads are the
-all-heads ones for both loss kernels.
+combination of the registered stage kernels (``sparse.registry.SPARSE_KERNELS``) gives
+the output, the picks, the indexer loss and every grad of the single-process float64
+reference (an indexer whose scores are rounded into a loss that reads them, the npu
+indexer's bfloat16 into the torch loss: loss and index grads as close as bfloat16
+allows), and the byte counter still sees one gather and one reduce-scatter. Every
+indexer picks exactly what the torch indexer picks on the same bfloat16 inputs, per chunk
+against the key prefix. With ``loss_tp_group`` (two ranks holding four heads each) the
+loss and its grads are the all-heads ones for every loss kernel.
 """
+import itertools
+import re
 import sys
 
 import pytest
 import torch
 
-from mindspeed_laga.forms.sparse_mla import sparse_laga_attention
-from mindspeed_laga.kernels import sparse_registry
-from mindspeed_laga.kernels.sparse_base import Chunk, SparseCall
+from mindspeed_laga.sparse import registry as sparse_registry
+from mindspeed_laga.sparse.form import sparse_laga_attention
+from mindspeed_laga.sparse.stage import Chunk, SparseCall
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import fake_dsa_ops, fake_torch_npu
 from support import sparse_kernels as sk
@@ -33,10 +36,11 @@ INDEX = ("index_query", "index_key", "index_weights")
 
 @pytest.fixture(scope="module")
 def references():
-    """By loss kernel: the torch loss adds 1e-8 to both distributions (the DSA
-    reference's KL); the fused op computes the exact KL."""
-    return {"torch": sm.reference(sk.inputs(), sk.TOPK),
-            "npu": sm.reference(sk.inputs(), sk.TOPK, eps=0.0)}
+    """By loss kernel, with the epsilon it declares: the torch loss adds 1e-8 to both
+    distributions (the DSA reference's KL); the fused op computes the exact KL."""
+    eps = {name: sparse_registry.sparse_kernel(name).kl_eps
+           for name in sparse_registry.SPARSE_KERNELS}
+    return {name: sm.reference(sk.inputs(), sk.TOPK, eps=e) for name, e in eps.items()}
 
 
 @pytest.fixture(scope="module", params=[(1, "contiguous"), (2, "contiguous"), (2, "zigzag"),
@@ -74,12 +78,13 @@ def test_combination_equals_reference(measured, references, combo):
 
 
 @pytest.mark.timeout(200)
-def test_npu_indexer_scores_into_torch_loss(measured, references):
+def test_rounded_index_scores_into_a_loss_that_reads_them(measured, references):
     """The scores the loss reads are bfloat16 there: the attention exact, the loss and the
     index grads to bfloat16's precision."""
     _, layout, per_rank = measured
-    reference = references["torch"]
+    assert sk.ROUNDED, "no registered indexer rounds its scores into a loss reading them"
     for combo in sk.ROUNDED:
+        reference = references[combo[2]]
         got = _assembled(per_rank, combo, layout)
         assert torch.equal(got["topk_indices"], reference["topk_indices"])
         for name, grad in reference["grads"].items():
@@ -104,15 +109,16 @@ CHUNKED = {"zigzag": [Chunk(0, 4, 8), Chunk(4, 4, 28)], "contiguous": [Chunk(0, 
 
 
 @pytest.mark.parametrize("layout", CHUNKED)
-def test_npu_indexer_picks_the_torch_indexers_keys(layout):
-    """Per chunk against the gathered key prefix, the bfloat16 inputs of both sides."""
+def test_every_indexer_picks_the_torch_indexers_keys(layout):
+    """Per chunk against the gathered key prefix, the bfloat16 inputs of both sides; an
+    indexer rounding its scores (npu: bfloat16) to bfloat16's precision."""
     x = sk.inputs()
     chunks = CHUNKED[layout]
     rows = torch.cat([torch.arange(c.key_end - c.length, c.key_end) for c in chunks])
-    results = []
+    results = {}
     fake_torch_npu.install()
     try:
-        for kernel in sparse_registry.SPARSE_KERNELS:
+        for kernel in ("torch",) + sparse_registry.SPARSE_KERNELS:
             q, w = (x[n][rows].clone().requires_grad_() for n in ("index_query", "index_weights"))
             k = x["index_key"].clone().requires_grad_()
             call = SparseCall(x["kv_latent"], x["k_pos_emb"], k, rows, chunks, sm.SCALE, 16, 16)
@@ -120,26 +126,29 @@ def test_npu_indexer_picks_the_torch_indexers_keys(layout):
                 picks = sparse_registry.sparse_kernel(kernel).topk(call, q, w, sk.TOPK)
             weighted = picks.scores.double().nan_to_num(0.0, 0.0, 0.0) * torch.arange(1.0, sk.TOPK + 1)
             weighted.sum().backward()  # a different weight per slot: the order counts
-            results.append((picks, q.grad, k.grad, w.grad))
+            results[kernel] = (picks, q.grad, k.grad, w.grad)
     finally:
         fake_torch_npu.uninstall()
-    (want, *want_grads), (got, *got_grads) = results
+    want, *want_grads = results["torch"]
     assert bool((want.indices == -1).any()) == (layout == "zigzag")
-    assert torch.equal(got.indices, want.indices)
     finite = want.indices >= 0
-    assert torch.equal(torch.isfinite(got.scores), finite)
-    torch.testing.assert_close(got.scores[finite].double(), want.scores[finite].double(),
-                               rtol=1e-2, atol=0)  # bfloat16 against float32
-    for g, w in zip(got_grads, want_grads):
-        _close("scores' grad", g, w, 2e-2)
+    for kernel in sparse_registry.SPARSE_KERNELS:
+        got, *got_grads = results[kernel]
+        rounds = sparse_registry.sparse_kernel(kernel).rounds_index_scores
+        assert torch.equal(got.indices, want.indices), kernel
+        assert torch.equal(torch.isfinite(got.scores), finite), kernel
+        torch.testing.assert_close(got.scores[finite].double(), want.scores[finite].double(),
+                                   rtol=1e-2 if rounds else 1e-6, atol=0)  # bfloat16 / float32
+        for g, w in zip(got_grads, want_grads):
+            _close("scores' grad", g, w, 2e-2 if rounds else 1e-6)
 
 
 @pytest.mark.timeout(200)
 def test_loss_tp_group_sums_every_heads_attention(references):
     """Two ranks, four heads each: the loss and the index grads of every rank are the
     all-heads ones; the head-split outputs and grads assemble to the all-heads ones."""
-    combos = [("torch", "torch", "torch"), ("torch", "npu", "npu"), ("torch", "torch", "npu"),
-              ("torch", "npu", "torch")]
+    combos = [("torch", attention, loss) for attention, loss
+              in itertools.product(sparse_registry.SPARSE_KERNELS, repeat=2)]
     per_rank = run_on_ranks(sk.tp_worker, 2, combos, timeout_s=120)
     half = sk.DIMS["HEADS"] // 2
     for combo in combos:
@@ -166,7 +175,7 @@ def test_errors_name_the_argument(monkeypatch):
     kw = dict(index_topk=3, softmax_scale=sm.SCALE, qk_head_dim=16, v_head_dim=16,
               indexer_loss_coeff=1.0)
     for argument in sk.STAGES:
-        choices = r"\('torch', 'npu'\)"
+        choices = re.escape(str(sparse_registry.SPARSE_KERNELS))
         with pytest.raises(ValueError, match=rf"{argument}='fused' is unknown; use one of {choices}"):
             sparse_laga_attention(*args, **kw, **{argument: "fused"})
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # not installed

@@ -10,7 +10,7 @@ positions on every rank and CP size; the byte counter sees one all-gather of
 import pytest
 import torch
 
-from mindspeed_laga.forms.sparse_mla import sparse_laga_attention
+from mindspeed_laga.sparse.form import sparse_laga_attention
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import sparse_mla as sm
 

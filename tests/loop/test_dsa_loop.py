@@ -31,8 +31,8 @@ Measured (4 iterations): the 128K tune and GLM-5 within 8.6e-8 (losses), 4.9e-7 
 norms) and 2.4e-6 (indexer losses) of their references; the 16K tune's first step within
 0 (loss) and 3.4e-7 (grad norm), its later ones as above. Mutants of LAGA's sparse MLA
 tried by hand, each failing every case: the index keys taken from the neighbouring
-rank's chunk (sparse_mla._gather_keys; from iteration 1: losses 3.6e-4 to 2.0e-2 off, the
-16K tune's first indexer loss 1.3e-2) and the indexer loss's gradient dropped (grad norms
+rank's chunk (sparse/form.py's _gather_keys; from iteration 1: losses 3.6e-4 to 2.0e-2
+off, the 16K tune's first indexer loss 1.3e-2) and the indexer loss's gradient dropped (grad norms
 1.8e-5 to 9e-5 off at iteration 1, 1e-2 to 2e-2 at iteration 2; indexer losses 4e-2 to
 4e-1 off from iteration 2: the 16K tune's 0.31 against its bound of 2e-2).
 

@@ -1,6 +1,7 @@
 """scripts/pretrain_deepseek3_laga.sh, dry-run: at CP=1 and LAGA=0 it is MindSpeed-LLM's
 stock DeepSeek-V3 recipe flag for flag; the LAGA=1 toggle changes exactly the launcher
 and LAGA's flags, and the flags it passes satisfy LAGAFeature's checks."""
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,15 @@ def test_script_flags_pass_laga_validation(cp_type):
 
 
 def test_hybrid_runs_unpacked_and_packed_hybrid_is_caught():
-    args = validate(dry_run(LAGA="1", CP="4", CP_TYPE="hybrid_cp_algo", ULYSSES_DEGREE="2",
-                            RESET_MASK="0"))
+    """The script refuses packed hybrid itself, before launching what the feature refuses."""
+    unpacked = dry_run(LAGA="1", CP="4", CP_TYPE="hybrid_cp_algo", ULYSSES_DEGREE="2", RESET_MASK="0")
+    args = validate(unpacked)
     assert args.ulysses_degree_in_cp == 2 and not args.reset_attention_mask
     with pytest.raises(ValueError, match="hybrid_cp_algo and --reset-attention-mask"):
-        validate(dry_run(LAGA="1", CP="4", CP_TYPE="hybrid_cp_algo", ULYSSES_DEGREE="2"))
+        validate(unpacked + ["--reset-attention-mask"])
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        dry_run(LAGA="1", CP="4", CP_TYPE="hybrid_cp_algo", ULYSSES_DEGREE="2")
+    assert "hybrid_cp_algo with packed documents (RESET_MASK=1)" in refused.value.stderr
 
 
 PATH_FLAGS = ("--save", "--load", "--data-path", "--tokenizer-name-or-path")

@@ -23,7 +23,7 @@ def run(name, cwd=None, **env):
     ({"LAGA_TRIM": "true"}, "LAGA_TRIM=true: must be 0 or 1"),
     ({"CP": "3", "CP_TYPE": "ulysses_cp_algo"}, "CP=3 must divide the"),
     ({"CP": "two"}, "CP=two: must be a positive integer"),
-    ({"SEQ_LEN": "4100", "CP": "4", "CP_TYPE": "kvallgather_cp_algo"}, "SEQ_LEN=4100 must be a multiple of 2*CP=8"),
+    ({"SEQ_LEN": "4100", "CP": "4", "CP_TYPE": "megatron_cp_algo"}, "SEQ_LEN=4100 must be a multiple of 2*CP=8"),
     ({"SEQ_LEN": "4098", "CP": "4", "CP_TYPE": "ulysses_cp_algo"}, "SEQ_LEN=4098 must be a multiple of CP=4"),
     ({"CP": "4", "CP_TYPE": "hybrid_cp_algo", "ULYSSES_DEGREE": "3"}, "ULYSSES_DEGREE=3 must divide CP=4"),
     ({"CP": "4", "CP_TYPE": "hybrid_cp_algo"}, "needs ULYSSES_DEGREE=U"),

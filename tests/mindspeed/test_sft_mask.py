@@ -108,6 +108,27 @@ def test_a_batch_length_the_cp_split_cannot_take_names_the_flags():
         key_padding_from_mask(mask, 18, 1, None, length_error)
 
 
+def _layer_call(mask, group, rank):
+    """What the adapter does per layer call: read the mask, then the core (which carries the
+    padding, or this rank's refusal, to every rank before any data moves)."""
+    from mindspeed_laga import comm, count_bytes, laga_attention
+    g = torch.Generator().manual_seed(0)
+    heads, d_n, d_r, d_c = 2, 4, 2, 8
+    s = S // 2
+    query = torch.randn(s, B, heads, d_n + d_r, generator=g, dtype=torch.float64)
+    latent = torch.randn(s, B, d_c, generator=g, dtype=torch.float64)
+    k_pe = torch.randn(s, B, d_r, generator=g, dtype=torch.float64)
+    weight = torch.randn(heads * 2 * d_n, d_c, generator=g, dtype=torch.float64)
+    with count_bytes() as counter:
+        try:
+            padding = key_padding_from_mask(mask, S, B, group)
+            laga_attention(query, latent, k_pe, weight, softmax_scale=0.5, cp_group=group,
+                           layout="contiguous", key_padding_mask=padding)
+        except ValueError as exc:
+            return str(exc), counter.bytes()
+    return None, counter.bytes()
+
+
 def _ranks_worker(rank, world, case):
     import torch.distributed as dist
     tokens = valid("left")
@@ -116,11 +137,7 @@ def _ranks_worker(rank, world, case):
     mask = tune_mask(tokens)
     if case == "one rank's mask is refused" and rank == 1:
         mask = _band()
-    try:
-        key_padding_from_mask(mask, S, B, dist.group.WORLD)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return _layer_call(mask, dist.group.WORLD, rank)
 
 
 @pytest.mark.timeout(300)
@@ -128,9 +145,11 @@ def test_ranks_raise_together_before_any_data_moves():
     for case, needle in (("one rank's mask differs", "key_padding_mask (which keys are padding; "
                           "shown: padding keys per sample): [[3, 6], [3, 5]]"),
                          ("one rank's mask is refused", "rejected their arguments")):
-        errors = run_on_ranks(_ranks_worker, 2, case, timeout_s=120)
-        assert errors[0] and needle in errors[0], (case, errors)
-        assert errors[1], (case, errors)
+        results = run_on_ranks(_ranks_worker, 2, case, timeout_s=120)
+        (error0, moved0), (error1, moved1) = results
+        assert error0 and needle in error0, (case, results)
+        assert error1, (case, results)
+        assert moved0 == moved1 == 0, (case, results)  # no data collective ran
 
 
 START = ["--multi-latent-attention", "--disable-bias-linear", "--attention-dropout", "0.0",

@@ -1,4 +1,4 @@
-"""The sparse MLA kernels (kernels/sparse_*.py) for the tests: DSA's op dims, the stage
+"""The sparse MLA stage kernels (mindspeed_laga/sparse/) for the tests: DSA's op dims, the stage
 combinations, the per-rank workers with the fused-op stand-ins installed as torch_npu.
 
 The fused ops take kv latent 512, rope 64, index head dim 128 and (the loss) 8+ heads and
@@ -8,10 +8,13 @@ nothing and its picks are the float64 reference's.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
-from mindspeed_laga.forms.sparse_mla import sparse_laga_attention
+from mindspeed_laga.sparse.form import sparse_laga_attention
+from mindspeed_laga.sparse.registry import SPARSE_KERNELS, sparse_kernel
 from support import fake_dsa_ops, fake_torch_npu
 from support import sparse_mla as sm
 
@@ -19,13 +22,20 @@ DIMS = dict(S=32, B=2, HEADS=8, D_N=16, D_R=64, D_V=16, D_C=512, INDEX_HEADS=8, 
 TOPK = 6  # < S: early rows have fewer keys than picks, so -1 picks occur
 SEED = 0
 STAGES = ("indexer_kernel", "attention_kernel", "loss_kernel")
-# (indexer, attention, loss): every stage npu, each alone npu, npu attention under the torch
-# loss; exact against the float64 reference
-EXACT = [("torch", "torch", "torch"), ("npu", "npu", "npu"), ("torch", "npu", "torch"),
-         ("torch", "torch", "npu"), ("npu", "torch", "npu")]
-# the npu indexer's bfloat16 scores into the torch loss: its loss and index grads as close
-# as bfloat16 scores allow
-ROUNDED = [("npu", "npu", "torch")]
+# (indexer, attention, loss): every combination of the registered kernels
+COMBOS = list(itertools.product(SPARSE_KERNELS, repeat=len(STAGES)))
+
+
+def rounded(combo) -> bool:
+    """The loss reads top-k scores its indexer rounded (the npu indexer's bfloat16 into
+    the torch loss): its loss and index grads as close as those scores allow; every other
+    combination is exact against the float64 reference."""
+    indexer, _, loss = (sparse_kernel(name) for name in combo)
+    return indexer.rounds_index_scores and loss.loss_reads_index_scores
+
+
+EXACT = [combo for combo in COMBOS if not rounded(combo)]
+ROUNDED = [combo for combo in COMBOS if rounded(combo)]
 
 
 # the index query and rope key scaled by powers of two (exact in bfloat16) so that

@@ -4,7 +4,7 @@ The reference works on the whole sequence from the definitions: index scores
 ``sum_h relu(q_h . k) w_h`` (float32 products, as the host's bf16 path), causal; the top-k
 picked row by row with Python's ``sorted`` on (-score, position); dense non-absorbed
 attention (K/V rebuilt per head) with every unpicked key masked; the KL loss from the
-dense probabilities. It shares no code with mindspeed_laga.forms.sparse_*.
+dense probabilities. It shares no code with mindspeed_laga.sparse.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from mindspeed_laga import count_bytes
 from mindspeed_laga import layout as layouts
-from mindspeed_laga.forms.sparse_mla import sparse_laga_attention
+from mindspeed_laga.sparse.form import sparse_laga_attention
 
 S, B, HEADS, D_N, D_R, D_V, D_C, INDEX_HEADS, INDEX_DIM, TOPK = 16, 2, 3, 8, 4, 6, 10, 4, 8, 5
 SCALE = (D_N + D_R) ** -0.5

@@ -54,11 +54,11 @@ def _counted(key, fn):
 def _count_laga():
     import mindspeed_laga.api as api
     # sparse MLA (DSA): LAGA's core, which the DSA adapter imports by name
-    import mindspeed_laga.forms.sparse_mla as sparse_mla
+    import mindspeed_laga.sparse.form as sparse_form
 
     api.laga_attention = _counted("laga_attention", api.laga_attention)
-    sparse_mla.sparse_laga_attention = _counted("laga_sparse_attention",
-                                                sparse_mla.sparse_laga_attention)
+    sparse_form.sparse_laga_attention = _counted("laga_sparse_attention",
+                                                 sparse_form.sparse_laga_attention)
 
 
 def _count_dsa_ops(torch_npu):

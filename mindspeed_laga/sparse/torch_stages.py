@@ -1,24 +1,28 @@
 """The sparse MLA (DSA) stages in plain torch: any device, any float dtype.
 
-- indexer: ``forms/sparse_index.py``'s scores and deterministic top-k over every
+- indexer: ``sparse/indexer.py``'s scores and deterministic top-k over every
   gathered key (causal by global position);
 - attention: absorbed MQA of each query over its picked keys, gathered per query
   (``[b, s, k, d_c + d_r]`` held), in the inputs' dtype;
-- loss: the KL loss of ``forms/sparse_index.py`` against the attention's probabilities
+- loss: the KL loss of ``sparse/indexer.py`` against the attention's probabilities
   at the picks, summed over this rank's heads, or over the heads of ``tp_group`` (an
-  all-reduce of the detached head sums: the target carries no gradient).
+  all-reduce of the detached head sums: the target carries no gradient); it also takes
+  the ``all_keys`` target (:meth:`SparseTorch.loss_all_keys`).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..forms.sparse_index import attention_target, index_scores, indexer_loss, top_k
-from .sparse_base import AbsorbedStats, Attended, SparseKernel
+from .indexer import KL_EPS, attention_target, index_scores, indexer_loss, top_k
+from .stage import AbsorbedStats, Attended, SparseKernel
 
 
 class SparseTorch(SparseKernel):
+    name = "torch"
     loss_reads = "probs"
+    supports_all_keys = True
+    kl_eps = KL_EPS  # as the DSA reference's loss
 
     def topk(self, call, index_query, index_weights, index_topk):
         key_pos = torch.arange(call.index_key.shape[0], device=index_query.device)
@@ -37,6 +41,17 @@ class SparseTorch(SparseKernel):
         if tp_group is not None:  # every head of the group: the sum of the ranks' head sums
             dist.all_reduce(target, group=tp_group)
         return indexer_loss(target, picks.scores, picks.indices >= 0, coeff)
+
+    def loss_all_keys(self, call, query, kv_up_weight, picks, index_query, index_weights,
+                      coeff, tp_group):
+        """The loss against :func:`all_keys_probs`, as MindSpeed-LLM's torch loss behind
+        its sparse flash attention computes it: an empty pick (-1) reads the last key, as
+        a valid one (its score stays -inf)."""
+        last = call.latent.shape[0] - 1
+        read = picks._replace(indices=torch.where(picks.indices < 0, last, picks.indices))
+        probs = all_keys_probs(call, query, kv_up_weight, read.indices)
+        return self.loss(call, Attended(None, probs), read, index_query, index_weights, coeff,
+                         tp_group)
 
 
 def attention_probs(call, query, kv_up_weight, picks):

@@ -1,20 +1,38 @@
-"""The sparse MLA (DSA) kernels by name: the one place their names live.
+"""The sparse MLA (DSA) stage kernels: the one list of them.
 
 ``sparse_laga_attention`` picks one per stage (``indexer_kernel``, ``attention_kernel``,
 ``loss_kernel``); any combination runs. Adding a kernel: a ``SparseKernel`` subclass
-(``kernels/sparse_base.py``) in its own ``kernels/sparse_<name>.py``, its name below and
-its class in ``_TYPES`` in the same order.
+(``sparse/stage.py``) in its own ``sparse/<name>_stages.py`` that declares its own
+``name`` (a subclass does not take its parent's), and its class in ``KERNEL_TYPES``.
+Tests and tools enumerate ``SPARSE_KERNELS``.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Sequence, Type
 
-from .sparse_base import SparseKernel
-from .sparse_npu import SparseNpu
-from .sparse_torch import SparseTorch
+from .npu_stages import SparseNpu
+from .stage import SparseDims, SparseKernel
+from .torch_stages import SparseTorch
 
-SPARSE_KERNELS = ("torch", "npu")
-_TYPES = dict(zip(SPARSE_KERNELS, (SparseTorch, SparseNpu)))
+KERNEL_TYPES: Sequence[Type[SparseKernel]] = (SparseTorch, SparseNpu)
+
+
+def _by_name(types) -> Dict[str, Type[SparseKernel]]:
+    """name -> class; a class must declare its own name, once in the list."""
+    named = {}
+    for cls in types:
+        name = cls.__dict__.get("name")
+        if not name:
+            raise TypeError(f"sparse kernel {cls.__name__} must declare its own name")
+        if name in named:
+            raise TypeError(f"sparse kernel name {name!r} is declared by both "
+                            f"{named[name].__name__} and {cls.__name__}")
+        named[name] = cls
+    return named
+
+
+_TYPES = _by_name(KERNEL_TYPES)
+SPARSE_KERNELS = tuple(_TYPES)
 
 
 class SparseStages(NamedTuple):
@@ -25,12 +43,9 @@ class SparseStages(NamedTuple):
 
 
 def sparse_stages(*, indexer_kernel: str, attention_kernel: str, loss_kernel: str,
-                  dims: dict, with_loss: bool) -> SparseStages:
+                  dims: SparseDims, with_loss: bool) -> SparseStages:
     """The three stages' kernels, after checking each can run (ValueError naming the
     argument: an unknown name, a missing torch_npu, dims the fused op does not take).
-    ``dims``: the last dims of kv_latent, k_pos_emb and index_key, the query's heads
-    ("heads"; "loss heads": those of every rank of loss_tp_group), the index heads and
-    index_topk.
     Runs no collective."""
     chosen = {"indexer": ("indexer_kernel", indexer_kernel),
               "attention": ("attention_kernel", attention_kernel),
@@ -46,6 +61,11 @@ def sparse_stages(*, indexer_kernel: str, attention_kernel: str, loss_kernel: st
 
 def sparse_kernel(name: str, argument: str = "kernel") -> SparseKernel:
     """The kernel named ``name`` (ValueError naming ``argument`` and the choices)."""
-    if name not in _TYPES:
+    if not isinstance(name, str) or name not in _TYPES:
         raise ValueError(f"{argument}={name!r} is unknown; use one of {SPARSE_KERNELS}")
     return _TYPES[name]()
+
+
+def kernel_index(name: str) -> int:
+    """The kernel's place in SPARSE_KERNELS (what ranks agree on)."""
+    return SPARSE_KERNELS.index(name)

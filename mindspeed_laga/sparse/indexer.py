@@ -8,10 +8,11 @@ in global position order, so a query row sees the same numbers at any CP size.
 - top-k: the ``k = min(index_topk, S)`` best keys per query, ordered by score and,
   between equal scores, by position (lowest first), so ties resolve the same way on
   every rank and CP size; picks after the query's own position are -1.
-- loss: KL(indexer's softmax over its picks || the attention's probabilities at the
-  picks, summed over heads and L1-normalized), per query row, mean over this rank's
-  rows (each CP rank's mean, as the host's own CP keeps it; Megatron averages grads
-  over CP, which makes it the CP 1 loss).
+- loss: KL(attention || indexer), the paper's direction: the attention's probabilities
+  at the picks (summed over heads and L1-normalized, the target) against the indexer's
+  softmax over its picks, ``sum target * (log target - log indexer)`` per query row,
+  mean over this rank's rows (each CP rank's mean, as the host's own CP keeps it;
+  Megatron averages grads over CP, which makes it the CP 1 loss).
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def attention_target(attn_probs):
 
 
 def indexer_loss(target, topk_scores, valid, coeff: float):
-    """The KL loss of the indexer against the attention (module docstring).
+    """KL(attention || indexer) (module docstring): ``F.kl_div(log q, p)`` is
+    ``sum p * (log p - log q)`` with p the attention's target and q the indexer's softmax.
 
     target [b, s, k]: :func:`attention_target`; topk_scores [b, s, k]; valid [b, s, k]
     bool."""

@@ -29,18 +29,23 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from ..forms.sparse_index import TopK
-from .sparse_base import AbsorbedStats, Attended, SparseKernel
-from .sparse_torch import attention_probs
+from .indexer import TopK
+from .stage import AbsorbedStats, Attended, SparseDims, SparseKernel
+from .torch_stages import attention_probs
 
-# what the ops take: the last dims (kv_lora_rank, rope, index head dim) by input name,
-# and the head counts (the loss's query heads: every head of loss_tp_group)
-OP_DIMS = {"kv_latent": (512,), "k_pos_emb": (64,), "index_key": (128,),
-           "heads": (1, 2, 4, 8, 16, 32, 64, 128), "loss heads": (8, 16, 32, 64, 128),
-           "index heads": (8, 16, 32, 64), "index_topk": range(1, 2049)}
+# what the ops take, per SparseDims field: the last dims (kv_lora_rank, rope, index head
+# dim) and the head counts (the loss's query heads: every head of loss_tp_group)
+OP_DIMS = SparseDims(kv_latent=(512,), k_pos_emb=(64,), index_key=(128,),
+                     heads=(1, 2, 4, 8, 16, 32, 64, 128), loss_heads=(8, 16, 32, 64, 128),
+                     index_heads=(8, 16, 32, 64), index_topk=range(1, 2049))
+# the SparseDims fields each stage's op is limited in
 STAGE_INPUTS = {"indexer": ("index_key", "index_topk"),
                 "attention": ("kv_latent", "k_pos_emb", "heads"),
-                "loss": ("kv_latent", "k_pos_emb", "index_key", "loss heads", "index heads")}
+                "loss": ("kv_latent", "k_pos_emb", "index_key", "loss_heads", "index_heads")}
+# how a message names a field
+_SHOWN = {"kv_latent": "kv_latent's last dim", "k_pos_emb": "k_pos_emb's last dim",
+          "index_key": "index_key's last dim", "loss_heads": "loss heads",
+          "index_heads": "index heads"}
 
 
 def _torch_npu():
@@ -48,7 +53,10 @@ def _torch_npu():
 
 
 class SparseNpu(SparseKernel):
+    name = "npu"
     loss_reads = "stats"
+    rounds_index_scores = True       # the op runs on bfloat16 copies, as the host's
+    loss_reads_index_scores = False  # the fused loss recomputes them from the index inputs
 
     def check(self, stage, argument, dims):
         try:
@@ -56,11 +64,12 @@ class SparseNpu(SparseKernel):
         except ImportError as exc:
             raise ValueError(f"{argument}='npu' needs torch_npu (Ascend CANN + torch_npu "
                              f"matching your torch); elsewhere use {argument}='torch'") from exc
-        for name in STAGE_INPUTS[stage]:
-            if dims[name] not in OP_DIMS[name]:
-                what = f"{name}'s last dim" if name in STAGE_INPUTS["loss"][:3] else name
-                raise ValueError(f"{argument}='npu': the fused op takes {what} in {OP_DIMS[name]} "
-                                 f"only, got {dims[name]}; use {argument}='torch'")
+        for field in STAGE_INPUTS[stage]:
+            got, allowed = getattr(dims, field), getattr(OP_DIMS, field)
+            if got not in allowed:
+                raise ValueError(f"{argument}='npu': the fused op takes "
+                                 f"{_SHOWN.get(field, field)} in {allowed} only, got {got}; "
+                                 f"use {argument}='torch'")
 
     def topk(self, call, index_query, index_weights, index_topk):
         keys = call.index_key.transpose(0, 1).unsqueeze(2).to(torch.bfloat16)  # [b, S, 1, D]

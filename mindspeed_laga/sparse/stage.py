@@ -1,7 +1,7 @@
 """What the sparse MLA (DSA) kernels share: the call they serve and the stages' results.
 
 A sparse kernel offers three stages, each run on this rank's queries against the keys of
-the one packed gather (``forms/sparse_mla.py``):
+the one packed gather (``sparse/form.py``):
 
 - ``topk(call, index_query, index_weights, index_topk) -> TopK``: the indexer's picks
   (global key positions, -1: no key) and its scores at them, with their gradient;
@@ -10,7 +10,12 @@ the one packed gather (``forms/sparse_mla.py``):
 - ``loss(call, attended, picks, index_query, index_weights, coeff, tp_group)``: the
   indexer's KL loss, this rank's mean over its query rows, times ``coeff``.
 
-The kernels' names live in ``kernels/sparse_registry.py`` only.
+A kernel declares, as class attributes, its ``name`` (the one place a kernel's name is
+written; ``sparse/registry.py`` lists the classes), what its loss stage reads from the
+attention (``loss_reads``) and whether its loss takes the ``all_keys`` target
+(``supports_all_keys``); :meth:`SparseKernel.check` says whether it runs a stage at the
+call's :class:`SparseDims`. Kernels import this module and ``sparse/indexer.py``, never
+the form.
 """
 from __future__ import annotations
 
@@ -53,14 +58,33 @@ class Attended(NamedTuple):
     stats: Optional[AbsorbedStats] = None
 
 
+class SparseDims(NamedTuple):
+    """The sizes a stage kernel may be limited to (the fused ops take a few only)."""
+    kv_latent: int    # kv_latent's last dim (kv_lora_rank)
+    k_pos_emb: int    # k_pos_emb's last dim (the rope head dim)
+    index_key: int    # index_key's last dim (the index head dim)
+    heads: int        # this rank's query heads
+    loss_heads: int   # the loss's query heads: every head of loss_tp_group
+    index_heads: int
+    index_topk: int
+
+
+STAGES = ("indexer", "attention", "loss")
+
+
 class SparseKernel:
     """Base of the sparse kernels (module docstring): the three stages."""
 
-    loss_reads = ""  # what its loss stage reads from the attention: an Attended field
+    name = ""              # its name in the sparse_laga_attention arguments
+    loss_reads = ""        # what its loss stage reads from the attention: an Attended field
+    supports_all_keys = False  # its loss takes loss_target="all_keys" (loss_all_keys)
+    rounds_index_scores = False  # its top-k scores are rounded below the inputs' precision
+    loss_reads_index_scores = True  # its loss reads the top-k's scores (else recomputes them)
+    kl_eps = 0.0  # what its loss adds to both distributions before the KL's log
 
-    def check(self, stage: str, argument: str, dims: dict) -> None:
+    def check(self, stage: str, argument: str, dims: SparseDims) -> None:
         """Raise ValueError naming ``argument`` if this kernel cannot run ``stage``
-        ("indexer", "attention", "loss") at these dims; no collective runs."""
+        (one of STAGES) at these dims; no collective runs."""
 
     def topk(self, call: SparseCall, index_query, index_weights, index_topk: int):
         raise NotImplementedError
@@ -70,4 +94,10 @@ class SparseKernel:
 
     def loss(self, call: SparseCall, attended: Attended, picks, index_query, index_weights,
              coeff: float, tp_group):
+        raise NotImplementedError
+
+    def loss_all_keys(self, call: SparseCall, query, kv_up_weight, picks, index_query,
+                      index_weights, coeff: float, tp_group):
+        """The loss against the ``all_keys`` target (``sparse_laga_attention``'s
+        ``loss_target``); only a kernel declaring ``supports_all_keys`` runs it."""
         raise NotImplementedError

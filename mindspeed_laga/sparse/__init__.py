@@ -1,0 +1,27 @@
+"""Sparse MLA (DSA: DeepSeek-V3.2, GLM-5) under context parallelism: one gather per layer.
+
+- ``form.py``: ``sparse_laga_attention``, the call (gather, then the three stages);
+- ``checks.py``: its one validation entry, ``check(...)`` -> a typed setup, and the
+  values ranks agree on (``agreed_values``);
+- ``indexer.py``: the lightning indexer's math (scores, deterministic top-k, KL loss);
+- ``stage.py``: the stage kernels' contract (the call they serve, their results, their
+  typed dims and declared capabilities);
+- ``registry.py``: the one list of stage kernels;
+- ``torch_stages.py``, ``npu_stages.py``: the stage kernels.
+
+Imports go one way: form -> checks -> registry -> kernels -> stage / indexer; no kernel
+imports the form. Importing this package imports no torch; its names below do.
+"""
+import importlib
+
+_API = {"SparseResult": ".form", "sparse_laga_attention": ".form"}
+
+__all__ = list(_API)
+
+
+def __getattr__(name):
+    if name in _API:
+        value = getattr(importlib.import_module(_API[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

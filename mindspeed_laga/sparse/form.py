@@ -1,0 +1,107 @@
+"""LAGA for sparse MLA (DSA: DeepSeek-V3.2, GLM-5): one gather per layer.
+
+DSA's attention is absorbed MQA over the latent: every head of a query attends the
+same selected keys, each key being ``[kv_latent | k_pos_emb]`` (W_UK folded into the
+query, W_UV into the output). The indexer that selects them needs one more per-key
+tensor, its index key. So a rank needs, of every other rank's tokens, exactly
+``[kv_latent | k_pos_emb | index_key]`` (512 + 64 + 128 = 704 values per token at
+DeepSeek-V3.2's dims), and one all-gather of that concatenation serves the indexer's
+scores and top-k, the sparse attention and the indexer's KL loss; its backward is one
+reduce-scatter. Queries, the index queries and the index weights stay local.
+
+Each stage (the indexer's top-k, the attention, the indexer's loss) runs on the kernel
+its argument names (``sparse/registry.py``): "torch", the math of ``sparse/torch_stages.py``
+(the attention over the picked keys gathered per query, in the inputs' dtype; the indexer
+as ``sparse/indexer.py`` describes it), or "npu", torch_npu's fused ops of
+``sparse/npu_stages.py``, run per chunk of this rank's queries against the gathered key
+prefix. Both read the keys of the one gather. The arguments are checked in one place,
+``sparse/checks.py``, before any collective.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import comm, layout as layouts
+from .checks import SparseOptions, check_call
+from .stage import Chunk, SparseCall
+
+
+class SparseResult(NamedTuple):
+    output: torch.Tensor                  # [s, b, n*v_head_dim], the input of linear_proj
+    topk_indices: torch.Tensor            # [b, s, k] global key positions, -1: no key
+    indexer_loss: Optional[torch.Tensor]  # scalar (this rank's mean), or None
+
+
+def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key,
+                          index_weights, *, index_topk: int, softmax_scale: float,
+                          qk_head_dim: int, v_head_dim: int, cp_group=None,
+                          layout: str = "zigzag", indexer_loss_coeff: Optional[float] = None,
+                          indexer_kernel: str = "torch", attention_kernel: str = "torch",
+                          loss_kernel: str = "torch", loss_tp_group=None,
+                          loss_target: str = "picks",
+                          check_ranks: Optional[bool] = None) -> SparseResult:
+    """Sparse MLA of this rank's queries over the whole sequence, one gather per call.
+
+    Local tensors (s = this rank's tokens, rope applied at their global positions):
+    ``query`` [s, b, n, qk_head_dim + d_r], ``kv_latent`` [s, b, d_c], ``k_pos_emb``
+    [s, b, d_r], ``kv_up_weight`` [n*(qk_head_dim + v_head_dim), d_c], ``index_query``
+    [s, b, H, D], ``index_key`` [s, b, D], ``index_weights`` [s, b, H] (scales applied).
+    ``layout``: how the sequence is split over ``cp_group`` ("contiguous" or "zigzag").
+    ``indexer_loss_coeff``: None, no loss; else the KL loss times it, this rank's mean
+    over its queries (the attention probabilities it reads pass no gradient).
+    ``indexer_kernel``, ``attention_kernel``, ``loss_kernel``: each stage's kernel, one of
+    ``sparse.registry.SPARSE_KERNELS`` ("torch": plain torch; "npu": torch_npu's
+    fused ops per chunk of queries against the gathered key prefix), any combination.
+    ``loss_tp_group``: the group the query heads are split over (tensor parallel): the
+    loss's target sums the attention over every head of the group (None: this rank's).
+    ``loss_target``: "picks", the loss's target is the attention's own probabilities at
+    the picks; "all_keys" (a loss kernel declaring ``supports_all_keys``: torch), each
+    head's softmax over every key of the sequence, unmasked, read at the picks, an empty
+    pick reading the last key: what
+    MindSpeed-LLM's torch loss computes behind its sparse flash attention, which hands it
+    no mask (kept so a model trains the same with LAGA as without).
+    ``check_ranks``: as in ``laga_attention``: the CP ranks agree on every value above and
+    on the shapes, dtype and requires-grad pattern before the gather, once per
+    micro-batch (``new_micro_batch``) or on every call of a group that opens none.
+    """
+    tensors = (query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key,
+               index_weights)
+    setup = check_call(tensors, SparseOptions(
+                      index_topk=index_topk, softmax_scale=softmax_scale, qk_head_dim=qk_head_dim,
+                      v_head_dim=v_head_dim, cp_group=cp_group, layout=layout,
+                      indexer_loss_coeff=indexer_loss_coeff, indexer_kernel=indexer_kernel,
+                      attention_kernel=attention_kernel, loss_kernel=loss_kernel,
+                      loss_tp_group=loss_tp_group, loss_target=loss_target), check_ranks)
+    stages, s = setup.stages, setup.local_len
+    size, rank = setup.cp_size, setup.cp_rank
+    latent, k_pe, keys = _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout)
+    chunks = [Chunk(start, length, first + length)
+              for start, length, first in layouts.rank_segments(layout, size, rank, s)]
+    call = SparseCall(latent, k_pe, keys, layouts.positions(layout, size, rank, s).to(query.device),
+                      chunks, softmax_scale, qk_head_dim, v_head_dim)
+    picks = stages.indexer.topk(call, index_query, index_weights, index_topk)
+    attended = stages.attention.attend(call, query, kv_up_weight, picks,
+                                       None if setup.all_keys else stages.keep)
+    loss = None
+    if setup.all_keys:
+        loss = stages.loss.loss_all_keys(call, query, kv_up_weight, picks, index_query,
+                                         index_weights, indexer_loss_coeff, loss_tp_group)
+    elif setup.with_loss:
+        loss = stages.loss.loss(call, attended, picks, index_query, index_weights,
+                                indexer_loss_coeff, loss_tp_group)
+    return SparseResult(attended.output, picks.indices, loss)
+
+
+def _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout):
+    """Every position's (kv_latent, k_pos_emb, index_key), [S, b, *] in position order."""
+    widths = [kv_latent.shape[-1], k_pos_emb.shape[-1], index_key.shape[-1]]
+    packed = torch.cat([kv_latent, k_pos_emb, index_key], dim=-1)
+    gathered = comm.gather_seq(packed, cp_group, tag="sparse_latent")
+    size = comm.group_size(cp_group)
+    if not layouts.is_identity(layout, size):
+        order = layouts.to_position_order(layout, size, kv_latent.shape[0])
+        gathered = gathered.index_select(0, order.to(gathered.device))
+    return torch.split(gathered, widths, dim=-1)
+
