@@ -53,6 +53,13 @@ class KvGatherOwn(AllGather):
     name = "kvgather_own"
     in_tables = False
 ''',
+    "mindspeed_laga/sparse/torch2_stages.py": '''"""A new sparse stage kernel: the torch stages under their own name."""
+from .torch_stages import SparseTorch
+
+
+class SparseTorch2(SparseTorch):
+    name = "torch2"
+''',
 }
 # (file, the line the import goes above, the import, the entry closing ``_REGISTERED``)
 REGISTRATIONS = [
@@ -64,7 +71,8 @@ REGISTRATIONS = [
 NEW_RELEASE, SAME_AS = "26.1.1", "26.1.0"
 RELEASE_ROW = (f'    Release("{NEW_RELEASE}", "0a1b2c3d", "{NEW_RELEASE}_core_r0.12.1", "4e5f6a7b", '
                f'"9.1.0", "{NEW_RELEASE}", same_as="{SAME_AS}"),\n')
-NEW = ("sdpa2", "kvgather", "kvgather_own", NEW_RELEASE)
+SPARSE_ANCHOR = "KERNEL_TYPES: Sequence[Type[SparseKernel]] = ("
+NEW = ("sdpa2", "kvgather", "kvgather_own", NEW_RELEASE, "torch2")
 
 # What runs in the copy, in one process: the copy is what runs; the commands with the new
 # entries (the old alias still the old kernel's); the tests' axes hold them.
@@ -77,7 +85,8 @@ from mindspeed_laga.kernels import registry
 from mindspeed_laga.tools import cli
 from support import variants
 assert all(m.__file__.startswith(copy) for m in (releases, registry, cli)), releases.__file__
-assert set(new) <= set(releases.BY_NAME) | set(registry.KERNEL_NAMES) | set(ALGOS), new
+from mindspeed_laga.sparse.registry import SPARSE_KERNELS
+assert set(new) <= set(releases.BY_NAME) | set(registry.KERNEL_NAMES) | set(ALGOS) | set(SPARSE_KERNELS)
 
 
 def run(*argv):
@@ -105,6 +114,13 @@ out = run("bench", "--cp", "2", "--seq-lens", "32", "--heads", "2", "--repeat", 
           "0", "--forms-only", "--kernel", "sdpa2", "--cp-algo", "kvgather_own", "--json", "",
           "--plot", "")
 assert "kvgather_own" in out, out
+out = run("bench", "--dsa", "deepseek-v3.2", "--cp", "2", "--seq-lens", "32", "--heads", "2",
+          "--repeat", "1", "--warmup", "0", "--index-topk", "8", "--json", "")
+assert "top-k 8" in out and any(line.split()[:1] == ["32"] for line in out.splitlines()), out
+# the new sparse kernel at every stage, the all_keys target its loss declares included
+import torch
+from support import sparse_kernels
+assert any("torch2" in combo for combo in sparse_kernels.EXACT)
 # the equivalence axes: the tables' algorithms at every CP size, the others from CP 4 on
 assert "sdpa2" in variants.CPU_KERNELS and "kvgather" in variants.algos_for(2)
 assert "kvgather_own" in variants.algos_for(4) and "kvgather_own" not in variants.algos_for(2)
@@ -115,7 +131,11 @@ print("probe done")
 TESTS = ["tests/tools/test_kernel_declarations.py", "tests/tools/test_plan_cli.py",
          "tests/tools/test_no_silent_ignores.py::test_help_does_not_import_torch",
          "tests/tools/test_plan_recommendation.py", "tests/mindspeed/test_mindspeed_llm_releases.py",
-         "-k", "not test_plan_recommendation or host or honours"]
+         "tests/core/test_sparse_package.py", "tests/core/test_sparse_kernels.py",
+         "-k", "test_kernel_declarations or help or test_mindspeed_llm_releases "
+               "or test_sparse_package or host or honours or 100 or alias or node_table "
+               "or (test_sparse_kernels and not combination and not one_gather) "
+               "or cp2-zigzag-torch2-torch2-torch2"]
 # the loop modules build a case per release row: collected, the new release's among them
 LOOP_MODULES = ["tests/loop/test_real_loop.py", "tests/loop/test_real_tune.py"]
 
@@ -138,6 +158,16 @@ def _add_release_row(path: Path) -> None:
     path.write_text(f"{head}\nROWS = (\n{body}\n{RELEASE_ROW})\n{rest}")
 
 
+def _add_sparse_kernel(path: Path) -> None:
+    """Its import and its class last in ``KERNEL_TYPES``."""
+    text = path.read_text()
+    head, tail = text.split(SPARSE_ANCHOR, 1)
+    body, rest = tail.split(")\n", 1)
+    head = head.replace("from .torch_stages import SparseTorch\n",
+                        "from .torch_stages import SparseTorch\nfrom .torch2_stages import SparseTorch2\n")
+    path.write_text(f"{head}{SPARSE_ANCHOR}{body}, SparseTorch2)\n{rest}")
+
+
 def _copy(tmp_path: Path) -> Path:
     """The repository copied, the additions made; the installed package's mapping of
     ``features/`` and ``patches/`` under ``mindspeed_laga`` made by links in the copy."""
@@ -151,6 +181,7 @@ def _copy(tmp_path: Path) -> Path:
     for path, *registration in REGISTRATIONS:
         _register(copy / path, *registration)
     _add_release_row(copy / "patches" / "mindspeed_llm" / "releases.py")
+    _add_sparse_kernel(copy / "mindspeed_laga" / "sparse" / "registry.py")
     return copy
 
 
