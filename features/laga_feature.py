@@ -62,7 +62,7 @@ class LAGAFeature(_Base):
             return  # no MindSpeed-LLM: the patch has no target, nothing of LAGA runs
         from mindspeed_laga.patches.mindspeed_llm.host import check_mindspeed_llm_release
         release = check_mindspeed_llm_release()
-        found = f"{FLAG}: {release.label()} found"
+        found = f"{FLAG}: {release.found()}"  # the facts it shows, not a release it may not be
         logger.info(found)
         if os.environ.get("RANK", "0") == "0":  # the start-up log, once per job
             print(found, flush=True)

@@ -7,6 +7,7 @@ from .base import CPAlgo, Exchange
 class AllGather(CPAlgo):
     name = "allgather"
     default_layout = "zigzag"
+    host_algo = "kvallgather_cp_algo"  # megatron_cp_algo's layout too; LAGA replaces its ring
 
     def exchanges(self, form, d, n):
         if form == "explicit":

@@ -28,6 +28,10 @@ class CPAlgo:
     name: ClassVar[str]
     # The split its host data pipeline produces when a caller names none.
     default_layout: ClassVar[str]
+    # MindSpeed's --context-parallel-algo that runs it (the training flag plan prints;
+    # features/laga_args.py maps each host value back to an algorithm and a layout).
+    # "": no MindSpeed algorithm runs it, so plan prints no training flags for it.
+    host_algo: ClassVar[str] = ""
     # Whether it takes a Ulysses group of U ranks (``ulysses_group`` / ``ulysses_degree``).
     takes_ulysses_degree: ClassVar[bool] = False
     # Whether the cost model's one-link tables and the CLI's "both" enumerate it.

@@ -9,6 +9,7 @@ from .base import CPAlgo, Exchange, latent_exchanges
 class Hybrid(CPAlgo):
     name = "hybrid"
     default_layout = "zigzag"
+    host_algo = "hybrid_cp_algo"
     takes_ulysses_degree = True
     # An algorithm the cost model's one-link tables and "both" leave out: plan and bench
     # show it on its own (--cp-algo hybrid) and in the two-link node table.

@@ -7,6 +7,7 @@ from .base import CPAlgo, Exchange, latent_exchanges
 class Ulysses(CPAlgo):
     name = "ulysses"
     default_layout = "contiguous"
+    host_algo = "ulysses_cp_algo"
 
     def heads_split(self, cp_size, ulysses_degree=1):
         return cp_size > 1

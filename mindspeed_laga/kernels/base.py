@@ -3,8 +3,10 @@
 A :class:`Kernel` is resolved once per call (``checks.check``, :func:`kernels.resolve`)
 into the setup, with the options only it reads (``pad_v``) bound, so the forms and
 the blockwise walk call it without knowing which backend runs. Adding a kernel is a
-subclass in its own ``kernels/<backend>.py`` plus one line in ``kernels/registry.py``
-(docs/DESIGN.md, "Extension points").
+subclass in its own ``kernels/declared/<name>.py`` (what it declares, torch-free; its
+running methods import its torch module on first call) plus its entry in
+``kernels/registry.py`` (docs/DESIGN.md, "Extension points"). Torch-free: the CLI's parser
+and the cost model read the declarations.
 """
 from __future__ import annotations
 
@@ -30,8 +32,15 @@ class Kernel:
     device_host: ClassVar[str] = ""
     # Whether MindSpeed-LLM's training flag (--mla-laga-kernel) offers it.
     in_training_flag: ClassVar[bool] = True
-    # Other names the CLI flags accept for it (spellings older commands used).
+    # Other names the CLI flags accept for it (spellings older commands used). Its own: a
+    # subclass does not take its parent's (``__init_subclass__``), or a new kernel built on
+    # an old one would silently take over the old one's spellings.
     aliases: ClassVar[Tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "aliases" not in cls.__dict__:
+            cls.aliases = ()
 
     def __init__(self, pad_v: bool = False):
         self.pad_v = bool(pad_v) and self.pads_v

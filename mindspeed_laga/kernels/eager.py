@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..vocab.blocks import SCORE_CHUNK_ELEMENTS
-from .base import BlockKernel, Kernel
+from .base import BlockKernel
+from .declared.eager import Eager  # noqa: F401  (its declaration, importable from here too)
 from .masks import block_keep, segment_keep
 from .precision import acc_dtype
 
@@ -91,23 +92,3 @@ class EagerBlock(BlockKernel):
         dq = torch.matmul(ds, key.to(acc)) * scale
         dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
         return dq, dk, torch.matmul(p.transpose(-1, -2), do)
-
-
-class Eager(Kernel):
-    """Plain torch math: scores materialized (kept for backward by the dense kernel, one
-    block at a time by the block kernel); ``auto``'s pick where nothing fused runs."""
-
-    name = "eager"
-    block = EagerBlock
-    block_note = "no fused block op, eager math"
-
-    @classmethod
-    def picks_auto(cls, device, dtype, blockwise):
-        return True
-
-    @classmethod
-    def model_kind(cls, device_type):
-        return "eager"  # the score matrix is materialized and kept
-
-    def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
-        return attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces, keep=keep)

@@ -42,7 +42,8 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from .base import BlockKernel, Kernel
+from .base import BlockKernel
+from .declared.npu import Npu  # noqa: F401  (its declaration, importable from here too)
 from .masks import block_keep
 
 COMPRESSED_MASK_SIZE = 2048
@@ -348,38 +349,3 @@ def _mask_kwargs(q, key, offset, pad=None):
     if offset is None:
         return dict(sparse_mode=0)
     return causal_kwargs(q.shape[2], key.shape[2], offset, q.device)
-
-
-class Npu(Kernel):
-    """Ascend ``npu_fusion_attention`` (dense and per key block); ``auto``'s pick on NPU
-    tensors. ``pad_v``: V zero-padded to the q/k head dim for the op (module docstring)."""
-
-    name = "npu"
-    pads_v = True
-    documents_need_build = True
-    device = "npu"
-    device_host = "an Ascend host"
-
-    @classmethod
-    def picks_auto(cls, device, dtype, blockwise):
-        return device.type == "npu"
-
-    @classmethod
-    def check(cls, device, dtype, blockwise):
-        require_torch_npu()
-
-    @classmethod
-    def check_installed(cls):
-        require_torch_npu()
-
-    @classmethod
-    def model_kind(cls, device_type):
-        return "npu"
-
-    def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
-        return attend_segment(q, k, v, scale=scale, causal=causal, pad_v=self.pad_v, pieces=pieces,
-                              keep=keep)
-
-    @property
-    def block(self):
-        return NpuBlockPadV if self.pad_v else NpuBlock

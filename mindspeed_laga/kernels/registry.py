@@ -1,10 +1,11 @@
 """The kernels by name, in ``kernel="auto"``'s order of preference: the one place a kernel is named.
 
 Adding a kernel: a :class:`~mindspeed_laga.kernels.base.Kernel` subclass in its
-own ``kernels/<backend>.py`` and one line in ``_REGISTERED``. Validation, the
+own ``kernels/declared/<name>.py`` and one line in ``_REGISTERED``. Validation, the
 CLI's choices, the cost model's kind, the doctor, the training flags and the
 tests' kernel axis all read the lists below; what a command offers is the
-kernel's own property (``device``, ``in_training_flag``, ``aliases``).
+kernel's own property (``device``, ``in_training_flag``, ``aliases``). Torch-free: only
+declarations are imported here (``mindspeed-laga --help`` reads these lists).
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from types import SimpleNamespace
 from typing import Dict, Optional, Tuple, Type
 
 from .base import Kernel
-from .eager import Eager
-from .npu import Npu
-from .sdpa import Sdpa
+from .declared.eager import Eager
+from .declared.npu import Npu
+from .declared.sdpa import Sdpa
 
 _REGISTERED = (
     Npu,
@@ -32,6 +33,11 @@ CPU_KERNELS: Tuple[str, ...] = tuple(n for n in KERNEL_NAMES if KERNEL_TYPES[n].
 TRAINING_KERNELS: Tuple[str, ...] = ("auto",) + tuple(n for n in KERNEL_NAMES
                                                        if KERNEL_TYPES[n].in_training_flag)
 ALIASES: Dict[str, str] = {a: k.name for k in _REGISTERED for a in k.aliases}
+_CLASHES = sorted(set(ALIASES) & set(KERNEL_TYPES)) + sorted(
+    a for a in ALIASES if sum(a in k.aliases for k in _REGISTERED) > 1)
+if _CLASHES:  # a flag value must mean one kernel
+    raise ValueError(f"kernel aliases {_CLASHES} name another kernel or two kernels; "
+                     "rename them in the kernels' ``aliases``")
 
 
 def canonical(name: str) -> str:

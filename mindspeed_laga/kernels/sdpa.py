@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..double_backward import once_differentiable
-from .base import BlockKernel, Kernel
+from .base import BlockKernel
+from .declared.sdpa import Sdpa  # noqa: F401  (its declaration, importable from here too)
 from .eager import expand_kv
 from .masks import bottom_right, segment_keep
 from .merge import merge_lse
@@ -231,35 +232,3 @@ def fused_block_ops(device: torch.device, dtype) -> bool:
     """Whether :class:`FusedBlock` has fused ops for these tensors (CUDA's memory-
     efficient kernel has no float64)."""
     return device.type == "cpu" or (device.type == "cuda" and dtype != torch.float64)
-
-
-class Sdpa(Kernel):
-    """PyTorch's fused attention (dense) and its fused ops per key block (blockwise);
-    ``auto``'s pick off NPU where the blockwise path has fused block ops."""
-
-    name = "sdpa"
-    block = FusedBlock
-    block_note = "fused block ops"
-    in_training_flag = False  # the Ascend training flag offers the kernels tested there
-    aliases = ("fused",)
-
-    @classmethod
-    def model_kind(cls, device_type):
-        # torch SDPA is the cost model's "sdpa" on CPU only: its accelerator kernels keep no
-        # score matrix ("fused")
-        return "sdpa" if device_type == "cpu" else "fused"
-
-    @classmethod
-    def picks_auto(cls, device, dtype, blockwise):
-        return not blockwise or fused_block_ops(device, dtype)
-
-    @classmethod
-    def check(cls, device, dtype, blockwise):
-        if blockwise and not fused_block_ops(device, dtype):
-            raise ValueError(
-                f"recompute_kv=True with kernel='sdpa' runs fused block ops for CPU tensors and "
-                f"CUDA tensors other than float64, not {device.type} {dtype}; use kernel='eager' "
-                "(or 'auto', which picks it)")
-
-    def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
-        return attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces, keep=keep)

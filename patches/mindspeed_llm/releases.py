@@ -17,6 +17,13 @@ module as long as their pairs differ. A fact is a name a row lists (a new
 fact edits only the rows that have it); a host whose pair matches no tested
 release is refused, naming the pairs.
 
+A release whose pair shows exactly another's facts (a patch release that left the MLA
+module and MindSpeed's files alone) is declared ``same_as`` that release: it takes the
+other's facts and differences, and no fact can tell the two apart. So what the source
+identifies is a set of facts, named by the release that owns them, and a host is
+reported by that (:meth:`Release.found`: "matches 26.1.0's MLA facts"), never as one
+release of the set: an unlisted newer pair with the same facts is the same case.
+
 What differs in the MLA forward LAGA reproduces is a field of :class:`Release`
 (``lora_scales``, ``rope_deinterleave``, ``documents_refused``); the forward
 itself (patches/mindspeed_llm/forward.py) is one for all releases.
@@ -27,7 +34,7 @@ import ast
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 MLA_MODULE = os.path.join("tasks", "models", "transformer", "multi_latent_attention.py")
@@ -83,9 +90,12 @@ class Release:
     cann: Optional[str]  # the CANN and torch_npu the release names (master: none)
     torch_npu: Optional[str]
     # what the host's source shows (mindspeed_llm_facts / mindspeed_facts): together they
-    # identify the release
-    llm_facts: LLMFacts
-    mindspeed_facts: FrozenSet[str]
+    # identify the release (None with ``same_as``: the other's)
+    llm_facts: Optional[LLMFacts] = None
+    mindspeed_facts: Optional[FrozenSet[str]] = None
+    # the release whose facts and differences this one has, all of them (the row gives
+    # only its commits and versions; resolved in RELEASES)
+    same_as: Optional[str] = None
     # --- the differences of the MLA forward -------------------------------------------
     # the forward scales the q/kv latents by mla_scale_q_lora / mla_scale_kv_lora
     lora_scales: bool = True
@@ -108,6 +118,18 @@ class Release:
         return (f"MindSpeed-LLM {self.name} ({self.mindspeed_llm_commit}) with MindSpeed "
                 f"{self.mindspeed_branch} ({self.mindspeed_commit})")
 
+    @property
+    def facts_owner(self) -> str:
+        """The release that names this one's facts (itself, or the one it is the same as)."""
+        return self.same_as or self.name
+
+    def found(self) -> str:
+        """What identifying a host as this release can say (the source shows facts, not a
+        release): the facts' owner and every tested release that has them."""
+        sharing = [r.label() for r in RELEASES if r.facts_owner == self.facts_owner]
+        return (f"found a MindSpeed-LLM / MindSpeed pair matching {self.facts_owner}'s MLA facts "
+                f"(tested with them: {'; '.join(sharing)})")
+
     def deinterleaves(self, rope_scaling_type) -> bool:
         return rope_scaling_type in self.rope_deinterleave
 
@@ -115,7 +137,7 @@ class Release:
         return self.document_algos is None or cp_algo in self.document_algos
 
 
-RELEASES = (
+ROWS = (
     Release("master", "c77308a1", "master", "028de58c", None, None,
             llm_facts=defines("should_recompute_mla_up_proj", "_dsa_index_share",
                               "mla_scale_kv_lora", "get_mla_self_attn_submodules"),
@@ -145,7 +167,42 @@ RELEASES = (
                 "cu_seqlens.position_ids, so the host itself cannot apply rope to packed "
                 "documents")),
 )
+
+
+def _resolved(rows) -> Tuple[Release, ...]:
+    """The rows with each ``same_as`` row given its release's facts and differences."""
+    by_name = {r.name: r for r in rows}
+    out = []
+    for row in rows:
+        if row.same_as is None:
+            if row.llm_facts is None or row.mindspeed_facts is None:
+                raise ValueError(f"release {row.name} needs llm_facts and mindspeed_facts, or "
+                                 "same_as=<the release whose facts it has>")
+            out.append(row)
+            continue
+        owner = by_name.get(row.same_as)
+        if owner is None or owner.same_as is not None:
+            raise ValueError(f"release {row.name}: same_as={row.same_as!r} must name a release "
+                             f"row that lists its own facts ({[r.name for r in rows if not r.same_as]})")
+        if row.llm_facts is not None or row.mindspeed_facts is not None:
+            raise ValueError(f"release {row.name} is same_as={row.same_as!r}: it takes that "
+                             "release's facts, so it lists none of its own")
+        differences = {f.name: getattr(owner, f.name) for f in fields(Release)
+                       if f.name not in _OWN_FIELDS}
+        out.append(replace(row, **differences))
+    return tuple(out)
+
+
+# what a same_as row gives itself; every other field is its release's
+_OWN_FIELDS = ("name", "mindspeed_llm_commit", "mindspeed_branch", "mindspeed_commit", "cann",
+               "torch_npu", "same_as")
+RELEASES = _resolved(ROWS)
 BY_NAME: Dict[str, Release] = {r.name: r for r in RELEASES}
+
+
+def owners() -> Tuple[Release, ...]:
+    """The releases that own their facts: what identification can tell apart."""
+    return tuple(r for r in RELEASES if r.same_as is None)
 
 
 class UnknownHostRelease(RuntimeError):
@@ -212,7 +269,9 @@ def package_dir(name: str) -> Optional[str]:
 
 
 def identify(llm_package: str, mindspeed_package: Optional[str]) -> Release:
-    """The tested release whose pair of facts these packages show; raises UnknownHostRelease."""
+    """The tested release that owns the pair of facts these packages show (a ``same_as``
+    release is never the answer: report it with :meth:`Release.found`); raises
+    UnknownHostRelease."""
     candidates = _llm_candidates(os.path.join(llm_package, MLA_MODULE))
     first = candidates[0]
     if mindspeed_package is None:
@@ -221,7 +280,7 @@ def identify(llm_package: str, mindspeed_package: Optional[str]) -> Release:
     found = mindspeed_facts(mindspeed_package)
     matching = [r for r in candidates if r.mindspeed_facts == found]
     if not matching:
-        paired = [r.mindspeed_branch for r in RELEASES if r.mindspeed_facts == found]
+        paired = [r.mindspeed_branch for r in owners() if r.mindspeed_facts == found]
         raise UnknownHostRelease(
             f"MindSpeed-LLM {_names(candidates)} is tested with MindSpeed "
             f"{' or '.join(r.mindspeed_branch for r in candidates)}, but the "
@@ -246,7 +305,7 @@ def identify_mindspeed_llm(mla_path: str, mindspeed_package: Optional[str] = Non
 
 def _llm_candidates(mla_path: str) -> List[Release]:
     facts = _cached_facts(os.path.realpath(mla_path))
-    found = [r for r in RELEASES if r.llm_facts == facts]
+    found = [r for r in owners() if r.llm_facts == facts]
     if not found:
         raise UnknownHostRelease(
             f"the MindSpeed-LLM at {mla_path} is not a tested release (its MLA module shows "

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mindspeed_laga import count_bytes
+from mindspeed_laga.cp_algos import ALGOS
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import case_runs
 from support.variants import CPU_KERNELS, algos_for
@@ -61,7 +62,7 @@ def compared(cp):
         key = (case["side"], case["causal"], case["empty_rows"])
         if key not in refs:
             refs[key] = reference(padding_mask(case["side"]), case["causal"], case["empty_rows"])
-        ulysses_degree = 2 if case["cp_algo"] == "hybrid" else 1
+        ulysses_degree = 2 if ALGOS[case["cp_algo"]].takes_ulysses_degree else 1
         yield case_id(case), assemble(per_rank, case["layout"], cp, ulysses_degree), refs[key]
 
 

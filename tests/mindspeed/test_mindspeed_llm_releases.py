@@ -71,14 +71,18 @@ def untested_host(tmp_path, mindspeed_src):
 @pytest.mark.parametrize("release", RELEASE_NAMES)
 def test_each_release_pair_is_identified(release):
     found = identify(*packages(release_sources(release)))
-    assert found is BY_NAME[release]
+    assert found is BY_NAME[BY_NAME[release].facts_owner]  # a same_as release: its facts' owner
 
 
 def test_the_releases_are_the_tested_pairs():
     assert [r.name for r in RELEASES] == list(RELEASE_NAMES)
-    # a release is identified by its pair of facts: no two pairs may be equal (two releases
-    # may share an MLA module, test below)
-    assert len({(r.llm_facts, r.mindspeed_facts) for r in RELEASES}) == len(RELEASES)
+    # a release is identified by its pair of facts: no two owners' pairs may be equal (two
+    # releases may share an MLA module, test below); a same_as release has its owner's
+    owners = [r for r in RELEASES if r.same_as is None]
+    assert len({(r.llm_facts, r.mindspeed_facts) for r in owners}) == len(owners)
+    for r in RELEASES:
+        owner = BY_NAME[r.facts_owner]
+        assert (r.llm_facts, r.mindspeed_facts) == (owner.llm_facts, owner.mindspeed_facts)
 
 
 def test_two_releases_with_the_same_mla_module_are_told_apart_by_mindspeed(monkeypatch, tmp_path):
@@ -100,6 +104,26 @@ def test_two_releases_with_the_same_mla_module_are_told_apart_by_mindspeed(monke
     assert identify_mindspeed_llm(mla, str(other)) is later
     with pytest.raises(UnknownHostRelease, match="master or later found but MindSpeed"):
         identify(llm, None)
+
+
+def test_a_release_the_same_as_another_leaves_its_detection_alone(monkeypatch):
+    """A row declared ``same_as`` master (a later pair no fact tells apart) takes master's
+    facts and differences; master's sources are still identified as master's facts, and
+    the report names the facts and both releases, never one of them alone."""
+    same = releases.Release("master-next", "0123abcd", "master-next", "4567ef01", None, None,
+                            same_as="master")
+    rows = releases._resolved(releases.ROWS + (same,))
+    monkeypatch.setattr(releases, "RELEASES", rows)
+    monkeypatch.setattr(releases, "BY_NAME", {r.name: r for r in rows})
+    master, nxt = releases.BY_NAME["master"], releases.BY_NAME["master-next"]
+    assert (nxt.llm_facts, nxt.mindspeed_facts, nxt.lora_scales) == \
+        (master.llm_facts, master.mindspeed_facts, master.lora_scales)
+    found = identify(*packages(release_sources("master")))
+    assert found is master
+    assert "matching master's MLA facts" in found.found() == nxt.found()
+    assert master.label() in found.found() and nxt.label() in found.found()
+    with pytest.raises(ValueError, match="same_as='nowhere' must name a release"):
+        releases._resolved(releases.ROWS + (dataclasses.replace(same, same_as="nowhere"),))
 
 
 def test_a_mismatched_pair_names_the_mindspeed_it_needs():
@@ -141,9 +165,10 @@ def test_feature_validation_and_doctor_name_the_release(release, on_path, caplog
     feature = LAGAFeature()
     with caplog.at_level("INFO"):
         feature.validate_args(parse(VALID, feature))
-    label = BY_NAME[release].label()
-    assert f"{label} found" in caplog.text and f"{label} found" in capsys.readouterr().out
-    assert mindspeed_llm_release() == label == report()["MindSpeed-LLM release"]
+    found = BY_NAME[release].found()
+    assert f"{release}'s MLA facts" in found and BY_NAME[release].label() in found
+    assert found in caplog.text and found in capsys.readouterr().out
+    assert mindspeed_llm_release() == found == report()["MindSpeed-LLM release"]
 
 
 def test_packed_documents_are_refused_where_the_release_cannot_take_them(on_path):
@@ -173,7 +198,8 @@ def test_the_2x_rope_de_interleave_moves_pairs_to_halves():
 
 
 def test_the_differences_per_release():
-    assert [r.lora_scales for r in RELEASES] == [True, True, True, False, False]
+    # the 2.x pairs predate the latent scales (read from each owner's own facts)
+    assert all(r.lora_scales == ("mla_scale_kv_lora" in r.llm_facts.defines) for r in RELEASES)
     assert BY_NAME["2.3.0"].deinterleaves("plm") and not BY_NAME["2.2.0"].deinterleaves("plm")
     assert not any(BY_NAME[n].deinterleaves("yarn") for n in ("master", "26.1.0", "26.0.0"))
     assert BY_NAME["26.0.0"].takes_documents("ulysses_cp_algo")

@@ -8,6 +8,7 @@ import torch
 
 from mindspeed_laga import absorbed_attention, count_bytes, explicit_attention, laga_attention
 from mindspeed_laga import layout as layouts
+from mindspeed_laga.cp_algos import ALGOS
 
 FORMS_BY_NAME = {"explicit": explicit_attention, "absorbed": absorbed_attention,
                  "laga": laga_attention}
@@ -112,7 +113,7 @@ def assemble(per_rank, lay, cp, ulysses_degree=1):
 
 def run_case(rank, cp, case, group):
     x = {k: v.to(case.get("dtype", torch.float64)) for k, v in full_inputs().items()}
-    degree = 2 if case["cp_algo"] == "hybrid" else 1
+    degree = 2 if ALGOS[case["cp_algo"]].takes_ulysses_degree else 1
     inputs, local = local_inputs(x, case["layout"], cp, rank, degree)
     weight = x["kv_up_weight"].clone().requires_grad_()
     opts = dict(case["options"])

@@ -30,15 +30,19 @@ def attention_variants(kv_block_size: int) -> dict:
 KERNELS = KERNEL_NAMES
 # The kernels that run on CPU tensors: a CPU sweep's kernel axis.
 CPU_KERNELS = _CPU_KERNELS
-# The CP algorithms that run without a Ulysses degree (verify's, the equivalence axis).
+# The CP algorithms of the tables (``in_tables``): the plain equivalence axis.
 PLAIN_ALGOS = CP_ALGOS
-# Those that take a Ulysses degree U (hybrid): swept where the CP size has a 1 < U < P.
+# The others, which plan, bench and verify offer on their own (hybrid: it needs a 1 < U < P):
+# swept from CP 4 on, so an algorithm outside the tables still reaches equivalence cases.
+OWN_ALGOS = tuple(n for n, a in ALGOS.items() if not a.in_tables)
+# Those that take a Ulysses degree U (a sweep gives them U = 2).
 DEGREE_ALGOS = tuple(n for n, a in ALGOS.items() if a.takes_ulysses_degree)
 
 
 def algos_for(cp: int) -> tuple:
-    """The CP algorithms a sweep at CP size ``cp`` runs (those taking U from CP 4 on)."""
-    return PLAIN_ALGOS + (DEGREE_ALGOS if cp >= 4 else ())
+    """The CP algorithms a sweep at CP size ``cp`` runs (those outside the tables from CP 4
+    on)."""
+    return PLAIN_ALGOS + (OWN_ALGOS if cp >= 4 else ())
 
 
 def runs_on_accelerator(kernel: str) -> bool:

@@ -20,6 +20,7 @@ from mindspeed_laga.tools.costmodel import geometry
 from mindspeed_laga.tools import equivalence as eq
 from mindspeed_laga.tools.measure import worker
 from mindspeed_laga.tools.runspec import RunSpec
+from mindspeed_laga.kernels.registry import model_kind
 from mindspeed_laga.tools.spawn import run_on_ranks
 from mindspeed_laga.vocab.blocks import query_block_rows
 from mindspeed_laga.vocab.names import LAYOUTS
@@ -37,6 +38,12 @@ SHAPES = {
 ALGO_LAYOUTS = (("allgather", "zigzag"), ("ulysses", "contiguous"), ("allgather", "contiguous"),
                 ("ulysses", "zigzag"))
 KERNELS = CPU_KERNELS  # the registry's CPU kernels (torch SDPA: the model's "sdpa" on CPU)
+
+
+def kind(kernel: str) -> str:
+    """The cost model's kind of a registry kernel on CPU (what each kernel declares): the
+    model and the filters below ask the kind, never the registry name."""
+    return model_kind(kernel, "cpu")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -56,10 +63,10 @@ def _runs():
     runs = []
     for shape_name, (algo, lay), kernel, dtype, v in itertools.product(
             SHAPES, ALGO_LAYOUTS, KERNELS, DTYPES, VARIANTS.values()):
-        if v.recompute_kv and kernel != "eager":  # the blockwise path has its own kernels
+        if v.recompute_kv and kind(kernel) != cm.EAGER:  # the blockwise path has its own kernels
             continue
         # The flash shape is there for CPU SDPA's fused kernel: its default layouts suffice.
-        if shape_name == "flash" and (kernel != "sdpa" or (algo, lay) not in ALGO_LAYOUTS[:2]):
+        if shape_name == "flash" and (kind(kernel) != cm.SDPA or (algo, lay) not in ALGO_LAYOUTS[:2]):
             continue
         runs.append(eq.Case(spec=v, cp_algo=algo, layout=lay, kernel=kernel, dtype=dtype,
                             shape=SHAPES[shape_name]))
@@ -73,7 +80,7 @@ def model_config(case: eq.Case, cp_size: int) -> cm.Config:
     s = case.shape
     dims = ModelDims(s.heads, s.qk_head_dim, s.rope_dim, s.v_head_dim, s.kv_lora_rank)
     return cm.Config(dims, s.seq_len, s.batch, cp_size, 1, case.cp_algo, case.layout, case.dtype,
-                     case.kernel, case.causal)
+                     kind(case.kernel), case.causal)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"cp{p}")
@@ -115,10 +122,10 @@ def test_saved_activation_bytes_match_the_model(measured):
 
 
 def test_fused_kernel_is_measured_for_every_form(measured):
-    """Every form's sdpa runs, at both shapes, are modelled as the fused kernel and
-    covered by the measurements above."""
+    """Every form's sdpa runs (each kernel of the model's kind "sdpa" on CPU), at both shapes,
+    are modelled as the fused kernel and covered by the measurements above."""
     kinds = {(case.shape == SHAPES["flash"], case.form, model.kernel)
-             for case, _, _, model in _each(measured) if case.kernel == "sdpa"}
+             for case, _, _, model in _each(measured) if kind(case.kernel) == cm.SDPA}
     assert {(f, form, "fused") for f in (True, False) for form in ("explicit", "absorbed", "laga")} <= kinds
     assert all(kind == "fused" for _, _, kind in kinds)
 
@@ -538,7 +545,7 @@ DOC_RUNS = [eq.Case(spec=v, cp_algo=algo, layout=lay, kernel=kernel, dtype=dtype
             for (algo, lay, bounds), kernel, dtype, v in itertools.product(
                 (("allgather", "zigzag", (0, 12, 16, 32)), ("ulysses", "doc_zigzag", (0, 8, 24, 32))),
                 KERNELS, DTYPES, VARIANTS.values())
-            if not (v.recompute_kv and kernel != "eager")]
+            if not (v.recompute_kv and kind(kernel) != cm.EAGER)]
 
 
 @pytest.fixture(scope="module")

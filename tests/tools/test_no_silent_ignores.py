@@ -1,6 +1,6 @@
 """Every CLI flag acts or is refused in one line (exit 2): --cp against torchrun's world size,
 --backend outside torchrun, --plot without matplotlib, CP sizes the machine cannot spawn,
-an output path under a regular file; verify's hybrid CP; the bench
+an output path under a regular file; verify's hybrid CP; --help without torch; the bench
 header once under torchrun; ``doctor --json -`` prints only JSON."""
 import json
 import os
@@ -82,6 +82,18 @@ def test_verify_runs_hybrid(capsys):
     assert "CP=4 gloo ranks (hybrid U=2)" in out and "OK: every form matches" in out
     code, out, err = run_cli(capsys, "verify", "--cp-algo", "hybrid")
     assert_one_line_error("verify", code, err, "--cp-algo hybrid needs --ulysses-degree")
+
+
+@pytest.mark.parametrize("command", ["", "plan", "verify", "bench", "doctor"])
+def test_help_does_not_import_torch(command):
+    """--help parses and prints before anything imports torch (seconds on a loaded machine):
+    the parser reads the kernels' declarations (kernels/declared/), not what they run."""
+    code = ("import sys\nfrom mindspeed_laga.tools import cli\n"
+            f"try:\n    cli.main([{command!r}, '--help'] if {command!r} else ['--help'])\n"
+            "except SystemExit:\n    pass\n"
+            "print('torch imported:', sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().endswith("torch imported: []"), proc.stdout[-500:] + proc.stderr
 
 
 def test_doctor_json_dash_prints_only_json(monkeypatch, capsys):

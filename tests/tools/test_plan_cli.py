@@ -9,6 +9,7 @@ import pytest
 
 from mindspeed_laga.tools import cli
 from mindspeed_laga.tools.costmodel import MACHINES
+from mindspeed_laga.vocab.names import CP_ALGOS
 from support.cli_runs import assert_one_line_error, run_cli
 
 
@@ -199,6 +200,28 @@ def test_tables_fit_100_columns(capsys, argv):
     assert not wide, wide
 
 
+@pytest.mark.parametrize("copies", [0, 2])
+def test_memory_table_fits_100_columns_for_any_number_of_kernels(capsys, monkeypatch, copies):
+    """``--kernel both`` shows every CPU kernel: with every registered kind (npu's too), and
+    with more kernels of the same kinds (shown once each kind, the others named), in blocks
+    that stay within 100 columns."""
+    from mindspeed_laga.kernels.registry import KERNEL_NAMES, model_kind
+    from mindspeed_laga.tools.commands import plan
+    extra = tuple(f"{k}_{i}" for i in range(copies) for k in KERNEL_NAMES)
+    monkeypatch.setattr(plan, "CPU_KERNELS", KERNEL_NAMES + extra)
+    monkeypatch.setattr(plan, "model_kind", lambda k, device: model_kind(k.split("_")[0], device))
+    code, out, err = run_cli(capsys, "plan", "--kernel", "both", "--cp-algo", "allgather")
+    assert code == 0, err
+    wide = [line for line in out.splitlines() if len(line) > 100]
+    assert not wide, wide
+    headers = " ".join(block.splitlines()[0] for block in out.split("\nmemory")[1:])
+    # one column group per cost-model kind, the first kernel of each; the others named below
+    first = list({model_kind(k, "cpu"): k for k in reversed(KERNEL_NAMES)}.values())
+    assert sorted(k for k in KERNEL_NAMES if f"saved {k} " in headers) == sorted(first)
+    named = [k for k in KERNEL_NAMES + extra if k not in first]
+    assert all(k in out and f"saved {k} " not in headers for k in named)
+
+
 def test_every_flag_says_what_it_is():
     plan = cli.build_parser()._subparsers._group_actions[0].choices["plan"]
     silent = [a.option_strings for a in plan._actions if a.option_strings and not a.help]
@@ -224,7 +247,8 @@ def test_node_table_default_spans_two_nodes_and_hybrid_is_in_every_table(capsys)
     assert len(re.findall(r"\n  variant +hybrid U=8\n", out)) == 2
     # U given, --cp-algo not: every algorithm compared, hybrid at that U among them
     code, out, _ = run_cli(capsys, "plan", "--ulysses-degree", "8")
-    assert out.count("  variant                 allgather      ulysses   hybrid U=8") == 2
+    header = f"  {'variant':<20}" + "".join(f" {a:>12}" for a in CP_ALGOS) + f" {'hybrid U=8':>12}"
+    assert out.count(header) == 2
     # an explicit one-node CP is kept, and the output says nothing crosses nodes
     code, out, _ = run_cli(capsys, "plan", "--cp", "8", "--npus-per-node", "8")
     assert "CP=8," in out and "every CP rank shares one node of 8: nothing crosses" in out

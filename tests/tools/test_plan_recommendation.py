@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from mindspeed_laga.cp_algos import ALGOS
 from support.cli_runs import run_cli
 
 
@@ -93,3 +94,20 @@ def test_cp_1_says_it_once(capsys):
     assert "fastest:" not in out
     assert out.count("recommendation") == 1
     assert "CP=1 exchanges nothing" in out
+
+
+@pytest.mark.parametrize("name", list(ALGOS))
+def test_every_algorithm_names_the_host_algorithm_that_runs_it(name):
+    """plan's training flag is the algorithm's own ``host_algo``, and MindSpeed-LLM's flag map
+    (features/laga_args.py) takes that value back to an algorithm that names the same one."""
+    from mindspeed_laga.tools.commands.recommend import training_flags
+    from mindspeed_laga.tools.runspec import standard_runs
+    from mindspeed_laga.tools import costmodel as cm
+    from mindspeed_laga.features.laga_args import CP_ALGO_MAP
+    a = ALGOS[name]
+    assert a.host_algo, f"{name} names no MindSpeed --context-parallel-algo"
+    cfg = cm.Config(cm.preset("deepseek-v3"), 4096, cp_size=4, cp_algo=name,
+                    ulysses_degree=2 if a.takes_ulysses_degree else 1)
+    laga = next(v for v in standard_runs(1024) if v.form == "laga")
+    assert training_flags(cfg, laga).startswith(f"--context-parallel-algo {a.host_algo} ")
+    assert ALGOS[CP_ALGO_MAP[a.host_algo][0]].host_algo == a.host_algo

@@ -75,13 +75,14 @@ def report() -> Dict[str, object]:
 
 
 def mindspeed_llm_release() -> Optional[str]:
-    """The tested MindSpeed-LLM release (with its MindSpeed) the importable sources are,
-    read from their files; None without MindSpeed-LLM; 'untested: ...' for another."""
+    """Which tested MindSpeed-LLM release's facts (with its MindSpeed's) the importable
+    sources show, read from their files (``Release.found``: the facts, never a release
+    they may not be); None without MindSpeed-LLM; 'untested: ...' for another."""
     from mindspeed_laga.patches.mindspeed_llm.releases import (UnknownHostRelease, installed_release, package_dir)
     if package_dir("mindspeed_llm") is None:
         return None
     try:
-        return installed_release().label()
+        return installed_release().found()
     except UnknownHostRelease as exc:
         return f"untested: {exc}"
 

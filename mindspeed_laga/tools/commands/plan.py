@@ -492,13 +492,38 @@ def _print_comm_flops(entry: dict, algo: str) -> None:
     _print_rows(cells, algo)
 
 
+MEMORY_COLUMNS = 36  # one kernel's saved, form/expl and peak columns in the memory table
+
+
+def _kernel_groups(per_kernel: Dict[str, dict]) -> Dict[str, List[str]]:
+    """{shown kernel: the kernels after it with the same figures (the same cost-model
+    kind)}: a kernel that differs in nothing gets no columns of its own."""
+    groups: Dict[str, List[str]] = {}
+    for k, rows in per_kernel.items():
+        same = next((g for g in groups if per_kernel[g] == rows), None)
+        groups.setdefault(k, []) if same is None else groups[same].append(k)
+    return groups
+
+
 def _print_memory(entry: dict, algo: str) -> None:
-    kernels = list(entry["kernels"])
+    """Per kernel the memory columns, as many kernels a block as fit WIDTH (a block per
+    line of kernels: any number of registered kernels stays within the terminal)."""
+    groups = _kernel_groups(entry["kernels"])
+    shown = list(groups)
+    per_block = max(1, (WIDTH - 20) // MEMORY_COLUMNS)
+    for start in range(0, len(shown), per_block):
+        _print_memory_block(entry, algo, shown[start:start + per_block])
+    for k, same in groups.items():
+        if same:
+            _say(f"{', '.join(same)} = {k} in every memory column (the same cost-model kind)", "  ")
+
+
+def _print_memory_block(entry: dict, algo: str, kernels: List[str]) -> None:
     print()
-    print(f"{'memory':<20}" + "".join(f" {'saved ' + k:>12} {'form/expl':>9} {'peak ' + k:>12}"
-                                      for k in kernels))
+    print(f"{'memory':<20}" + "".join(f" {('saved ' + k)[:12]:>12} {'form/expl':>9} "
+                                      f"{('peak ' + k)[:12]:>12}" for k in kernels))
     print(f"{'':<20}" + "".join(f" {'(worst rank)':>12} {'':>9} {'(worst rank)':>12}" for _ in kernels))
-    print("-" * (20 + 36 * len(kernels)))
+    print("-" * (20 + MEMORY_COLUMNS * len(kernels)))
     cells = {}
     for name in entry["kernels"][kernels[0]]:
         line = []
@@ -568,10 +593,14 @@ def _print_times(times: dict) -> None:
         algos = list(m["rows"])
         label = {a: f"hybrid U={m.get('ulysses_degree')}" if takes_ulysses_degree(a) else a for a in algos}
         timed = [a for a in algos if "error" not in m["rows"][a]]
-        print(f"  {'variant':<20}" + "".join(f" {label[a]:>12}" for a in timed))
         variants = list(dict.fromkeys(v for a in timed for v in m["rows"][a]))
-        for v in variants:
-            print(f"  {v:<20}" + "".join(f" {1e3 * m['rows'][a][v]['total_s']:>12.2f}" for a in timed))
+        per_block = max(1, (WIDTH - 22) // 13)  # as many algorithm columns as fit WIDTH
+        for start in range(0, len(timed), per_block):
+            block = timed[start:start + per_block]
+            print(f"  {'variant':<20}" + "".join(f" {label[a]:>12}" for a in block))
+            for v in variants:
+                print(f"  {v:<20}" + "".join(f" {1e3 * m['rows'][a][v]['total_s']:>12.2f}"
+                                             for a in block))
         for a in algos:
             if a not in timed:
                 _say(f"{label[a]}: n/a: {m['rows'][a]['error']}", "  ")

@@ -16,8 +16,8 @@ from typing import Callable, List, Optional
 from .. import costmodel as cm
 from ..runspec import RunSpec
 
-# The MindSpeed-LLM flags that turn each choice on (features/laga_args.py).
-HOST_ALGO = {"allgather": "kvallgather_cp_algo", "ulysses": "ulysses_cp_algo", "hybrid": "hybrid_cp_algo"}
+# The MindSpeed-LLM flags that turn each choice on (features/laga_args.py); the
+# --context-parallel-algo value is the algorithm's own (``CPAlgo.host_algo``).
 OPTION_FLAGS = {"trim_causal_prefix": "--mla-laga-trim-causal-prefix",
                 "recompute_kv": "--mla-laga-recompute-kv",
                 "kv_block_size": "--mla-laga-kv-block-size {}",
@@ -31,7 +31,9 @@ def _label(cfg: cm.Config) -> str:
 
 def training_flags(cfg: cm.Config, spec: RunSpec) -> str:
     """The pretrain script's flags for ``spec`` under ``cfg``'s algorithm."""
-    flags = [f"--context-parallel-algo {HOST_ALGO[cfg.cp_algo]}"]
+    if not cfg.algo.host_algo:
+        return f"(no MindSpeed --context-parallel-algo runs {cfg.cp_algo})"
+    flags = [f"--context-parallel-algo {cfg.algo.host_algo}"]
     if cfg.algo.takes_ulysses_degree:
         flags.append(f"--ulysses-degree-in-cp {cfg.ulysses_degree}")
     if spec.form == "laga":

@@ -42,7 +42,7 @@ def require_loop_modules():
 def assert_release_found(run, release):
     """The run's log says the launcher found this release's sources (not another's)."""
     from patches.mindspeed_llm.releases import BY_NAME
-    assert f"{BY_NAME[release].label()} found" in run.log, f"not {release}'s sources"
+    assert BY_NAME[release].found() in run.log, f"not {release}'s sources"
 
 
 def assert_ran(run, laga: bool):
