@@ -450,6 +450,7 @@ def run(args) -> int:
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if bench_dsa.wanted(args):
+        args.cp = cp_size
         return _run_dsa(args)
     out = sys.stderr if args.json == "-" else sys.stdout  # --json -: stdout is the JSON's
     plot_note = resolve_plot(args)
@@ -507,9 +508,9 @@ def _run_dsa(args) -> int:
     if args.plot:
         raise ValueError(f"--plot {args.plot!r} draws the dense forms' panels; bench --dsa prints "
                          "its table and writes JSON only: drop --plot")
-    if args.json is None:
+    if args.json is None:  # the default file in the default folder, made when missing
         args.json = DEFAULT_JSON
-        check_output_path("--json", DEFAULT_DIR)
+        check_output_path("--json", DEFAULT_DIR if not os.path.isdir(DEFAULT_DIR) else DEFAULT_JSON)
         os.makedirs(DEFAULT_DIR, exist_ok=True)
     return bench_dsa.run(args, parse_seq_lens(args.seq_lens), shape_from_args(args, 1))
 
