@@ -63,6 +63,7 @@ def recommend(table: dict, heads: int, link_gbps: Optional[float] = None) -> dic
         rows[name] = {"path": name, "flags": PATH_FLAGS[name], "received_bytes": received,
                       "collectives": sum(row[d]["collectives"] for d in ("forward", "backward")),
                       "values_per_token": row["forward"]["values_per_token"],
+                      "values_per_token_backward": row["backward"]["values_per_token"],
                       "comm_s": received / (machine.link_gbps * 1e9)}
     if table["seq_len"] % (2 * cp):
         rows["laga"]["flags"] = LAGA_CONTIGUOUS
@@ -84,8 +85,8 @@ def _why(best: dict, host: dict) -> str:
     return (f"one gather of [kv_latent | k_pos_emb | index_key] ({best['values_per_token']:,} values "
             f"a token) serves the indexer, the attention and the loss, and its reduce-scatter is "
             f"the whole backward; the host's {host['path'].split()[-1]} path hands "
-            f"{host['values_per_token']:,} values a token to {host['collectives']} collectives "
-            f"(forward and backward)")
+            f"{host['values_per_token']:,} values a token forward and "
+            f"{host['values_per_token_backward']:,} backward to {host['collectives']} collectives")
 
 
 def print_recommendation(rec: dict, fmt_bytes: Callable, width: int) -> None:
