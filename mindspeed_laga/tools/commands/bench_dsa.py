@@ -41,7 +41,10 @@ def add_args(p) -> None:
     g = p.add_argument_group("sparse MLA (DSA)")
     g.add_argument("--dsa", choices=sorted(dsa.DSA_PRESETS), default=None, metavar="MODEL",
                    help="measure LAGA's sparse MLA instead, with MODEL's gather widths "
-                        f"({', '.join(sorted(dsa.DSA_PRESETS))}); layout zigzag or contiguous")
+                        f"({', '.join(sorted(dsa.DSA_PRESETS))}); layout zigzag or contiguous; "
+                        "it takes --cp, --seq-lens, --layout, --dtype, --repeat, --warmup, --json, "
+                        "--heads, --qk-head-dim, --v-head-dim, --micro-batch and --index-topk and "
+                        "refuses every other bench flag")
     g.add_argument("--index-topk", type=int, default=64,
                    help="keys each query picks (--dsa; default 64)")
     # every other flag of bench's, with its real name and its parsed default: given, refused
@@ -64,7 +67,7 @@ def check(args, seq_lens) -> None:
     given = [flag for dest, flag, default in getattr(args, "dsa_not_taken", ())
              if getattr(args, dest, default) != default]
     if given:
-        taken = ", ".join("--" + d.replace("_", "-") for d in TAKEN if d != "dsa")
+        taken = ", ".join("--" + d.replace("_", "-") for d in TAKEN if d not in ("dsa", "plot"))
         raise ValueError(f"bench --dsa takes {taken} only; drop {', '.join(given)} (dense-bench "
                          "flags; the gather's widths are the model's)")
     if args.layout not in (None,) + LAYOUTS:
@@ -88,7 +91,7 @@ def check_fits(seq_lens, cp: int, batch: int, index_heads: int, available=None) 
     longest = max(seq_lens)
     refuse_past(cp * rank_peak_bytes(longest, cp, batch, index_heads), available, longest,
                 f"{cp} ranks, each with float32 indexer scores for its queries against all "
-                f"{longest} keys, {index_heads} index heads", "fewer --cp ranks")
+                f"{longest} keys, {index_heads} index heads: S x S pairs in all, whatever --cp")
 
 
 def worker(rank, world_size, widths, shape, seq_len, layout, topk, dtype, repeat, warmup):

@@ -54,13 +54,14 @@ def check_fits(runs, models, local_ranks: int, available: Optional[int] = None) 
                 "fewer --heads")
 
 
-def refuse_past(need: int, available: Optional[int], seq_len: int, what: str, fix: str) -> None:
+def refuse_past(need: int, available: Optional[int], seq_len: int, what: str,
+                fix: Optional[str] = None) -> None:
     """The cap every bench applies: ValueError naming --seq-lens when ``need`` bytes (for
     ``what``) exceed ``available`` (None: unknown, nothing refused)."""
     if available is not None and need > available:
         raise ValueError(f"--seq-lens: S={seq_len} needs about {need / GiB:,.1f} GiB of host "
                          f"memory ({what}), {available / GiB:,.1f} GiB available; use shorter "
-                         f"--seq-lens or {fix}")
+                         f"--seq-lens{' or ' + fix if fix else ''}")
 
 
 def check_block_size(kv_block_size: Optional[int], seq_lens: Sequence[int]) -> None:

@@ -37,7 +37,9 @@ def add_args(p) -> None:
     g.add_argument("--dsa", choices=sorted(dsa.DSA_PRESETS), default=None, metavar="MODEL",
                    help="show sparse MLA's collectives instead: the host's kvallgather and ulysses "
                         "paths against LAGA's one gather, with MODEL's dims "
-                        f"({', '.join(sorted(dsa.DSA_PRESETS))}; the dim flags override)")
+                        f"({', '.join(sorted(dsa.DSA_PRESETS))}; the dim flags override), ending "
+                        f"in one recommendation; it models {modelled_flags()} and refuses "
+                        "every other plan flag")
     g.add_argument("--index-heads", type=int, default=None,
                    help="the indexer's heads, --index-n-heads (DeepSeek-V3.2: 64, GLM-5: 32)")
     g.add_argument("--index-head-dim", type=int, default=None, help="the indexer's head dim (128)")
