@@ -11,7 +11,7 @@ from support.cli_runs import assert_one_line_error, run_cli
 
 from mindspeed_laga.tools import costmodel as cm
 from mindspeed_laga.tools.costmodel import cluster, dsa, summary
-from mindspeed_laga.tools.runspec import standard_runs
+from mindspeed_laga.tools.runspec import RunSpec, standard_runs
 
 V32 = ("plan", "--dsa", "deepseek-v3.2")
 BF16 = 2
@@ -132,3 +132,33 @@ def test_the_sampled_ranks_find_the_worst_rank_of_every_rank(monkeypatch, change
         assert (sampled.saved_worst, sampled.peak_worst, sampled.flops_worst) == (
             every.saved_worst, every.peak_worst, every.flops_worst), spec.name
         assert sampled.saved_average == pytest.approx(every.saved_average, rel=0.05)
+
+
+GRID = [(p, dpn, tp) for p in (3, 4, 6, 8, 12, 16, 24) for dpn in (4, 6, 8) for tp in (1, 2, 3)]
+
+
+def test_the_placements_walked_give_every_ranks_answer(monkeypatch):
+    """The node table walks placement_ranks (one rank, or one period of lcm(U, node)),
+    not every rank: the worst placement is the same as over every rank, on whole and
+    partial nodes, with TP dividing the node or not."""
+    spec = RunSpec("laga+overlap", "laga", overlap=True)  # the overlap's hidden share counts too
+    real = cluster.placement_ranks
+    compared = 0
+    for p, dpn, tp in GRID:
+        for algo, u in [("allgather", 1), ("ulysses", 1)] + [("hybrid", u) for u in range(2, p) if p % u == 0]:
+            cfg = cm.Config(dims=cm.preset("deepseek-v3"), seq_len=p * 192, micro_batch=1, cp_size=p,
+                            tp_size=tp, cp_algo=algo, layout=None, dtype="bfloat16", kernel=cm.FUSED,
+                            ulysses_degree=u)
+            try:
+                cm.validate(cfg)
+            except ValueError:
+                continue
+            nodes = replace(cm.CLUSTERS["910b"], devices_per_node=dpn)
+            s = cm.summarize(cfg, spec)
+            walked = cm.estimate_cluster_seconds(cfg, s, nodes)
+            monkeypatch.setattr(cluster, "placement_ranks", lambda c, d: range(c.cp_size))
+            every = cm.estimate_cluster_seconds(cfg, s, nodes)
+            monkeypatch.setattr(cluster, "placement_ranks", real)
+            assert walked == every, (p, dpn, tp, algo, u)
+            compared += 1
+    assert compared > 100

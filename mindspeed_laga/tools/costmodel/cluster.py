@@ -116,6 +116,26 @@ def _node_peers(cfg: Config, members: range, rank: int, devices_per_node: int) -
     return max(0, min(end, members.stop) - max(first, members.start)) - 1
 
 
+def placement_ranks(cfg: Config, devices_per_node: int) -> range:
+    """The ranks whose placements can differ (a group may span nodes on some ranks only).
+    Inside one node nothing spans: rank 0 stands for all. Over whole nodes they repeat
+    every lcm(U, devices per node) ranks (the groups and the nodes both shift whole), and
+    where a node holds whole ranks (TP divides it) and the Ulysses groups tile the nodes
+    (U divides a node's ranks, or they divide U) every rank sits alike. A last node the CP
+    group fills only in part breaks the repeat: every rank then."""
+    devices = cfg.cp_size * cfg.tp_size
+    if devices <= devices_per_node:
+        return range(1)
+    if devices % devices_per_node:
+        return range(cfg.cp_size)
+    degree = cfg.ulysses_degree or 1
+    if devices_per_node % cfg.tp_size == 0:
+        per_node = devices_per_node // cfg.tp_size
+        if degree % per_node == 0 or per_node % degree == 0:
+            return range(1)
+    return range(min(cfg.cp_size, math.lcm(degree, devices_per_node)))
+
+
 def collective_seconds(cfg: Config, c: Collective, rank: int, cluster: Cluster) -> float:
     intra, inter = link_bytes(cfg, c, rank, cluster)
     return max(intra / (cluster.intra_gbps * 1e9), inter / (cluster.inter_gbps * 1e9))
@@ -148,10 +168,7 @@ def estimate_cluster_seconds(cfg: Config, summary: RankSummary, cluster: Cluster
         qproj = query_projection_flops(cfg)
         window = qproj / (cluster.tflops * 1e12) if qproj else None
     best = None
-    # placements differ (a group may span nodes on some ranks only), but repeat every
-    # lcm(U, devices per node) ranks: the groups and the nodes both shift whole
-    period = math.lcm(cfg.ulysses_degree or 1, cluster.devices_per_node)
-    for rank in range(min(cfg.cp_size, period)):
+    for rank in placement_ranks(cfg, cluster.devices_per_node):
         comm = hidden = 0.0
         intra = inter = 0
         for c in summary.rank0.comm:   # every rank moves the same bytes
