@@ -55,5 +55,9 @@ def check_dsa(args: Namespace) -> bool:
     if algo not in DSA_CP_ALGOS:
         raise ValueError(f"{FLAG} with --enable-dsa-indexer and --context-parallel-algo {algo} "
                          "is not supported: the host runs DSA under "
-                         f"{' and '.join(DSA_CP_ALGOS)} only; use one of them or drop {FLAG}")
+                         f"{' and '.join(DSA_CP_ALGOS)} only, and a ring or hybrid split would "
+                         "move more than LAGA's one gather (DSA's top-k needs every key first: "
+                         "two forward passes, 1.5x the bytes; hybrid adds the heads' "
+                         "all-to-alls, docs/SPARSE_MLA.md); use --context-parallel-algo "
+                         f"kvallgather_cp_algo (the same zigzag split, one gather) or drop {FLAG}")
     return True

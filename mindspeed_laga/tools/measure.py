@@ -241,14 +241,50 @@ def _flop_totals(mode) -> dict:
     return {"total": mode.get_total_flops(), "by_op": {str(k): v for k, v in counts.items()}}
 
 
+def interleaved(cases: List[Case], run_one, repeat: int, warmup: int, count_flops: bool = False,
+                cpu_peak: bool = False, progress=None) -> List[dict]:
+    """Every case ``warmup + repeat`` times, one run of each case per round, so that a load
+    that drifts during the bench lands on every case alike and shows as each one's spread
+    (run back to back, one case could get the quiet minute and another the busy one).
+    ``run_one(case, count_flops, cpu_peak)``: :func:`run_on_rank` with one timed run; the
+    last round's result is kept (FLOPs and the CPU peak measured there), with every timed
+    run's seconds."""
+    rounds = warmup + repeat
+    timed: List[List[float]] = [[] for _ in cases]
+    results: List[dict] = [{} for _ in cases]
+    for r in range(rounds):
+        last = r == rounds - 1
+        for i, case in enumerate(cases):
+            results[i] = run_one(case, count_flops and last, cpu_peak and last)
+            if r >= warmup:
+                timed[i] += results[i]["seconds_runs"]
+            if progress is not None and last:
+                progress(i, case)
+    for result, runs in zip(results, timed):
+        result["seconds_runs"] = runs
+        result["seconds"] = statistics.median(runs)
+    return results
+
+
 def worker(rank: int, cp_size: int, cases: List[Case], repeat: int = 1, warmup: int = 0,
-           count_flops: bool = False, progress: bool = False, cpu_peak: bool = False) -> List[dict]:
+           count_flops: bool = False, progress: bool = False, cpu_peak: bool = False,
+           interleave: bool = False) -> List[dict]:
     """Entry point for :func:`mindspeed_laga.tools.spawn.run_on_ranks`: every run, in order
-    (``cpu_peak``: see :func:`run_on_rank`).
+    (``cpu_peak``: see :func:`run_on_rank`; ``interleave``: the cases' runs in rounds,
+    :func:`interleaved`, as bench times them).
 
     The one per-rank runner: :func:`worker`, ``verify``, ``bench`` and the
     tests all measure through it."""
     group = dist.group.WORLD if dist.is_initialized() else None
+    if interleave:
+        def run_one(case, flops, peak):
+            return run_on_rank(case, rank, cp_size, group, 1, 0, flops, cpu_peak=peak)
+
+        def say(i, case):
+            if progress and rank == 0:
+                print(f"  [{i + 1}/{len(cases)}] {case.spec.name} S={case.shape.seq_len} "
+                      f"{case.cp_algo}", file=sys.stderr, flush=True)
+        return interleaved(cases, run_one, repeat, warmup, count_flops, cpu_peak, say)
     out = []
     for i, case in enumerate(cases):
         out.append(run_on_rank(case, rank, cp_size, group, repeat, warmup, count_flops,

@@ -38,3 +38,45 @@ def test_the_counter_sees_one_gather_of_704_values_equal_to_the_model(capsys):
 def test_bad_input_is_one_line_error(capsys, argv, word):
     code, _, err = run_cli(capsys, "bench", "--dsa", "deepseek-v3.2", "--cp", "2", "--json", "", *argv)
     assert_one_line_error("bench", code, err, word)
+
+
+@pytest.mark.timeout(300)
+def test_reruns_write_into_the_default_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench_out").mkdir()  # what a plain bench leaves behind
+    for _ in range(2):
+        code, out, err = run_cli(capsys, "bench", "--dsa", "deepseek-v3.2", "--cp", "2", "--seq-lens", "32",
+                                 "--repeat", "1", "--warmup", "0", "--heads", "2", "--index-topk", "4")
+        assert code == 0, err
+        assert "JSON: bench_out/bench.json" in out
+    assert json.loads((tmp_path / "bench_out" / "bench.json").read_text())["dsa"] == "deepseek-v3.2"
+
+
+DENSE_ONLY = [("--kernel", "eager"), ("--cp-algo", "allgather"), ("--forms-only",),
+              ("--kv-lora-rank", "32"), ("--qk-pos-emb-head-dim", "4"), ("--ulysses-degree", "2"),
+              ("--kv-block-size", "16"), ("--doc-lens", "32,32")]
+
+
+@pytest.mark.parametrize("argv", DENSE_ONLY, ids=[a[0] for a in DENSE_ONLY])
+def test_dense_only_flags_are_refused_by_name(capsys, argv):
+    code, _, err = run_cli(capsys, "bench", "--dsa", "deepseek-v3.2", "--cp", "2", "--json", "",
+                           "--seq-lens", "64", *argv)
+    assert_one_line_error("bench", code, err, f"drop {argv[0]}")
+
+
+def test_a_length_past_the_machines_memory_is_refused_before_any_rank(capsys):
+    # GLM-5 at S = 65536 on 2 ranks: each rank's float32 indexer scores alone are
+    # [1, 32 index heads, 32768 queries, 65536 keys] x 4 B = 256 GiB
+    code, _, err = run_cli(capsys, "bench", "--dsa", "glm-5", "--cp", "2", "--json", "",
+                           "--seq-lens", "65536")
+    assert_one_line_error("bench", code, err, "--seq-lens: S=65536 needs about")
+
+
+def test_the_fit_check_counts_the_indexer_scores_of_every_rank():
+    from mindspeed_laga.tools.commands import bench_dsa
+    scores = 1 * 32 * 32768 * 65536 * 4
+    assert bench_dsa.rank_peak_bytes(65536, 2, 1, 32) >= 2 * scores  # two float32 copies
+    need = 2 * bench_dsa.rank_peak_bytes(256, 2, 1, 32)
+    bench_dsa.check_fits([256], 2, 1, 32, available=need)  # fits exactly
+    with pytest.raises(ValueError, match="--seq-lens: S=256"):
+        bench_dsa.check_fits([128, 256], 2, 1, 32, available=need - 1)

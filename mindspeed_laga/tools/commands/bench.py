@@ -40,6 +40,7 @@ from .output import MiB, check_output_path, dtype_arg, pad as _pad, ratio as _ra
 from .parsers import add_cp_algo_args, command_parser
 from .bench_fit import check_block_size, check_fits
 from .plot import check_plot_path, matplotlib_missing, write_plot
+from .timing import speed_text, timing_conclusive  # noqa: F401  (tests ask bench for them)
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
 
 DEFAULT_CP = 4
@@ -366,15 +367,6 @@ def print_table(rows: List[dict], out=None) -> None:
               "rank (the latent forms gather the latent here)", file=out)
 
 
-def timing_conclusive(a: dict, b: dict) -> bool:
-    """Whether the difference of two rows' median times says anything on this machine: each
-    has at least two timed runs and the runs of each spread (slowest - fastest) less than the
-    difference of the medians. Otherwise the noise alone could make it."""
-    spread = max(r.get("ms_max", r["ms"]) - r.get("ms_min", r["ms"]) for r in (a, b))
-    runs = min(r.get("timed_runs", 1) for r in (a, b))
-    return runs >= 2 and spread < abs(a["ms"] - b["ms"])
-
-
 def overlap_text(base: dict, ov: dict) -> str:
     """The overlap line: a speedup where the timing is conclusive, else why it is not."""
     if not ov.get("overlap_conclusive"):
@@ -384,7 +376,7 @@ def overlap_text(base: dict, ov: dict) -> str:
                 "than the difference (or fewer than 2 timed runs); rerun with more --repeat, longer "
                 "--seq-lens or on an idle machine")
     b = ov["latent_blocked_ms"]
-    return (f"  overlap: fwd+bwd speedup {ov['overlap_speedup']:.2f}x over laga+qproj (same "
+    return (f"  overlap: fwd+bwd {speed_text(ov['overlap_speedup'])} against laga+qproj (same "
             "work, gather not overlapped); latent gather + "
             f"reduce-scatter blocked {b['without_overlap']:.2f} ms -> {b['with_overlap']:.2f} ms "
             f"({hidden_share_text(ov['latent_comm_hidden_share'])})")
@@ -413,15 +405,18 @@ def hybrid_worker(rank: int, cp_size: int, degree: int, runs, repeat: int, warmu
     import torch.distributed as dist
     from ...comm import ulysses_group
     from ..measure import run_on_rank
+    from ..measure import interleaved
     group = ulysses_group(dist.group.WORLD, degree)
-    out = []
-    for i, case in enumerate(runs):
-        out.append(run_on_rank(case, rank, cp_size, dist.group.WORLD, repeat, warmup,
-                               ulysses_group=group, cpu_peak=cpu_peak))
+
+    def run_one(case, flops, peak):
+        return run_on_rank(case, rank, cp_size, dist.group.WORLD, 1, 0, flops, ulysses_group=group,
+                           cpu_peak=peak)
+
+    def say(i, case):
         if rank == 0:
             print(f"  [{i + 1}/{len(runs)}] {case.spec.name} S={case.shape.seq_len} hybrid U={degree}",
                   file=sys.stderr, flush=True)
-    return out
+    return interleaved(runs, run_one, repeat, warmup, cpu_peak=cpu_peak, progress=say)
 
 
 # ---------------------------------------------------------------- running
@@ -435,7 +430,7 @@ def _run_torchrun(args, runs, repeat, warmup):
     dist.init_process_group(backend)
     try:
         mine = worker(dist.get_rank(), dist.get_world_size(), runs, repeat, warmup, False, True,
-                      cpu_peak=True)
+                      cpu_peak=True, interleave=True)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return gathered, dist.get_rank()
@@ -450,6 +445,7 @@ def run(args) -> int:
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if bench_dsa.wanted(args):
+        args.cp = cp_size
         return _run_dsa(args)
     out = sys.stderr if args.json == "-" else sys.stdout  # --json -: stdout is the JSON's
     plot_note = resolve_plot(args)
@@ -484,7 +480,8 @@ def run(args) -> int:
                                 args.warmup, True, timeout_s=RUN_TIMEOUT_S)
     else:
         # (count_flops, progress, cpu_peak): spawned ranks run on the CPU, measure its peak
-        per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True, True,
+        # (count_flops, progress, cpu_peak, interleave): the variants' runs in rounds
+        per_rank = run_on_ranks(worker, cp_size, runs, args.repeat, args.warmup, False, True, True, True,
                                 timeout_s=RUN_TIMEOUT_S)
     rows = make_rows(runs, models, per_rank,
                      args.ulysses_degree if takes_ulysses_degree(args.cp_algo) else 1)
@@ -507,9 +504,9 @@ def _run_dsa(args) -> int:
     if args.plot:
         raise ValueError(f"--plot {args.plot!r} draws the dense forms' panels; bench --dsa prints "
                          "its table and writes JSON only: drop --plot")
-    if args.json is None:
+    if args.json is None:  # the default file in the default folder, made when missing
         args.json = DEFAULT_JSON
-        check_output_path("--json", DEFAULT_DIR)
+        check_output_path("--json", DEFAULT_DIR if not os.path.isdir(DEFAULT_DIR) else DEFAULT_JSON)
         os.makedirs(DEFAULT_DIR, exist_ok=True)
     return bench_dsa.run(args, parse_seq_lens(args.seq_lens), shape_from_args(args, 1))
 

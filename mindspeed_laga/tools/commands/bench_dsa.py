@@ -5,7 +5,10 @@ the indexer's KL loss) forward+backward on P gloo CPU ranks for each sequence le
 puts the byte counter's collectives beside the cost model's (``costmodel/dsa.py``): the
 gather's widths are the model's own (d_c, d_r and the index head dim), the heads are the
 shape flags' (they stay local and move nothing). The host's two DSA paths run NPU ops,
-so they appear as model figures at the same S and CP. No plot.
+so they appear as model figures at the same S and CP. No plot. It takes ``TAKEN``'s flags;
+any other bench flag given (the dense forms' documents, kernels, algorithms, block size,
+latent and rope widths: the gather's widths are MODEL's) is refused in one line. A length
+whose ranks would not fit this machine's memory is refused before any rank starts.
 """
 from __future__ import annotations
 
@@ -17,11 +20,19 @@ import time
 
 from ..costmodel import dsa
 from ..costmodel.config import DTYPE_BYTES
+from .bench_fit import available_bytes, refuse_past
 from .output import check_output_path
 
 LAYOUTS = ("zigzag", "contiguous")
-# bench's flags the DSA run does not take: given, they are refused rather than ignored
-NOT_TAKEN = ("doc_lens", "num_docs", "kv_block_size", "backend")
+# The bench flags (argparse dests) --dsa takes; every other bench flag given is refused.
+TAKEN = ("dsa", "index_topk", "cp", "seq_lens", "layout", "dtype", "repeat", "warmup", "json",
+         "plot", "heads", "qk_head_dim", "v_head_dim", "micro_batch")
+# Host bytes a rank's torch sparse path holds at its peak per (query, key) pair: two float32
+# [b, H, s, S] copies of the indexer's scores (8 B per index head) and about 22 B of the
+# [b, s, S] sort's values and indices and the masks (measured at CP 1: 53.7 B x S^2 with 4
+# index heads).
+PEAK_BYTES_PER_PAIR_AND_INDEX_HEAD = 8
+PEAK_BYTES_PER_PAIR = 22
 RUN_TIMEOUT_S = 1800.0
 HOST_KEYS = ("collectives", "values_per_token", "received_bytes")
 
@@ -30,9 +41,22 @@ def add_args(p) -> None:
     g = p.add_argument_group("sparse MLA (DSA)")
     g.add_argument("--dsa", choices=sorted(dsa.DSA_PRESETS), default=None, metavar="MODEL",
                    help="measure LAGA's sparse MLA instead, with MODEL's gather widths "
-                        f"({', '.join(sorted(dsa.DSA_PRESETS))}); layout zigzag or contiguous")
+                        f"({', '.join(sorted(dsa.DSA_PRESETS))}); layout zigzag or contiguous; "
+                        "it takes --cp, --seq-lens, --layout, --dtype, --repeat, --warmup, --json, "
+                        "--heads, --qk-head-dim, --v-head-dim, --micro-batch and --index-topk and "
+                        "refuses every other bench flag")
     g.add_argument("--index-topk", type=int, default=64,
                    help="keys each query picks (--dsa; default 64)")
+    # every other flag of bench's, with its real name and its parsed default: given, refused
+    p.set_defaults(dsa_not_taken=tuple((a.dest, a.option_strings[0], _parsed_default(a))
+                                       for a in p._actions
+                                       if a.option_strings and a.dest not in TAKEN + ("help",)))
+
+
+def _parsed_default(action):
+    if isinstance(action.default, str) and action.type is not None:
+        return action.type(action.default)
+    return action.default
 
 
 def wanted(args) -> bool:
@@ -40,9 +64,12 @@ def wanted(args) -> bool:
 
 
 def check(args, seq_lens) -> None:
-    given = [f"--{f.replace('_', '-')}" for f in NOT_TAKEN if getattr(args, f, None) is not None]
+    given = [flag for dest, flag, default in getattr(args, "dsa_not_taken", ())
+             if getattr(args, dest, default) != default]
     if given:
-        raise ValueError(f"bench --dsa does not take {', '.join(given)}")
+        taken = ", ".join("--" + d.replace("_", "-") for d in TAKEN if d not in ("dsa", "plot"))
+        raise ValueError(f"bench --dsa takes {taken} only; drop {', '.join(given)} (dense-bench "
+                         "flags; the gather's widths are the model's)")
     if args.layout not in (None,) + LAYOUTS:
         raise ValueError(f"bench --dsa --layout must be one of {LAYOUTS}, got {args.layout!r}")
     if args.index_topk <= 0:
@@ -50,6 +77,21 @@ def check(args, seq_lens) -> None:
     for s in seq_lens:
         if s % (2 * args.cp):
             raise ValueError(f"--seq-lens {s} must be a multiple of 2 x --cp ({2 * args.cp})")
+
+
+def rank_peak_bytes(seq_len: int, cp: int, batch: int, index_heads: int) -> int:
+    """Host bytes one spawned rank holds at its peak: its queries' pairs with every key."""
+    pairs = batch * (seq_len // cp) * seq_len
+    return pairs * (PEAK_BYTES_PER_PAIR_AND_INDEX_HEAD * index_heads + PEAK_BYTES_PER_PAIR)
+
+
+def check_fits(seq_lens, cp: int, batch: int, index_heads: int, available=None) -> None:
+    """The dense bench's cap: every spawned rank at its peak against MemAvailable."""
+    available = available_bytes() if available is None else available
+    longest = max(seq_lens)
+    refuse_past(cp * rank_peak_bytes(longest, cp, batch, index_heads), available, longest,
+                f"{cp} ranks, each with float32 indexer scores for its queries against all "
+                f"{longest} keys, {index_heads} index heads: S x S pairs in all, whatever --cp")
 
 
 def worker(rank, world_size, widths, shape, seq_len, layout, topk, dtype, repeat, warmup):
@@ -113,6 +155,7 @@ def run(args, seq_lens, shape) -> int:
     check(args, seq_lens)
     check_output_path("--json", args.json)
     dims, index = dsa.dsa_preset(args.dsa)
+    check_fits(seq_lens, args.cp, shape.batch, index.heads)
     layout = args.layout or "zigzag"
     elem = DTYPE_BYTES[args.dtype]
     out = sys.stderr if args.json == "-" else sys.stdout

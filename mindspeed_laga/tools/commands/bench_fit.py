@@ -49,11 +49,19 @@ def check_fits(runs, models, local_ranks: int, available: Optional[int] = None) 
         return
     need, case = max(((run_bytes(c.shape, m.peak_bytes, local_ranks), c) for c, m in zip(runs, models)),
                      key=lambda pair: pair[0])
-    if need > available:
-        raise ValueError(f"--seq-lens: S={case.shape.seq_len} needs about {need / GiB:,.1f} GiB of host "
-                         f"memory (float64 inputs on {local_ranks} rank(s), the float64 reference's "
-                         f"S x S scores), {available / GiB:,.1f} GiB available; use shorter "
-                         "--seq-lens or fewer --heads")
+    refuse_past(need, available, case.shape.seq_len,
+                f"float64 inputs on {local_ranks} rank(s), the float64 reference's S x S scores",
+                "fewer --heads")
+
+
+def refuse_past(need: int, available: Optional[int], seq_len: int, what: str,
+                fix: Optional[str] = None) -> None:
+    """The cap every bench applies: ValueError naming --seq-lens when ``need`` bytes (for
+    ``what``) exceed ``available`` (None: unknown, nothing refused)."""
+    if available is not None and need > available:
+        raise ValueError(f"--seq-lens: S={seq_len} needs about {need / GiB:,.1f} GiB of host "
+                         f"memory ({what}), {available / GiB:,.1f} GiB available; use shorter "
+                         f"--seq-lens{' or ' + fix if fix else ''}")
 
 
 def check_block_size(kv_block_size: Optional[int], seq_lens: Sequence[int]) -> None:

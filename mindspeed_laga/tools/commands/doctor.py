@@ -75,6 +75,15 @@ def add_parser(sub):
 
 # ---------------------------------------------------------------- arguments
 
+def check_distinct_outputs(json_path, markdown_path) -> None:
+    """One report per path: --json and --markdown naming one file would leave only the
+    second report there."""
+    paths = [p for p in (json_path, markdown_path) if p and p != "-"]
+    if len(paths) == 2 and os.path.realpath(paths[0]) == os.path.realpath(paths[1]):
+        raise ValueError(f"--json {json_path!r} and --markdown {markdown_path!r} name one file: the "
+                         "second report would replace the first; give each its own path")
+
+
 def resolve(args):
     """Check every argument and output path before anything runs; fill defaults."""
     args.cp_size = world_size(args.cp, args.backend, DEFAULT_CP)
@@ -84,6 +93,7 @@ def resolve(args):
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     check_output_path("--json", args.json if args.json != "-" else None)
     check_output_path("--markdown", args.markdown)
+    check_distinct_outputs(args.json, args.markdown)
     args.torchrun = _torchrun()
     from ..measure import device_type
     from . import environment

@@ -31,7 +31,7 @@ from .output import GiB, MiB, dtype_arg, finite_float, fmt_bytes as _fmt_bytes, 
 from . import plan_dsa
 from . import recommend
 from .parsers import add_cp_algo_args, command_parser
-from .shapes import HEAD_DIMS, SizeFlag
+from .shapes import HEAD_DIMS, SizeFlag, check_seq_len_bound
 
 KERNEL_CHOICES = KERNEL_NAMES + ("both",)
 # plan models accelerator ranks: a kernel's cost-model kind there (torch SDPA: flash-style)
@@ -149,11 +149,24 @@ def check_args(args) -> None:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    check_seq_len_bound("--seq-len", args.seq_len)
+    check_ulysses_degree(args)
     if (args.device_memory is None) != (args.num_layers is None):
         raise ValueError("--device-memory and --num-layers go together (the fit check needs both)")
     if takes_ulysses_degree(args.cp_algo) and args.ulysses_degree is None:
         raise ValueError("--cp-algo hybrid needs --ulysses-degree U (the Ulysses group's size, a "
                          "divisor of --cp)")
+
+
+def check_ulysses_degree(args) -> None:
+    """Hybrid's U as LAGA and MindSpeed accept it: 1 < U < CP (U = 1 is a ring over every rank,
+    U = CP is ulysses; both refuse it at start-up), so no hybrid row is one they refuse."""
+    u = args.ulysses_degree
+    if u is not None and not 1 < u < args.cp:
+        other = "--cp-algo ulysses" if u == args.cp else "--cp-algo allgather"
+        raise ValueError(f"--ulysses-degree {u} with --cp {args.cp}: hybrid CP needs 1 < U < CP "
+                         f"(LAGA and MindSpeed refuse --ulysses-degree-in-cp {u} at start-up); "
+                         f"give a U between, or use {other}")
 
 
 def base_config(args) -> cm.Config:
@@ -265,8 +278,10 @@ def recommendation(args, base: cm.Config, variants, settings: List[tuple], nodes
         machines = machines_from_args(args)
         per_node = cm.CLUSTERS["910b"].devices_per_node
         machine = machines[0] if len(machines) == 1 or args.cp <= per_node else machines[1]
+        nodes = -(-args.cp // per_node)
         spans = "" if machine.name == "custom" else (
-            f", CP={args.cp} {'fits one' if args.cp <= per_node else 'spans'} 910B node of {per_node}")
+            f", CP={args.cp} fits one 910B node of {per_node}" if nodes == 1
+            else f", CP={args.cp} spans {nodes} 910B nodes of {per_node}")
         basis = f"the {machine.name} table: {machine.link_gbps:g} GB/s per rank{spans}"
 
         def timer(c, summary):
@@ -275,12 +290,12 @@ def recommendation(args, base: cm.Config, variants, settings: List[tuple], nodes
     for name, degree in dict.fromkeys(settings):
         cfg = at(base, name, degree)
         try:
-            cm.validate(cfg)
+            recommend.validate(cfg)
         except ValueError:
             continue  # the time tables say why it is n/a
         candidates.append(cfg)
     if not candidates:
-        cm.validate(at(base, *settings[0]))  # raises the first algorithm's reason
+        recommend.validate(at(base, *settings[0]))  # raises the first algorithm's reason
     device = args.device_memory * GiB if args.device_memory is not None else None
     return recommend.recommend(candidates, variants, timer, basis, device, args.num_layers)
 
@@ -349,7 +364,7 @@ def time_estimates(cfg: cm.Config, variants, machines, settings: List[tuple]) ->
         for name, u in settings:
             c = replace(cfg, cp_algo=name, layout=None, kernel=cm.FUSED, ulysses_degree=u)
             try:
-                cm.validate(c)
+                recommend.validate(c)
             except ValueError as exc:
                 rows[name] = {"error": str(exc)}
                 continue
@@ -390,7 +405,7 @@ def node_estimates(cfg: cm.Config, variants, cluster: cm.Cluster, asked: List[tu
     for c in node_candidates(cfg, asked, degree):
         label = {"cp_algo": c.cp_algo, "ulysses_degree": c.ulysses_degree}
         try:
-            cm.validate(c)
+            recommend.validate(c)
         except ValueError as exc:
             if c.algo.takes_ulysses_degree and degree is not None:
                 raise
@@ -448,7 +463,17 @@ def print_plan(plan: dict) -> None:
          "block and accumulators; an estimate, `--terms` names them); FLOPs: the last kernel's, "
          "attention as executed (masked keys of each segment's key window included), worst rank "
          "unless 'rank avg'; `--json` has every term, rank averages included.")
+    sampled = _ranks_costed(plan)
+    if sampled < c["cp_size"]:
+        _say(f"CP={c['cp_size']}: the per-rank figures come from {sampled} of the {c['cp_size']} ranks "
+             "(the first and last 8, where the causal split's extremes lie, and 16 evenly spaced, "
+             "whose mean is the rank average)")
     recommend.print_recommendation(plan["recommendation_rows"], _fmt_bytes, WIDTH)
+
+
+def _ranks_costed(plan: dict) -> int:
+    return min(r["ranks_costed"] for entry in plan["algos"].values()
+               for rows in entry["kernels"].values() for r in rows.values())
 
 
 def _trimmed_of(name: str) -> str:

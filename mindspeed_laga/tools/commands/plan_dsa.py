@@ -3,7 +3,10 @@
 Per layer and per CP rank: the host's kvallgather path (seven all-gathers), its ulysses
 path (gathers and all-to-alls) and LAGA's one gather of ``[kv_latent | k_pos_emb |
 index_key]``, forward and backward: collectives, values per token and the bytes a rank
-receives (``costmodel/dsa.py``). Nothing runs.
+receives (``costmodel/dsa.py``), then one recommendation (``recommend_dsa.py``): the path,
+its MindSpeed-LLM flags, its collectives' time and bytes against the host's path, and why.
+It models ``MODELLED``'s flags; any other plan flag given is refused in one line rather than
+ignored. Nothing runs.
 """
 from __future__ import annotations
 
@@ -13,11 +16,14 @@ from dataclasses import replace
 
 from ..costmodel import dsa
 from ..costmodel.config import DTYPE_BYTES
+from . import recommend_dsa
 from .output import fmt_bytes
+from .shapes import check_seq_len_bound
 
-# plan's flags the DSA table does not model: given, they are refused rather than ignored
-NOT_MODELLED = ("doc_lens", "num_docs", "device_memory", "num_layers", "devices_per_node",
-                "ulysses_degree", "link_bandwidth", "device_tflops")
+# The plan flags (argparse dests) --dsa models; every other plan flag given is refused.
+MODELLED = ("dsa", "index_heads", "index_head_dim", "seq_len", "micro_batch", "cp", "tp", "dtype",
+            "link_bandwidth", "heads", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+            "kv_lora_rank", "hidden_size", "terms", "json")
 DIRECTIONS = ("forward", "backward")
 WIDTH = 100  # plan's tables fit a 100-column terminal
 
@@ -31,10 +37,28 @@ def add_args(p) -> None:
     g.add_argument("--dsa", choices=sorted(dsa.DSA_PRESETS), default=None, metavar="MODEL",
                    help="show sparse MLA's collectives instead: the host's kvallgather and ulysses "
                         "paths against LAGA's one gather, with MODEL's dims "
-                        f"({', '.join(sorted(dsa.DSA_PRESETS))}; the dim flags override)")
+                        f"({', '.join(sorted(dsa.DSA_PRESETS))}; the dim flags override), ending "
+                        f"in one recommendation; it models {modelled_flags()} and refuses "
+                        "every other plan flag")
     g.add_argument("--index-heads", type=int, default=None,
                    help="the indexer's heads, --index-n-heads (DeepSeek-V3.2: 64, GLM-5: 32)")
     g.add_argument("--index-head-dim", type=int, default=None, help="the indexer's head dim (128)")
+    # every other flag of plan's, with its real name and its parsed default: given, refused
+    p.set_defaults(dsa_unmodelled=tuple((a.dest, a.option_strings[0], _parsed_default(a))
+                                        for a in p._actions
+                                        if a.option_strings and a.dest not in MODELLED + ("help",)))
+
+
+def _parsed_default(action):
+    """The value argparse stores when the flag is not given (a string default goes through
+    the flag's type)."""
+    if isinstance(action.default, str) and action.type is not None:
+        return action.type(action.default)
+    return action.default
+
+
+def modelled_flags() -> str:
+    return ", ".join("--" + d.replace("_", "-") for d in MODELLED if d not in ("dsa",))
 
 
 def wanted(args) -> bool:
@@ -51,19 +75,23 @@ def table_from_args(args, dim_flags, dtypes, default_cp) -> dict:
     cp = default_cp if args.cp is None else args.cp
     table = dsa.dsa_table(dims, index, args.seq_len, cp, args.micro_batch, DTYPE_BYTES[dtypes[args.dtype]])
     table.update(model=args.dsa, dtype=dtypes[args.dtype], dims=vars(dims))
+    table["recommendation"] = recommend_dsa.recommend(table, dims.heads, args.link_bandwidth)
     return table
 
 
 def _check(args) -> None:
-    given = [f"--{f.replace('_', '-')}" for f in NOT_MODELLED if getattr(args, f, None) is not None]
+    given = [flag for dest, flag, default in getattr(args, "dsa_unmodelled", ())
+             if getattr(args, dest, default) != default]
     if given:
-        raise ValueError(f"--dsa models collectives only; drop {', '.join(given)}")
+        raise ValueError(f"plan --dsa models {modelled_flags()} only; drop {', '.join(given)} "
+                         "(dense-plan flags)")
     if args.tp != 1:
         raise ValueError(f"--dsa models TP 1 (every head on the rank); drop --tp {args.tp}")
-    for flag in ("seq_len", "micro_batch", "cp", "index_heads", "index_head_dim"):
+    for flag in ("seq_len", "micro_batch", "cp", "index_heads", "index_head_dim", "link_bandwidth"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    check_seq_len_bound("--seq-len", args.seq_len)
 
 
 def run(args, dim_flags, dtypes, default_cp) -> int:
@@ -91,7 +119,7 @@ def print_table(t: dict, terms: bool) -> None:
                                       f"{fmt_bytes(row[w]['received_bytes']):>12}" for w in DIRECTIONS))
     laga = t["paths"]["laga"]["forward"]
     for name, row in t["paths"].items():
-        if name != "laga":
+        if name != "laga" and laga["received_bytes"]:  # CP=1 exchanges nothing: no ratio
             f = row["forward"]
             print(f"forward, {name} / laga: {f['received_bytes'] / laga['received_bytes']:.2f}x the bytes, "
                   f"{f['collectives']} collectives instead of {laga['collectives']}")
@@ -102,3 +130,4 @@ def print_table(t: dict, terms: bool) -> None:
                 _say(f"{name} {w}: {cells}", "  ")
     _say("received: bytes one rank receives (= sends): all-gather and reduce-scatter (P-1) x the local "
          "payload, all-to-all (P-1)/P x; the host's ulysses path is its non-absorbed one.")
+    recommend_dsa.print_recommendation(t["recommendation"], fmt_bytes, WIDTH)

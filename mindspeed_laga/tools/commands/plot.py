@@ -9,7 +9,9 @@ definition; a panel's title gives explicit's own figure with its unit. Time
 bars carry the spread of the timed runs (fastest to slowest run, each run
 timed by its slowest rank), the panel scaled to the bars: a whisker past the
 top is clipped there and marked with a triangle; peak bars carry the cost
-model's prediction as a black tick. Every bar carries its ratio. Colour
+model's prediction as a black tick. Every bar carries its ratio (9 pt, above the
+bar and its whisker); a time ratio the runs' spread could make alone reads
+"inconclusive" (``timing.timing_conclusive``). Colour
 families separate the forms (explicit grey, absorbed blue, LAGA oranges and
 browns, each option its own shade and hatch); one legend below the panels; the
 configuration (CP, dims, dtype, kernel, U) is the figure's title. Hybrid CP's
@@ -22,6 +24,7 @@ import os
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from .output import MiB
+from .timing import timing_conclusive
 
 KiB = 1024
 
@@ -63,6 +66,10 @@ LAGA_SHADES = (("#fdae6b", "//"), ("#d94801", ".."), ("#8c2d04", "xx"), ("#f1691
 COLOURS = tuple(c for c, _ in FAMILY.values()) + tuple(c for c, _ in LAGA_SHADES)
 BASE_FORMS = ("explicit", "absorbed", "laga")
 CLIPPED = "^"  # the marker of a whisker cut at the panel's top
+LABEL_PT = 9    # the ratio labels' size: readable at the figure's dpi
+INCONCLUSIVE = "?"  # after a time ratio the runs' spread could make alone (the title says so)
+# Room above the highest label's anchor for the label itself (upright: a rotated 9 pt ratio)
+HEADROOM = {True: 1.3, False: 1.12}
 
 
 def matplotlib_missing() -> bool:
@@ -167,7 +174,8 @@ def _draw(ax, rows: List[dict], x_key: str, panel: Panel, palette: Dict[str, tup
     groups = _groups(rows, x_key)
     variants = [v for v in palette if any(v in g for g in groups.values())]
     bar = 0.8 / max(len(variants), 1)
-    ratios, whiskers = [], []
+    ratios, whiskers, labels = [], [], []
+    inconclusive = 0
     many = len(groups) * len(variants) > 8  # narrow bars: labels turn upright
     for i, (x, group) in enumerate(groups.items()):
         base = group.get("explicit")
@@ -188,22 +196,25 @@ def _draw(ax, rows: List[dict], x_key: str, panel: Panel, palette: Dict[str, tup
             else:
                 bars = ax.bar(pos, ratio, bar, color=colour, hatch=hatch, edgecolor="black",
                               linewidth=0.3, label=v)
-            # every bar carries its ratio
-            ax.annotate(f"{ratio:.2f}x", (pos, ratio), xytext=(0, 2), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=6, rotation=90 if many else 0)
             ratios.append(ratio)
+            text, above = f"{ratio:.2f}x", ratio
             if panel.spread:
                 lo, hi = panel.spread(r)
                 ex_lo, ex_hi = panel.spread(base)
                 # the ratio's range over every pairing of a run of each
                 whiskers.append((pos, lo / ex_hi, hi / ex_lo))
+                above = max(ratio, hi / ex_lo)
+                if r is not base and not timing_conclusive(base, r):
+                    text += INCONCLUSIVE
+                    inconclusive += 1
+            labels.append((pos, above, text))
             model_ex = panel.model(base) if panel.model else None
             model = panel.model(r) if panel.model else None
             if model and model_ex:
                 ax.plot([pos], [model / model_ex], marker="_", color="black", markersize=max(4, 60 * bar),
                         markeredgewidth=2, linestyle="")
                 ratios.append(model / model_ex)
-    clipped = _whiskers(ax, whiskers, ratios)
+    clipped, cut = _whiskers(ax, whiskers, ratios)
     ax.axhline(1.0, color="tab:gray", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([_setting(x, x_key) for x in groups])
@@ -213,15 +224,32 @@ def _draw(ax, rows: List[dict], x_key: str, panel: Panel, palette: Dict[str, tup
     positive = [q for q in ratios if q > 0]
     if not whiskers and positive and max(positive) / min(positive) > 20:
         ax.set_yscale("log")
+    _labels(ax, labels, many, cut)
     note = f"; {CLIPPED}: whisker clipped at the top" if clipped else ""
+    if inconclusive:
+        note += (f"\n{INCONCLUSIVE}: inconclusive, the runs spread more than the difference "
+                 "to explicit")
     ax.set_title(f"{where}: {panel.title}\n{_explicit_note(groups, x_key, panel)}{note}", fontsize=9)
 
 
-def _whiskers(ax, whiskers: List[tuple], ratios: List[float]) -> int:
+def _labels(ax, labels: List[tuple], upright: bool, cut: Optional[float]) -> None:
+    """Each bar's ratio above the bar and its whisker (a whisker cut at ``cut``: above the
+    cut); upright where the bars are narrow. A linear panel grows to hold them."""
+    anchors = []
+    for pos, above, text in labels:
+        y = above if cut is None else min(above, cut)
+        anchors.append(y)
+        ax.annotate(text, (pos, y), xytext=(0, 3), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=LABEL_PT, rotation=90 if upright else 0)
+    if anchors and ax.get_yscale() == "linear":
+        ax.set_ylim(0, max(anchors + [ax.get_ylim()[1] / HEADROOM[upright]]) * HEADROOM[upright])
+
+
+def _whiskers(ax, whiskers: List[tuple], ratios: List[float]) -> Tuple[int, Optional[float]]:
     """The spread whiskers with the panel scaled to the bars (not to a noisy run): a whisker
-    past the top is cut there and marked; returns how many were cut."""
+    past the top is cut there and marked; returns how many were cut and where."""
     if not whiskers:
-        return 0
+        return 0, None
     top = 1.35 * max(ratios + [1.0])
     cut = 0
     for pos, lo, hi in whiskers:
@@ -232,7 +260,7 @@ def _whiskers(ax, whiskers: List[tuple], ratios: List[float]) -> int:
         else:
             ax.plot([pos], [hi], marker="_", color="black", markersize=4, linestyle="")
     ax.set_ylim(0, top * 1.04)
-    return cut
+    return cut, top
 
 
 def _explicit_note(groups, x_key: str, panel: Panel) -> str:

@@ -25,6 +25,16 @@ OPTION_FLAGS = {"trim_causal_prefix": "--mla-laga-trim-causal-prefix",
 LAGA_FLAG = "--mla-latent-all-gather"
 
 
+def validate(cfg: cm.Config) -> None:
+    """The cost model's checks, then what MindSpeed with LAGA refuses at start-up of the
+    flags this configuration would be trained with: no row plan recommends is refused."""
+    cm.validate(cfg)
+    if cfg.algo.takes_ulysses_degree and cfg.doc_lens:
+        raise ValueError("hybrid CP with packed documents is not covered: under "
+                         "--reset-attention-mask MindSpeed splits documents per ring, a layout "
+                         "LAGA refuses; use allgather or ulysses")
+
+
 def _label(cfg: cm.Config) -> str:
     return f"hybrid U={cfg.ulysses_degree}" if cfg.algo.takes_ulysses_degree else cfg.cp_algo
 

@@ -63,3 +63,16 @@ def add_shape_args(parser: argparse.ArgumentParser, default: MLAShape = CPU_DEFA
 def shape_from_args(args, seq_len=None) -> MLAShape:
     dims = {size.field: getattr(args, size.dest) for size in SHAPE_ARGS if size.field != "seq_len"}
     return MLAShape(seq_len=seq_len or args.seq_len, **dims)
+
+
+# The longest sequence the tools answer for: its S x S (query, key) pairs must count in int64,
+# as the kernels' masks and the cost model's pair counts do.
+MAX_SEQ_LEN = 3_037_000_499  # floor(sqrt(2**63 - 1))
+
+
+def check_seq_len_bound(flag: str, seq_len: int) -> None:
+    """ValueError naming ``flag`` past :data:`MAX_SEQ_LEN`."""
+    if seq_len > MAX_SEQ_LEN:
+        raise ValueError(f"{flag} {seq_len} is past the longest sequence the tools answer for, "
+                         f"{MAX_SEQ_LEN:,} tokens (its S x S query-key pairs must count in int64); "
+                         "give a shorter length")

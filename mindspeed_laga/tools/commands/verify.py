@@ -4,11 +4,13 @@ Spawns P CPU processes, runs explicit, absorbed and LAGA forward+backward on
 the same inputs, and prints per form: the worst relative error (output and
 every grad) against the float64 single-device reference on the full
 sequence, collective bytes forward/backward (from the byte counter), and the
-median fwd+bwd wall time. Exits 1 if any error is above the tolerance.
+median fwd+bwd wall time. Exits 1 if any error is above the tolerance. It spawns its
+own ranks, so under torchrun it is refused (every torchrun rank would spawn a full check).
 """
 from __future__ import annotations
 
 from ..rank_cap import check_spawnable
+from ..torchrun_env import under_torchrun
 from ..runspec import standard_runs
 from ...cp_algos import algo
 from ...kernels.registry import CPU_KERNELS, canonical
@@ -51,6 +53,9 @@ def run(args) -> int:
     from .. import equivalence as eq
     from ..measure import worker
     from ..spawn import run_on_ranks
+    if under_torchrun():
+        raise ValueError("verify spawns its own --cp gloo ranks: run `mindspeed-laga verify` "
+                         "without torchrun (under torchrun every rank would run the whole check)")
     check_spawnable(args.cp)
     cases = cases_from_args(args)
     degree = cases[0].ulysses_degree

@@ -22,6 +22,8 @@ LAGA's overlapped latent gather, as in ``time.estimate_seconds``).
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -54,14 +56,19 @@ CLUSTERS = {
 
 def group_members(cfg: Config, rank: int, group: str) -> List[int]:
     """CP ranks of the group (the byte counter's name) that holds ``rank``."""
+    return list(group_range(cfg, rank, group))
+
+
+def group_range(cfg: Config, rank: int, group: str) -> range:
+    """:func:`group_members` as a range (ascending; no list of P ranks built)."""
     if group == "cp":
-        return list(range(cfg.cp_size))
+        return range(cfg.cp_size)
     U = cfg.ulysses_degree
     if group == "ulysses":
         first = rank - rank % U
-        return list(range(first, first + U))
+        return range(first, first + U)
     if group == "ring":
-        return list(range(rank % U, cfg.cp_size, U))
+        return range(rank % U, cfg.cp_size, U)
     raise ValueError(f"group {group!r} is unknown; use 'cp', 'ulysses' or 'ring'")
 
 
@@ -70,32 +77,63 @@ def group_nodes(cfg: Config, members: List[int], devices_per_node: int) -> List[
     return [(c * cfg.tp_size) // devices_per_node for c in members]
 
 
-def _spans(cfg: Config, members: List[int], devices_per_node: int) -> bool:
-    """Whether the group's devices (every TP rank of every member) cross a node boundary."""
+def _spans(cfg: Config, members: range, devices_per_node: int) -> bool:
+    """Whether the group's devices (every TP rank of every member) cross a node boundary:
+    members ascend, so its first and last devices' nodes tell."""
     tp = cfg.tp_size
-    nodes = {(c * tp + t) // devices_per_node for c in members for t in range(tp)}
-    return len(nodes) > 1
+    return (members[0] * tp) // devices_per_node != (members[-1] * tp + tp - 1) // devices_per_node
 
 
 def ulysses_fits_node(cfg: Config, devices_per_node: int) -> bool:
     """Hybrid: every Ulysses group inside one node (the all-to-alls on the fast link)."""
-    return not any(_spans(cfg, group_members(cfg, r, "ulysses"), devices_per_node)
+    return not any(_spans(cfg, group_range(cfg, r, "ulysses"), devices_per_node)
                    for r in range(0, cfg.cp_size, cfg.ulysses_degree))
 
 
 def link_bytes(cfg: Config, c: Collective, rank: int, cluster: Cluster) -> Tuple[int, int]:
     """(intra-node, inter-node) bytes ``rank`` sends for collective ``c``."""
-    members = group_members(cfg, rank, c.group)
+    members = group_range(cfg, rank, c.group)
     if not _spans(cfg, members, cluster.devices_per_node):
         return c.wire, 0
     if c.kind != "all_to_all":
         return 0, c.wire
-    mine = group_nodes(cfg, [rank], cluster.devices_per_node)[0]
-    nodes = group_nodes(cfg, members, cluster.devices_per_node)
-    near = sum(1 for m, node in zip(members, nodes) if node == mine and m != rank)
+    near = _node_peers(cfg, members, rank, cluster.devices_per_node)
     far = len(members) - 1 - near
     share = c.payload // len(members)   # what one peer receives
     return near * share, far * share
+
+
+def _node_peers(cfg: Config, members: range, rank: int, devices_per_node: int) -> int:
+    """Members other than ``rank`` on ``rank``'s node: counted in closed form for a run of
+    consecutive ranks (the node of rank c is c*TP // devices_per_node), else one by one."""
+    tp = cfg.tp_size
+    mine = group_nodes(cfg, [rank], devices_per_node)[0]
+    if members.step != 1:
+        nodes = group_nodes(cfg, members, devices_per_node)
+        return sum(1 for m, node in zip(members, nodes) if node == mine and m != rank)
+    first = -(-mine * devices_per_node // tp)          # ranks on node `mine`: [first, end)
+    end = -(-(mine + 1) * devices_per_node // tp)
+    return max(0, min(end, members.stop) - max(first, members.start)) - 1
+
+
+def placement_ranks(cfg: Config, devices_per_node: int) -> range:
+    """The ranks whose placements can differ (a group may span nodes on some ranks only).
+    Inside one node nothing spans: rank 0 stands for all. Over whole nodes they repeat
+    every lcm(U, devices per node) ranks (the groups and the nodes both shift whole), and
+    where a node holds whole ranks (TP divides it) and the Ulysses groups tile the nodes
+    (U divides a node's ranks, or they divide U) every rank sits alike. A last node the CP
+    group fills only in part breaks the repeat: every rank then."""
+    devices = cfg.cp_size * cfg.tp_size
+    if devices <= devices_per_node:
+        return range(1)
+    if devices % devices_per_node:
+        return range(cfg.cp_size)
+    degree = cfg.ulysses_degree or 1
+    if devices_per_node % cfg.tp_size == 0:
+        per_node = devices_per_node // cfg.tp_size
+        if degree % per_node == 0 or per_node % degree == 0:
+            return range(1)
+    return range(min(cfg.cp_size, math.lcm(degree, devices_per_node)))
 
 
 def collective_seconds(cfg: Config, c: Collective, rank: int, cluster: Cluster) -> float:
@@ -130,7 +168,7 @@ def estimate_cluster_seconds(cfg: Config, summary: RankSummary, cluster: Cluster
         qproj = query_projection_flops(cfg)
         window = qproj / (cluster.tflops * 1e12) if qproj else None
     best = None
-    for rank in range(cfg.cp_size):   # placements differ (a group may span nodes on some ranks only)
+    for rank in placement_ranks(cfg, cluster.devices_per_node):
         comm = hidden = 0.0
         intra = inter = 0
         for c in summary.rank0.comm:   # every rank moves the same bytes

@@ -1,8 +1,10 @@
 """One variant's costs at one rank (:class:`FormCost`) and over the CP group
-(:class:`RankSummary`: rank 0, the rank average and the worst rank)."""
+(:class:`RankSummary`: rank 0, the rank average and the worst rank), costed once per
+(config, variant) and, past ``EXACT_RANKS``, on a sample of ranks."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
 from typing import Dict, List, Optional
 
 from ..runspec import RunSpec
@@ -85,6 +87,7 @@ class RankSummary:
     kv_transient_bytes: int
     peak_worst: int = 0
     peak_worst_rank: int = 0
+    ranks_costed: int = 0            # < the CP size: a sample of ranks (sampled_ranks)
 
     def comm_bytes(self, direction: Optional[str] = None, measure: str = "payload") -> float:
         """Rank 0's bytes (every rank moves the same)."""
@@ -110,22 +113,49 @@ class RankSummary:
             "peak_bytes": {"rank0": first.peak_bytes, "worst": self.peak_worst,
                            "worst_rank": self.peak_worst_rank},
             "peak_terms_rank0": [asdict(t) for t in first.peak],
+            "ranks_costed": self.ranks_costed,
         }
 
 
+# Up to this CP size every rank is costed; past it a sample (``sampled_ranks``) stands for
+# the group, so a plan at any CP costs the same few ranks.
+EXACT_RANKS = 32
+EDGE_RANKS = 8      # the first and last ranks of a sample: the causal split's extremes
+SPREAD_RANKS = 16   # evenly spaced ranks of a sample: its averages
+
+
+def sampled_ranks(cp_size: int):
+    """(ranks costed, ranks averaged): every rank up to EXACT_RANKS; past it the first and
+    last EDGE_RANKS (where the contiguous and zigzag splits put the most and the fewest
+    keys) plus SPREAD_RANKS evenly spaced ranks, whose mean is the average."""
+    if cp_size <= EXACT_RANKS:
+        every = list(range(cp_size))
+        return every, every
+    spread = sorted({round(i * (cp_size - 1) / (SPREAD_RANKS - 1)) for i in range(SPREAD_RANKS)})
+    edges = set(range(EDGE_RANKS)) | set(range(cp_size - EDGE_RANKS, cp_size))
+    return sorted(edges | set(spread)), spread
+
+
+@lru_cache(maxsize=512)
 def summarize(cfg: Config, spec: RunSpec) -> RankSummary:
-    costs = [form_cost(cfg, spec, r) for r in range(cfg.cp_size)]
+    """The group's figures, once per (config, variant): the tables, the times and the
+    recommendation ask for the same ones."""
+    ranks, averaged = sampled_ranks(cfg.cp_size)
+    by_rank = {r: form_cost(cfg, spec, r) for r in ranks}
+    costs = list(by_rank.values())
+    mean = [by_rank[r] for r in averaged]
     worst = max(costs, key=lambda c: (c.saved_bytes, sum(c.flops.values())))
     keys = [f.name for f in fields(Flops)]
     return RankSummary(
         spec=spec, rank0=costs[0],
-        saved_average=sum(c.saved_bytes for c in costs) / len(costs),
+        saved_average=sum(c.saved_bytes for c in mean) / len(mean),
         saved_worst=max(c.saved_bytes for c in costs), saved_worst_rank=worst.rank,
-        flops_average={k: sum(c.flops[k] for c in costs) / len(costs) for k in keys},
+        flops_average={k: sum(c.flops[k] for c in mean) / len(mean) for k in keys},
         flops_worst=Flops(**{k: max(c.flops[k] for c in costs) for k in keys}),
         kv_transient_bytes=max(c.kv_transient_bytes for c in costs),
         peak_worst=max(c.peak_bytes for c in costs),
-        peak_worst_rank=max(costs, key=lambda c: c.peak_bytes).rank)
+        peak_worst_rank=max(costs, key=lambda c: c.peak_bytes).rank,
+        ranks_costed=len(ranks))
 
 
 def rank_summary(cfg: Config, variant: RunSpec) -> dict:
