@@ -47,6 +47,7 @@ from pathlib import Path
 import pytest
 
 from support.loop import dsa_loop, real_loop
+from support.loop.steady_state import SPARSE, assert_steady_state
 from support.loop.compare import (GRAD_NORM_RTOL, LOSS_RTOL, RUN_TIMEOUT_S,
                                   assert_same_training, require_loop_modules)
 
@@ -161,6 +162,7 @@ def test_dsa_recipe_equals_cp1(dsa_run, case):
     run = dsa_run(f"{case}-laga", case, dsa_loop.RECIPES[case].cp, True)
     assert_laga_on_every_mla(run, ref)
     assert_fused_ops_ran(run, case)
+    assert_steady_state(run, real_loop.MICRO_BATCHES, real_loop.ITERATIONS, SPARSE)
     if case in BF16_DRIFT:
         assert_first_step_then_bf16(run, ref)
     else:

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from support.loop import background, families, real_loop
+from support.loop.steady_state import assert_steady_state
 from support.loop.compare import (RUN_TIMEOUT_S, assert_ran, assert_same_training,
                                   require_loop_modules)
 
@@ -88,6 +89,7 @@ def test_family_loop_equals_reference(family_loop, case):
     run = family_loop(case, family, cp, True, **recipe)
     assert_laga_on_every_mla(run, family)
     assert_same_training(run, check_reference(family_loop(*reference, **recipe)))
+    assert_steady_state(run, real_loop.MICRO_BATCHES, real_loop.ITERATIONS)
 
 
 def check_reference(ref):

@@ -36,6 +36,7 @@ import pytest
 
 from mindspeed_laga.patches.mindspeed_llm.releases import BY_NAME
 from support.loop import background, real_loop
+from support.loop.steady_state import assert_steady_state
 from support.loop.compare import (RUN_TIMEOUT_S, assert_release_found, assert_same_training,
                                   require_loop_modules)
 from support.thirdparty import RELEASE_NAMES, release_sources
@@ -122,6 +123,7 @@ def test_loop_equals_cp1(loop, case):
     run = loop(case, **CASES[case])
     assert_laga_ran_everywhere(run, recomputed=CASES[case].get("recompute", False))
     assert_same_training(run, _reference(loop))
+    assert_steady_state(run, real_loop.MICRO_BATCHES, real_loop.ITERATIONS)
 
 
 # --- packed documents (--reset-attention-mask, micro-batch 1) --------------------------------
@@ -153,6 +155,7 @@ def test_documents_loop_equals_cp1(loop, case):
     run = loop(case, cp, algo, **settings)
     assert_laga_ran_everywhere(run)
     assert_same_training(run, _reference(loop, **settings))
+    assert_steady_state(run, real_loop.MICRO_BATCHES, real_loop.ITERATIONS)
 
 
 # --- the other release pairs ------------------------------------------------------------------

@@ -38,6 +38,7 @@ import pytest
 
 from mindspeed_laga.patches.mindspeed_llm.releases import BY_NAME
 from support.loop import real_loop, tune_loop
+from support.loop.steady_state import assert_steady_state
 # the pretrain loop's tolerances and bound
 from support.loop.compare import GRAD_NORM_RTOL, LOSS_RTOL, RUN_TIMEOUT_S, assert_release_found
 from support.thirdparty import RELEASE_NAMES, release_sources
@@ -188,6 +189,7 @@ def test_tune_equals_cp1(tune, case):
     run = tune(case, 2, algo, **{k: v for k, v in recipe.items() if k != "save"})
     assert_laga_ran_everywhere(run, ref)
     assert_same_training(run, ref)
+    assert_steady_state(run, tune_loop.MICRO_BATCHES, tune_loop.ITERATIONS)
 
 
 # --- the other release pairs: the recipe's own case ------------------------------------------

@@ -28,6 +28,7 @@ reduction (TP shards gathered).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
@@ -40,6 +41,7 @@ pytest.importorskip("megatron.core")
 from mindspeed_laga.tools import megatron_cpu as mc  # noqa: E402
 
 from mindspeed_laga.tools.spawn import WorkerError, run_on_ranks  # noqa: E402
+from support import megatron_steady  # noqa: E402
 from support.megatron_training import (LOSS_TOL, STEPS, assert_not_degenerate,  # noqa: E402
                                        assert_same_training)
 
@@ -88,13 +90,16 @@ def _run(name, results, tp, cp, variant="yarn-qlora", patch=None, layout="zigzag
     else:
         mindspeed_laga.patch_megatron_mla(**patch)
     model = mc.build_tiny_mla_gpt(tiny, tp=tp, cp=cp, **config)
-    with count_bytes() as counter, warnings.catch_warnings(record=True) as caught:
+    counted = patch is not None and cp > 1
+    with count_bytes() as counter, warnings.catch_warnings(record=True) as caught, \
+            (megatron_steady.counted_mla(tiny.num_layers) if counted
+             else contextlib.nullcontext({})) as steady:
         warnings.simplefilter("always")
         res = mc.train(model, mc.make_batches(tiny, STEPS), layout=layout, tp=tp)
     results[name] = dict(losses=res.losses, grads=res.grads, bytes=counter.bytes(),
                          tags=sorted({r.tag for r in counter.records if r.kind != "handshake"}),
                          warnings=[str(w.message) for w in caught if "mindspeed_laga" in
-                                   str(w.message)])
+                                   str(w.message)], steady=steady, layers=tiny.num_layers)
 
 
 def _run_eval(name, results, cp):
@@ -409,6 +414,30 @@ def test_tp2_cp2_matches_megatron_tp2(world4, name):
     _assert_form_ran(world4[f"tp2/{name}"], name)
 
 
+# ----------------------------------------------------------------- steady state
+
+def _assert_steady(run, name):
+    """From the second step on, per layer call only LAGA's data collectives (one agreement
+    exchange at most, on a step's first layer) and no host read (support/megatron_steady.py)."""
+    algo = next((a for a in ("hybrid", "ulysses") if a in name), "allgather")
+    problems = megatron_steady.check(run["steady"], run["layers"], STEPS, algo)
+    assert run["steady"] and not problems, f"{name}: " + "\n".join(problems[:20])
+
+
+STEADY_CP2 = [n for n in [*PATCHED, *OPTIONS] if n.startswith("laga")] + [
+    "laga-ulysses-zigzag", "laga-allgather/rope-no-qlora", "laga-ulysses/rope-no-qlora"]
+
+
+@pytest.mark.parametrize("name", STEADY_CP2)
+def test_laga_steady_state_in_training_cp2(world2, name):
+    _assert_steady(world2[name], name)
+
+
+@pytest.mark.parametrize("name", [n for n in PATCHED if n.startswith("laga")])
+def test_laga_steady_state_in_training_cp4(world4, name):
+    _assert_steady(world4[name], name)
+
+
 # ----------------------------------------------------------------- the CPU demo
 
 def test_demo_script_trains_with_laga():
@@ -498,6 +527,11 @@ def test_hybrid_cp4_matches_cp1(packed1, packed4, name):
     run = packed4[f"hybrid/{name}"]
     assert_same_training(run, packed1["reference/yarn-qlora"], f"hybrid {name}")
     _assert_form_ran(run, name.split("+")[0].replace("hybrid", "ulysses"))
+
+
+@pytest.mark.parametrize("name", [n for n in HYBRID if n.startswith("laga")])
+def test_laga_steady_state_in_training_hybrid(packed4, name):
+    _assert_steady(packed4[f"hybrid/{name}"], f"hybrid/{name}")
 
 
 def test_hybrid_on_plain_zigzag_batches_is_another_model(packed1, packed4):

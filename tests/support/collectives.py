@@ -106,9 +106,10 @@ def _in_backward() -> bool:
 class Collectives:
     """Records of every collective; open it with :func:`count_collectives`."""
 
-    def __init__(self, regions=None):
+    def __init__(self, regions=None, everywhere: bool = True):
         self.calls: List[Call] = []
         self._regions = regions
+        self.everywhere = everywhere
         self._local = threading.local()
 
     @contextlib.contextmanager
@@ -132,6 +133,9 @@ class Collectives:
         return self._regions.current() if self._regions is not None else None
 
     def record(self, name: str, args, kwargs) -> None:
+        region = self.current()
+        if region is None and not self.everywhere:
+            return
         spec = PAYLOAD[name]
         value = None
         if spec is not None:
@@ -145,7 +149,7 @@ class Collectives:
             size = dist.get_world_size(group)
         except (RuntimeError, ValueError, TypeError):
             size = -1
-        self.calls.append(Call(name, _nbytes(value), size, self.current(), _in_backward(),
+        self.calls.append(Call(name, _nbytes(value), size, region, _in_backward(),
                                _first_dtype(value)))
 
     # ------------------------------------------------------------------ reading
@@ -220,12 +224,13 @@ def _uninstall() -> None:
 
 
 @contextlib.contextmanager
-def count_collectives(regions=None):
+def count_collectives(regions=None, everywhere: bool = True):
     """``with count_collectives() as calls:`` records every collective issued inside.
 
     ``regions``: an object whose ``current()`` names the open code region (the records'
-    ``region``), e.g. a :class:`Collectives` of an outer count or a test's own tracker."""
-    counter = Collectives(regions)
+    ``region``), e.g. a :class:`host_syncs.HostSyncs`; ``everywhere=False``: only the
+    collectives issued inside a region (a whole training run keeps no record of the rest)."""
+    counter = Collectives(regions, everywhere)
     with _LOCK:
         if not _OPEN:
             _install()

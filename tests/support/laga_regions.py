@@ -36,8 +36,9 @@ def forward_region(syncs, fn, name: str = FORWARD):
 
 
 @contextlib.contextmanager
-def backward_regions(syncs, name: str = BACKWARD):
-    """Every LAGA autograd function's backward runs inside ``syncs.region(name)``.
+def backward_regions(syncs, name=BACKWARD):
+    """Every LAGA autograd function's backward runs inside ``syncs.region(name)`` (``name``:
+    a string, or a function returning the region's name at the time, e.g. by step).
 
     The engine calls ``BackwardCFunction.apply`` on the node of any Python autograd
     function, whenever its module was imported, so patching it there sees them all."""
@@ -45,7 +46,7 @@ def backward_regions(syncs, name: str = BACKWARD):
 
     def apply(self, *args):
         if is_laga(getattr(self, "_forward_cls", None)):
-            with syncs.region(name):
+            with syncs.region(name() if callable(name) else name):
                 return original(self, *args)
         return original(self, *args)
 

@@ -249,6 +249,8 @@ class LoopRun:
     counts: List[dict]
     printed: Dict[int, dict] = field(default_factory=dict)
     seconds: float = 0.0
+    # per rank, per region (iteration, MLA call, backward): what LAGA ran (bootstrap)
+    steady: List[dict] = field(default_factory=list)
 
     def series(self, key: str) -> List[float]:
         return [self.iterations[i]["losses"][key] if key != "grad norm"
@@ -337,7 +339,8 @@ def run_loop(sources: dict, workdir: Path, nproc: int, argv: List[str],
     iterations = {int(i): v for i, v in last["iterations"].items()}
     return LoopRun(argv=argv, log=text, iterations=iterations,
                    counts=[r["counts"] for r in ranks], printed=parse_log(text),
-                   seconds=time.monotonic() - start)
+                   seconds=time.monotonic() - start,
+                   steady=[r.get("steady_state", {}) for r in ranks])
 
 
 def _tail(path: Path, lines: int = 60) -> str:

@@ -36,7 +36,8 @@ def start(folder):
         npu_host.install_position_ordered_topk()
     _count_laga()
     _count_dsa_ops(torch_npu)
-    _count_modules()
+    steady = _count_steady_state()
+    _count_modules(steady)
     _after_import("megatron.training.initialize", _warmup_under_fork_rng)
     _after_import("mindspeed_llm.training.training", _record_training_log)
     atexit.register(_write, folder, torch_npu)
@@ -69,7 +70,7 @@ def _count_dsa_ops(torch_npu):
         setattr(torch_npu, name, _counted(name, op))
 
 
-def _count_modules():
+def _count_modules(steady):
     import torch
     from support.loop import te_modules
 
@@ -78,10 +79,73 @@ def _count_modules():
         name = type(module).__name__
         if name == MLA_CLASS:
             COUNTS["mla_forward" if module.training else "mla_forward_eval"] += 1
+            if module.training:
+                steady.enter()
         elif name.endswith(CORE_ATTENTION_SUFFIX):
             COUNTS["core_attention"] += 1
 
+    def hook(module, args, output):
+        if type(module).__name__ == MLA_CLASS and module.training:
+            steady.leave()
+
     torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+    torch.nn.modules.module.register_module_forward_hook(hook)
+
+
+class _SteadyState:
+    """Per MLA layer call, the collectives (every one, the agreement's included) and the host
+    reads LAGA causes: counted inside the MLA module's call (the adapter's wrapped forward)
+    and inside LAGA's autograd backward functions (tests/support/laga_regions.py), never in
+    the host's own code. Regions: ``forward.<k>`` (the k-th MLA call outside backward, from
+    0, over the whole run), ``recompute.<k>`` and ``backward.<k>`` (MLA calls a recompute
+    runs inside backward, and LAGA's backward, after forward call k): the test splits them
+    into iterations (tests/support/loop/steady_state.py)."""
+
+    def __init__(self):
+        from support.collectives import count_collectives
+        from support.host_syncs import count_host_syncs
+        from support.laga_regions import backward_regions
+
+        # open for the life of the process; the context managers are kept, since one that is
+        # garbage-collected closes (its generator's ``finally`` runs) and stops counting
+        self.opened = [count_host_syncs(everywhere=False)]
+        self.syncs = self.opened[0].__enter__()
+        self.opened.append(count_collectives(regions=self.syncs, everywhere=False))
+        self.calls = self.opened[1].__enter__()
+        self.opened.append(backward_regions(self.syncs, lambda: f"backward.{self.k}"))
+        self.opened[2].__enter__()
+        self.open, self.k = [], -1
+
+    def enter(self):
+        import torch
+        if torch._C._current_autograd_node() is not None:
+            name = f"recompute.{self.k}"
+        else:
+            self.k += 1
+            name = f"forward.{self.k}"
+        region = self.syncs.region(name)
+        region.__enter__()
+        self.open.append(region)
+
+    def leave(self):
+        self.open.pop().__exit__(None, None, None)
+
+    def summary(self):
+        """{region: {"collectives": [[kind, dtype], ...], "syncs": {op: n}}}."""
+        out = {}
+        for call in self.calls.calls:
+            slot = out.setdefault(call.region, {"collectives": [], "syncs": {}})
+            slot["collectives"].append([call.kind, str(call.dtype).replace("torch.", "")])
+        for (region, op), n in self.syncs.counts.items():
+            slot = out.setdefault(region, {"collectives": [], "syncs": {}})
+            slot["syncs"][op] = slot["syncs"].get(op, 0) + n
+        return out
+
+
+def _count_steady_state():
+    steady = _SteadyState()
+    RECORD["steady"] = steady
+    return steady
 
 
 def _warmup_under_fork_rng(module):
@@ -125,6 +189,7 @@ def _write(folder, torch_npu):
         COUNTS[call["name"]] += 1
         shapes.add((call["name"], call["input_layout"], call["query_shape"], call["key_shape"]))
     RECORD["attention_shapes"] = sorted(shapes)  # e.g. whether a host's CP attention gathered
+    RECORD["steady_state"] = RECORD.pop("steady").summary()
     path = os.path.join(folder, f"rank{os.environ['RANK']}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(RECORD, f, indent=1)

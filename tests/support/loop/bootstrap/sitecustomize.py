@@ -13,6 +13,10 @@ In a torchrun rank (``RANK`` set) with ``LAGA_LOOP_RECORD`` naming a folder, bef
   module call and every forward of MindSpeed's TE modules (global forward pre-hooks;
   tests/support/loop/te_modules.py), and the stand-in's ``npu_fusion_attention``
   records its calls;
+- the collectives (every one, the agreement's included) and host reads LAGA causes are
+  counted per MLA layer call and iteration, inside the MLA module's call and LAGA's
+  autograd backward functions (tests/support/host_syncs.py, collectives.py,
+  laga_regions.py), into ``steady_state``;
 - the host's ``training_log`` is wrapped to keep each iteration's losses and grad norm
   at full precision.
 
