@@ -66,6 +66,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, ind
     _check_tensors(dict(zip(INPUTS, tensors)))
     _check_shapes(*tensors, o.qk_head_dim, o.v_head_dim)
     cp_size = comm.check_group(o.cp_group)
+    _check_split(query.shape[0], cp_size, o.layout)
     loss_group = comm.check_group(o.loss_tp_group, "loss_tp_group")
     dims = SparseDims(kv_latent=kv_latent.shape[-1], k_pos_emb=k_pos_emb.shape[-1],
                       index_key=index_key.shape[-1], heads=query.shape[2],
@@ -195,6 +196,11 @@ def _check_tensors(named: Dict[str, object]) -> None:
                              f"{list(tensor.shape)}")
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{name} must be floating point, got {tensor.dtype}")
+        if tensor.dtype not in handshake.DTYPES:  # float8: no collective or matmul takes it
+            raise ValueError(f"{name} of dtype {tensor.dtype} is not supported: sparse MLA "
+                             f"runs {[str(d) for d in handshake.DTYPES]}; cast the inputs "
+                             "(query, kv_latent, k_pos_emb, kv_up_weight and the index "
+                             "tensors) to bfloat16 (float8 recipes keep attention in bf16)")
     devices = {t.device for t in named.values()}
     if any(d.type == "meta" for d in devices):
         raise ValueError(f"inputs on the meta device (got {sorted(map(str, devices))}) have no "
@@ -206,6 +212,15 @@ def _check_tensors(named: Dict[str, object]) -> None:
         raise ValueError("kv_latent, k_pos_emb and index_key travel in one gather and must "
                          f"share a dtype, got {gathered[0].dtype}, {gathered[1].dtype}, "
                          f"{gathered[2].dtype}")
+
+
+def _check_split(local_len: int, cp_size: int, layout: str) -> None:
+    """The layout's cut of the sequence: zigzag's two equal chunks per rank."""
+    if cp_size > 1 and layout == "zigzag" and local_len % 2:
+        raise ValueError(
+            f"layout='zigzag' needs the sequence divisible by 2*CP={2 * cp_size}: each rank "
+            f"holds 2 equal chunks, but this rank holds {local_len} tokens; pad the sequence "
+            "to a multiple of 2*CP or use layout='contiguous'")
 
 
 def _check_shapes(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key,

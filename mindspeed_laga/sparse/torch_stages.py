@@ -1,7 +1,8 @@
 """The sparse MLA (DSA) stages in plain torch: any device, any float dtype.
 
 - indexer: ``sparse/indexer.py``'s scores and deterministic top-k over every
-  gathered key (causal by global position);
+  gathered key (causal by global position), through ``sparse/topk_scores.py``, whose
+  backward keeps nothing of size S_local x S;
 - attention: absorbed MQA of each query over its picked keys, gathered per query
   (``[b, s, k, d_c + d_r]`` held), in the inputs' dtype;
 - loss: the KL loss of ``sparse/indexer.py`` against the attention's probabilities
@@ -14,8 +15,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .indexer import KL_EPS, attention_target, index_scores, indexer_loss, top_k
+from .indexer import KL_EPS, attention_target, indexer_loss
 from .stage import AbsorbedStats, Attended, SparseKernel
+from .topk_scores import indexer_topk
 
 
 class SparseTorch(SparseKernel):
@@ -25,9 +27,8 @@ class SparseTorch(SparseKernel):
     kl_eps = KL_EPS  # as the DSA reference's loss
 
     def topk(self, call, index_query, index_weights, index_topk):
-        key_pos = torch.arange(call.index_key.shape[0], device=index_query.device)
-        scores = index_scores(index_query, call.index_key, index_weights, call.query_pos, key_pos)
-        return top_k(scores, index_topk, call.query_pos)
+        return indexer_topk(index_query, call.index_key, index_weights, call.query_pos,
+                            index_topk)
 
     def attend(self, call, query, kv_up_weight, picks, keep):
         q_latent, scores, latent_sel = _scores(call, query, kv_up_weight, picks.indices)

@@ -151,3 +151,26 @@ def test_all_keys_target_is_the_torch_losss():
                               *(x[k] for k in sm.LOCAL[3:]), index_topk=sm.TOPK,
                               softmax_scale=sm.SCALE, qk_head_dim=sm.D_N, v_head_dim=sm.D_V,
                               loss_target="unmasked")
+
+
+@pytest.mark.timeout(200)
+def test_zigzag_with_an_odd_local_length_is_refused_before_the_gather():
+    """Every rank holds 5 tokens: zigzag's two equal chunks cannot be cut; each rank names
+    the layout and its length, as the dense forms do, and no collective runs."""
+    for message, records in run_on_ranks(sm.refusal_worker, 2, 5, "zigzag", timeout_s=120):
+        assert message is not None and records == [], (message, records)
+        assert "layout='zigzag'" in message and "2*CP=4" in message, message
+        assert "holds 5 tokens" in message and "layout='contiguous'" in message, message
+    # contiguous takes the odd length
+    for message, _ in run_on_ranks(sm.refusal_worker, 2, 5, "contiguous", timeout_s=120):
+        assert message is None, message
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_inputs_are_refused_by_name(dtype):
+    """As laga_attention refuses them: before the gather, naming the dtype and the fix."""
+    for message, records in run_on_ranks(sm.refusal_worker, 2, 4, "zigzag", dtype,
+                                         timeout_s=120):
+        assert message is not None and records == [], (message, records)
+        assert dtype in message and "bfloat16" in message and "query" in message, message

@@ -161,3 +161,25 @@ def assemble(per_rank, index, layout):
     return dict(output=seq([r["output"] for r in runs]),
                 topk_indices=seq([r["topk_indices"] for r in runs], dim=1),
                 loss=sum(r["loss"] for r in runs) / len(runs), grads=grads)
+
+
+def refusal_worker(rank, world_size, local_len, layout, dtype=None):
+    """One call on ``local_len`` tokens of this rank (``dtype``: the inputs cast to it):
+    (the ValueError's message or None, the collectives the byte counter saw)."""
+    import torch.distributed as dist
+
+    x = full_inputs(0, dims={"S": local_len * world_size})
+    local = {k: layouts.shard(x[k], "contiguous", world_size, rank) for k in LOCAL}
+    local["kv_up_weight"] = x["kv_up_weight"]
+    if dtype is not None:
+        local = {k: v.to(getattr(torch, dtype)) for k, v in local.items()}
+    message = None
+    with count_bytes() as counter:
+        try:
+            sparse_laga_attention(*(local[k] for k in LOCAL[:3]), local["kv_up_weight"],
+                                  *(local[k] for k in LOCAL[3:]), index_topk=TOPK,
+                                  softmax_scale=SCALE, qk_head_dim=D_N, v_head_dim=D_V,
+                                  cp_group=dist.group.WORLD, layout=layout)
+        except ValueError as exc:
+            message = str(exc)
+    return message, [(r.kind, r.direction) for r in counter.records]
