@@ -55,7 +55,8 @@ One concern per module: ``config`` (what is asked, presets, validation),
 storages), ``peak`` (peak memory terms), ``flops``, ``summary`` (per rank and over the CP
 group, typed), ``time`` (the per-layer time estimate), ``cluster`` (nodes, the intra- and
 inter-node link, hybrid CP's time), ``dsa`` (sparse MLA's collectives: the host's DSA
-paths against LAGA's one gather; ``plan --dsa``). Hybrid CP is ``Config(cp_algo="hybrid",
+paths against LAGA's one gather; ``plan --dsa``), ``dsa_ring`` (sparse MLA under a ring or
+hybrid split against the one gather: why LAGA refuses those for DSA). Hybrid CP is ``Config(cp_algo="hybrid",
 ulysses_degree=U)``; it stays out of ``CP_ALGOS`` (what the tables enumerate). Variants are
 :class:`tools.runspec.RunSpec`.
 """
