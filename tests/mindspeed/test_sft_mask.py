@@ -66,6 +66,21 @@ def test_a_mask_edited_after_its_first_read_is_read_again(how):
     assert torch.equal(key_padding_from_mask(mask, S, B, None), valid("left") == 0)
 
 
+@pytest.mark.parametrize("how", [".data", "numpy"])
+def test_a_middle_row_edited_after_the_first_read_is_refused(how):
+    """An edit in a row other than the last (the padding is read from the last) that bumps
+    no version counter: the verdict is not kept past a micro-batch (none here: every call
+    reads the mask), so the band it makes is refused, not run as the old padding."""
+    mask = tune_mask(valid("right"))
+    assert torch.equal(key_padding_from_mask(mask, S, B, None), valid("right") == 0)
+    if how == ".data":
+        mask.data[:, :, 5, 0] = True
+    else:
+        mask.numpy()[:, :, 5, 0] = True
+    with pytest.raises(ValueError, match="not the causal mask plus key padding"):
+        key_padding_from_mask(mask, S, B, None)
+
+
 def test_a_causal_mask_takes_the_fast_path():
     causal = torch.ones(S, S, dtype=torch.bool).triu(1)
     assert key_padding_from_mask(causal[None, None], S, B, None) is None
