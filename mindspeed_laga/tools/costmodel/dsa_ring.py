@@ -2,7 +2,7 @@
 would move and how many gathered keys it would hold at once, per layer and CP rank.
 
 Why LAGA does not serve DSA under ``megatron_cp_algo`` (ring) or ``hybrid_cp_algo``
-(docs/SPARSE_MLA.md, "Ring and hybrid CP"):
+(docs/SPARSE_MLA.md, "Ring and hybrid CP: why LAGA's one gather does not serve them"):
 
 - ``laga``: one all-gather of ``[kv_latent | k_pos_emb | index_key]`` (d_c + d_r + D values
   a token) forward, its reduce-scatter backward; it holds every key of the sequence at once
