@@ -1,4 +1,5 @@
-"""Argument checks shared by the three forms.
+"""Argument checks shared by the three forms (the row the ranks agree on:
+agreement_row.py).
 
 Every check runs before any data collective. With CP > 1 the ranks then
 exchange their verdict and every value that must agree (handshake.py): if
@@ -10,20 +11,19 @@ peers raise "rejected" and the rank re-raises its own exception.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import numbers
-import struct
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
 from . import agreement, comm, handshake, kernels
 from .cp_algos import ALGOS, algo
-from .key_padding import check_empty_rows, check_key_padding, padding_code, padding_counts
+from .agreement_row import agree_on_call
+from .key_padding import check_empty_rows, check_key_padding
 from .options import AttnOptions
 from .kernels.registry import KERNELS
-from .vocab.names import ATTN_CP_ALGOS, EMPTY_ROWS, FORMS, LAYOUTS
+from .vocab.names import ATTN_CP_ALGOS, LAYOUTS
 from .vocab.attn_setup import AttnSetup
 from .vocab.dims import MLADims
 from .vocab.documents import resolve_documents
@@ -224,16 +224,6 @@ def _cp_ranks(cp_group):
     return _group_ranks(cp_group, "cp_group")
 
 
-def _ulysses_degree_value(cp_algo, ulysses_group) -> int:
-    """U for the handshake (-1 when unknown), so ranks that differ on it raise alike."""
-    if not _takes_degree(cp_algo) and ulysses_group is None:
-        return 1
-    try:
-        return comm.group_size(ulysses_group)
-    except Exception:
-        return handshake.UNKNOWN
-
-
 def _takes_degree(cp_algo) -> bool:
     """Whether ``cp_algo`` (as passed: maybe not an algorithm) takes a Ulysses group."""
     known = ALGOS.get(cp_algo) if isinstance(cp_algo, str) else None
@@ -339,14 +329,6 @@ def _check_flags(options: AttnOptions):
         raise ValueError(f"pad_v must be True or False, got {options.pad_v!r}")
 
 
-def documents_code(documents) -> int:
-    """The document boundaries as one int64 for the handshake (0: no documents)."""
-    if documents is None:
-        return 0
-    digest = hashlib.blake2b(repr(documents).encode(), digest_size=8).digest()
-    return struct.unpack("<q", digest)[0] or 1
-
-
 def resolve_kernel(kernel: str, device: torch.device, blockwise: bool = False, dtype=None) -> str:
     """The name of the kernel ``kernel`` resolves to ('auto' -> 'npu' on NPU tensors, else
     'sdpa', or 'eager' on the blockwise path where no fused block op exists); ValueError
@@ -382,7 +364,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
         if cp_size == 1:
             raise
         failure = exc
-    _exchange(o, (query, kv_latent, k_pos_emb, kv_up_weight), dims, documents, failure)
+    agree_on_call(o, (query, kv_latent, k_pos_emb, kv_up_weight), dims, documents, failure)
     return AttnSetup(dims=dims, local_len=query.shape[0], batch=query.shape[1],
                      cp_group=o.cp_group, cp_size=cp_size, cp_rank=comm.group_rank(o.cp_group),
                      cp_algo=o.cp_algo, layout=o.layout, causal=o.causal, kernel=kernel,
@@ -392,77 +374,3 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
                      empty_rows=o.empty_rows)
 
 
-def _exchange(o: AttnOptions, tensors, dims, documents, failure) -> None:
-    """The agreement of this call (agreement.py decides whether it exchanges, folds or
-    skips, alike on every rank). Raises ``failure`` here on this rank."""
-    if comm.group_size(o.cp_group) == 1:
-        if failure is not None:
-            raise failure
-        return
-    query = tensors[0]
-    device = query.device if isinstance(query, torch.Tensor) else "cpu"
-    mask = o.key_padding_mask
-
-    def row() -> Dict[str, int]:
-        values = _agreed_values(o, tensors, dims)
-        values["ulysses_degree"] = _ulysses_degree_value(o.cp_algo, o.ulysses_group)
-        values["documents"] = documents_code(documents)
-        values["key_padding"] = agreement.content_code(
-            o.cp_group, "key_padding", mask, lambda: padding_code(mask)) \
-            if isinstance(mask, torch.Tensor) else 0
-        return values
-
-    details = {"documents": list(documents or ()),
-               "key_padding": (lambda: []) if mask is None else (lambda: padding_counts(mask))}
-    agreement.agree_call(o.cp_group, o.check_ranks, failure, device, row, names=_NAMES,
-                         details=details)
-
-
-_NAMES = {"empty_rows": EMPTY_ROWS, "form": FORMS, "cp_algo": ATTN_CP_ALGOS, "layout": LAYOUTS,
-          "stage": handshake.STAGES}
-
-
-def _code(choices, value) -> int:
-    known = isinstance(value, str) and value in choices
-    return choices.index(value) if known else handshake.UNKNOWN
-
-
-def _flag(value) -> int:
-    """An option as the handshake's integer (-1 when it is not a valid value)."""
-    return int(value) if isinstance(value, bool) else handshake.UNKNOWN
-
-
-def _agreed_values(o: AttnOptions, tensors, dims: Optional[MLADims]) -> Dict[str, int]:
-    """What every rank must agree on, as integers (unknown values stay out)."""
-    query = tensors[0]
-    values = {"stage": 0, "check_ranks": int(o.check_ranks is not False),
-              "form": _code(FORMS, o.form), "cp_algo": _code(ATTN_CP_ALGOS, o.cp_algo),
-              "layout": _code(LAYOUTS, o.layout), "empty_rows": _code(EMPTY_ROWS, o.empty_rows)}
-    if isinstance(o.causal, bool):
-        values["causal"] = int(o.causal)
-    if (isinstance(o.softmax_scale, numbers.Real) and not isinstance(o.softmax_scale, bool)
-            and _finite(o.softmax_scale)):
-        values["softmax_scale"] = handshake.float_bits(o.softmax_scale)
-    if dims is not None:
-        values.update(local_len=query.shape[0], micro_batch=query.shape[1], heads=dims.heads,
-                      qk_head_dim=dims.qk_head_dim, rope_dim=dims.rope_dim,
-                      v_head_dim=dims.v_head_dim, kv_lora_rank=dims.kv_lora_rank,
-                      dtype=handshake.dtype_code(query.dtype),
-                      requires_grad=handshake.grad_pattern(dict(zip(handshake.INPUTS, tensors))))
-    if o.form == "laga":
-        block = o.kv_block_size
-        values.update(recompute_kv=_flag(o.recompute_kv),
-                      trim_causal_prefix=_flag(o.trim_causal_prefix),
-                      kv_block_size=block if isinstance(block, int) and not isinstance(block, bool)
-                      else 0, latent_gather=int(o.latent_gather is not None),
-                      kv_up_linear=kv_up_linear_code(o.kv_up_linear))
-    return values
-
-
-def kv_up_linear_code(linear) -> int:
-    """The up-projection as an int64 for the agreement: 0 for F.linear (None); else the
-    function's ``agreement_code`` (an adapter's code of its FP8 recipe and scales), or 1."""
-    if linear is None:
-        return 0
-    code = getattr(linear, "agreement_code", 1)
-    return code if isinstance(code, int) and not isinstance(code, bool) else 1

@@ -1,4 +1,5 @@
-"""Key padding (``key_padding_mask``): checking the mask, and what a row with no key returns.
+"""Key padding (``key_padding_mask``): checking the mask, and what a row with no key returns
+(what the ranks agree on about it: key_padding_digest.py).
 
 The contract (docs/DESIGN.md, section "Key padding"): a bool tensor [b, S]
 (S = local length x CP, the full sequence) in global position order, True =
@@ -7,9 +8,6 @@ row still follows ``causal`` (or sees every key), minus the padding keys.
 What a row that then sees no key returns: ``vocab.names.EMPTY_ROWS``.
 """
 from __future__ import annotations
-
-import hashlib
-import struct
 
 import torch
 
@@ -40,25 +38,6 @@ def check_key_padding(mask, query, cp_size: int, documents) -> None:
 def check_empty_rows(value) -> None:
     if value not in EMPTY_ROWS:
         raise ValueError(f"empty_rows must be one of {EMPTY_ROWS}, got {value!r}")
-
-
-def padding_counts(mask) -> list:
-    """Padding keys per sample (what the handshake shows when ranks disagree)."""
-    return [int(x) for x in mask.sum(dim=1).tolist()]
-
-
-def padding_code(mask) -> int:
-    """``mask`` ([b, S] bool or None) as one int64 for the handshake: 0 for None, else a
-    blake2b digest of its shape and its bits. A hash, not a weighted sum: a linear
-    checksum lets masks with other padded keys (even other pad counts) look alike."""
-    if mask is None:
-        return 0
-    flat = mask.detach().reshape(-1).to(torch.uint8)
-    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 8)]).view(-1, 8)
-    packed = (flat << torch.arange(8, device=flat.device, dtype=torch.uint8)).sum(1)
-    digest = hashlib.blake2b(repr(list(mask.shape)).encode(), digest_size=8)
-    digest.update(bytes(packed.to(torch.uint8).tolist()))  # eight keys a byte, then hashed
-    return struct.unpack("<q", digest.digest())[0] or 1
 
 
 def _describe(x) -> str:
