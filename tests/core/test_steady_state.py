@@ -157,10 +157,17 @@ _RESULTS = {}
 
 
 def _results():
+    """Every case's per-rank results, from one spawn; a failed spawn fails every test with
+    its error, without spawning again."""
     if not _RESULTS:
-        _protocol()  # fail here, clearly, before spawning ranks that would fail alike
-        _RESULTS.update(enumerate(run_on_ranks(worker, CP, list(CASES), timeout_s=600)))
-    return [_RESULTS[r] for r in range(CP)]
+        try:
+            _protocol()  # fail here, clearly, before spawning ranks that would fail alike
+            _RESULTS["ranks"] = run_on_ranks(worker, CP, list(CASES), timeout_s=600)
+        except Exception as exc:  # noqa: BLE001  (kept, re-raised by every test)
+            _RESULTS["error"] = exc
+    if "error" in _RESULTS:
+        raise _RESULTS["error"]
+    return _RESULTS["ranks"]
 
 
 def _expected(case, first: bool):

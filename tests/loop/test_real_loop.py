@@ -205,6 +205,7 @@ def test_release_loop_equals_cp1(release_loop, release):
     assert_release_found(run, release)
     assert_laga_ran_everywhere(run)
     assert_same_training(run, _reference(loop, **RELEASE_CASES[release]))
+    assert_steady_state(run, real_loop.MICRO_BATCHES, real_loop.ITERATIONS)
 
 
 # (release, what the case leaves out of its stock recipe, the refusal every rank prints);

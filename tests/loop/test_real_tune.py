@@ -230,3 +230,4 @@ def test_release_tune_equals_cp1(release_tune, release):
     assert_release_found(run, release)
     assert_laga_ran_everywhere(run, ref)
     assert_same_training(run, ref)
+    assert_steady_state(run, tune_loop.MICRO_BATCHES, tune_loop.ITERATIONS)
