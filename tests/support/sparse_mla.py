@@ -165,7 +165,8 @@ def assemble(per_rank, index, layout):
 
 def refusal_worker(rank, world_size, local_len, layout, dtype=None):
     """One call on ``local_len`` tokens of this rank (``dtype``: the inputs cast to it):
-    (the ValueError's message or None, the collectives the byte counter saw)."""
+    (the ValueError's message or None, the data collectives the byte counter saw: the
+    ranks' agreement, which carries the refusal to every rank, is no data collective)."""
     import torch.distributed as dist
 
     x = full_inputs(0, dims={"S": local_len * world_size})
@@ -182,4 +183,4 @@ def refusal_worker(rank, world_size, local_len, layout, dtype=None):
                                   cp_group=dist.group.WORLD, layout=layout)
         except ValueError as exc:
             message = str(exc)
-    return message, [(r.kind, r.direction) for r in counter.records]
+    return message, [(r.kind, r.direction) for r in counter.records if r.kind != "handshake"]

@@ -126,7 +126,9 @@ def worker(rank, world_size, widths, shape, seq_len, layout, topk, dtype, repeat
 
 
 def measured(records, direction: str) -> dict:
-    own = [r for r in records if r[1] == direction]
+    """The data collectives of one call in ``direction`` (the ranks' agreement, one small
+    exchange per micro-batch, is not the layer's traffic the model prices)."""
+    own = [r for r in records if r[1] == direction and r[0] != "handshake"]
     return {"collectives": len(own), "payload_bytes": sum(r[2] for r in own),
             "wire_bytes": sum(r[3] for r in own)}
 
