@@ -66,10 +66,18 @@ def recipe_code(fp8_meta) -> int:
     the recipe and the latent, which every rank gathers alike)."""
     recipe = getattr(fp8_meta, "fp8_recipe", None)
     facts = vars(recipe) if hasattr(recipe, "__dict__") else {}
-    simple = sorted((k, repr(v)) for k, v in facts.items()
+    simple = sorted((k, _fact(v)) for k, v in facts.items()
                     if isinstance(v, (bool, int, float, str, type(None), enum.Enum)))
     digest = hashlib.blake2b(repr((type(recipe).__name__, simple)).encode(), digest_size=8)
     return struct.unpack("<q", digest.digest())[0] or 1
+
+
+def _fact(value) -> str:
+    """A recipe field as text alike on every rank: an enum by its name (its value's repr
+    may hold an object's address, which differs between processes)."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    return repr(value)
 
 
 class FP8UpProjection(torch.autograd.Function):
