@@ -67,6 +67,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .fake_torch_npu import FakeNpuError
+from .host_syncs import stand_in_checks
 
 INT64_MAX = 2 ** 63 - 1
 NPU_DTYPES = (torch.float16, torch.bfloat16)
@@ -145,7 +146,8 @@ def _int_list(op: str, name: str, lengths) -> List[int]:
     if isinstance(lengths, torch.Tensor):
         _check(lengths.dtype in (torch.int32, torch.int64), op,
                f"{name} must be an integer tensor, got {lengths.dtype}")
-        return [int(v) for v in lengths.reshape(-1).tolist()]
+        with stand_in_checks():  # the real op takes the tensor as it is
+            return [int(v) for v in lengths.reshape(-1).tolist()]
     return [int(v) for v in lengths]
 
 
@@ -273,6 +275,11 @@ def _assemble_values(parts, dtype):
 # ------------------------------------------------------------ npu_sparse_flash_attention
 
 def _check_selection(op: str, indices: torch.Tensor, s_k: int):
+    with stand_in_checks():  # the real op reads none of it on the host
+        _check_selection_values(op, indices, s_k)
+
+
+def _check_selection_values(op: str, indices: torch.Tensor, s_k: int):
     valid = indices >= 0
     _check(bool((indices[valid] < s_k).all()), op, f"sparse_indices must lie in [0, {s_k}) or be -1")
     _check(bool((indices >= -1).all()), op, "invalid sparse_indices must be -1")

@@ -145,7 +145,7 @@ class HostSyncs:
 
     def count(self, op: str) -> None:
         stack = self._stack()
-        if self._local.inside_method or not (self.everywhere or stack):
+        if self._local.inside_method or not (self.everywhere or stack) or _IN_STAND_IN.depth:
             return
         self.counts[(stack[-1] if stack else None, op)] += 1
 
@@ -216,6 +216,24 @@ def _uninstall():
 
 
 @contextlib.contextmanager
+class _StandIn(threading.local):
+    depth = 0
+
+
+_IN_STAND_IN = _StandIn()
+
+
+@contextlib.contextmanager
+def stand_in_checks():
+    """A CPU stand-in's own checks of an NPU op's arguments: not counted. The real op checks
+    them on the device, without a host read; the stand-in reads them to refuse as strictly."""
+    _IN_STAND_IN.depth += 1
+    try:
+        yield
+    finally:
+        _IN_STAND_IN.depth -= 1
+
+
 def count_host_syncs(everywhere: bool = True):
     """``with count_host_syncs() as syncs:`` counts every host read inside (module docstring)."""
     syncs = HostSyncs(everywhere)
