@@ -215,7 +215,6 @@ def _uninstall():
     _ORIGINAL.clear()
 
 
-@contextlib.contextmanager
 class _StandIn(threading.local):
     depth = 0
 
@@ -234,6 +233,7 @@ def stand_in_checks():
         _IN_STAND_IN.depth -= 1
 
 
+@contextlib.contextmanager
 def count_host_syncs(everywhere: bool = True):
     """``with count_host_syncs() as syncs:`` counts every host read inside (module docstring)."""
     syncs = HostSyncs(everywhere)
