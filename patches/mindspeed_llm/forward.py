@@ -206,21 +206,21 @@ def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True, cp_group
                          "boundaries (get_actual_seq_len() is None): feed batches through "
                          "MindSpeed's get_batch, or drop --reset-attention-mask")
     scale = get_ring_degree() if loader_scaled else 1
-    if not isinstance(ends, torch.Tensor):
-        return _boundaries(ends, mtp_depth, scale)
-    key = ("actual_seq_len",) + agreement.tensor_key(ends) + (mtp_depth, scale)
-    return agreement.memo(cp_group, key, lambda: _boundaries(ends, mtp_depth, scale))
+    if isinstance(ends, torch.Tensor):  # every depth's row read at once, once per micro-batch
+        key = ("actual_seq_len",) + agreement.tensor_key(ends)
+        ends = agreement.memo(cp_group, key, lambda: ends.double().tolist())
+    return _boundaries(ends, mtp_depth, scale)
 
 
 def _boundaries(ends, mtp_depth: int, scale: int):
-    ends = torch.as_tensor(ends)
-    if ends.dim() == 2:  # one row per MTP depth
-        ends = ends[mtp_depth]
-    ends = ends.reshape(-1).double() * scale
+    """Host lists (one row, or one per MTP depth) -> the boundaries of ``mtp_depth``."""
+    rows = ends if ends and isinstance(ends[0], (list, tuple)) else [ends]
+    row = rows[mtp_depth] if len(rows) > 1 else rows[0]
     boundaries = [0]
-    for end in torch.round(ends).tolist():
-        if int(end) != boundaries[-1]:
-            boundaries.append(int(end))
+    for end in row:
+        end = int(round(float(end) * scale))
+        if end != boundaries[-1]:
+            boundaries.append(end)
     return boundaries
 
 
