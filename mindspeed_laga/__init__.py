@@ -1,7 +1,6 @@
 """mindspeed-laga: Latent All-Gather Attention for MLA under context parallelism."""
-import importlib
-
 from ._versions import check_torch, installed_torch_version
+from .lazy import lazy
 
 # Before any module of the package meets an untested torch; read from the installed
 # metadata, so that importing the package (the CLI parsing its arguments, ``--help``)
@@ -16,12 +15,7 @@ _API = {"FORMS": ".api", "absorbed_attention": ".api", "explicit_attention": ".a
         "new_micro_batch": ".agreement", "settle": ".agreement"}
 
 
-def __getattr__(name):
-    if name in _API:
-        value = getattr(importlib.import_module(_API[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy(__name__, _API)
 
 __version__ = "0.1.0"
 

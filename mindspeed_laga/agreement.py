@@ -55,7 +55,10 @@ class GroupAgreement:
     memo: Dict[tuple, object] = field(default_factory=dict)    # device reads of this epoch
     deferred: Optional[BaseException] = None  # an adapter's local failure for the next call
     folding: bool = False          # a FOLD call is building its row now
-    content: Optional[torch.Tensor] = None  # device digest of contents read in FOLD calls
+    # the distinct key-padding contents of this micro-batch, hashed on the device: (OR, AND)
+    # of their codes (a set: a tensor reused and an equal one built anew count alike)
+    content: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    seeds: List[torch.Tensor] = field(default_factory=list)  # the exchanging call's codes
 
     @property
     def per_micro_batch(self) -> bool:
@@ -153,13 +156,17 @@ def agree_call(cp_group, check_ranks, failure, device, row: Callable[[], Dict[st
             group.folding = False
         _fold(group, values)
         return
+    group.seeds = []
     values = row() if failure is None else _row_or_empty(row)
     values["calls"] = group.digest
     handshake.agree(values, failure, cp_group, device, names=names, force=True,
                     details=details if failure is None else None,
-                    on_calls=_explain_calls(group), content=group.content)
+                    on_calls=_explain_calls(group), content=_content_value(group))
     group.agreed_epoch, group.device = group.epoch, torch.device(device)
     _clear(group)
+    group.content = None  # a new micro-batch's set, seeded with what this call exchanged
+    for code in group.seeds:
+        _add_content(group, code)
 
 
 def settle(cp_group=None) -> None:
@@ -175,7 +182,7 @@ def settle(cp_group=None) -> None:
         device = group.device or handshake.exchange_device("meta", key)
         values = {"stage": handshake.STAGES.index("settle"), "calls": group.digest}
         handshake.agree(values, None, key, device, force=True,
-                        on_calls=_explain_calls(group), content=group.content)
+                        on_calls=_explain_calls(group), content=_content_value(group))
         _clear(group)
 
 
@@ -192,21 +199,44 @@ def memo(cp_group, key: tuple, read: Callable[[], object]):
 
 
 def content_code(cp_group, kind: str, t: torch.Tensor, host_code: Callable[[], int]) -> int:
-    """The agreement's code of ``t``'s content (key padding). In a call that exchanges:
-    ``host_code()``, read once per micro-batch (:func:`memo`). In a call that exchanges
-    nothing: no read; the content is hashed on the device (once per tensor and
-    micro-batch) into the group's content digest, which the next exchange or settle
-    carries, and the row holds ``handshake.CONTENT`` in place of a code, so ranks that
-    pass equal contents agree whether they reuse a tensor or build a new one."""
+    """The agreement's code of ``t``'s content (key padding).
+
+    In a call that exchanges: ``host_code()``, read once per micro-batch (:func:`memo`),
+    and in micro-batch mode the content hashed on the device too, to seed the
+    micro-batch's set of contents. In a call that exchanges nothing the row holds
+    ``handshake.CONTENT``: a tensor already seen in this micro-batch costs nothing (the
+    adapters' steady state), and one first seen here is hashed on the device into the
+    set, with no read. The set travels in the next exchange or settle, so ranks that
+    pass other contents raise, and ranks that pass equal ones agree whether they reuse a
+    tensor or build a new one."""
     group = _STATES.get(cp_group) if cp_group is not None else None
-    if group is None or not group.folding:
-        return memo(cp_group, (kind,) + tensor_key(t), host_code)
-    key = ("device", kind) + tensor_key(t)
+    key = (kind,) + tensor_key(t)
+    if group is None or not group.per_micro_batch:
+        return host_code()
+    if not group.folding:
+        group.seeds.append(device_code(t))
+        return memo(cp_group, key, host_code)
     if key not in group.memo:
-        group.memo[key] = device_code(t)
-    code = group.memo[key]
-    group.content = code if group.content is None else group.content * 1000003 + code
+        group.memo[key] = handshake.CONTENT
+        _add_content(group, device_code(t))
     return handshake.CONTENT
+
+
+def _add_content(group: GroupAgreement, code: torch.Tensor) -> None:
+    """OR and AND of the codes: equal for two sets of codes only when they are the same set
+    (barring a collision of 64-bit hashes), whatever the order or repeats."""
+    if group.content is None:
+        group.content = (code, code)
+    else:
+        group.content = (group.content[0] | code, group.content[1] & code)
+
+
+def _content_value(group: GroupAgreement) -> Optional[torch.Tensor]:
+    """The set as the one int64 an exchange carries (None: no content this micro-batch)."""
+    if group.content is None:
+        return None
+    union, common = group.content
+    return union ^ (common * _ODD)
 
 
 _WEIGHTS: Dict[tuple, torch.Tensor] = {}
@@ -247,7 +277,7 @@ def _fold(group: GroupAgreement, values: Dict[str, int]) -> None:
 
 
 def _clear(group: GroupAgreement) -> None:
-    group.digest, group.folded, group.rows, group.content = 0, 0, [], None
+    group.digest, group.folded, group.rows = 0, 0, []
 
 
 def _row_or_empty(row) -> Dict[str, int]:

@@ -38,7 +38,9 @@ def agree_on_call(o: AttnOptions, tensors, dims, documents, failure) -> None:
     def row() -> Dict[str, int]:
         values = _agreed_values(o, tensors, dims)
         values["ulysses_degree"] = _ulysses_degree_value(o.cp_algo, o.ulysses_group)
-        values["documents"] = documents_code(documents)
+        # a hash of the boundaries, once per micro-batch (the later calls pass the same ones)
+        values["documents"] = agreement.memo(o.cp_group, ("documents", documents),
+                                             lambda: documents_code(documents))
         values["key_padding"] = agreement.content_code(
             o.cp_group, "key_padding", mask, lambda: padding_code(mask)) \
             if isinstance(mask, torch.Tensor) else 0

@@ -12,16 +12,11 @@
 Imports go one way: form -> checks -> registry -> kernels -> stage / indexer; no kernel
 imports the form. Importing this package imports no torch; its names below do.
 """
-import importlib
+from ..lazy import lazy
 
 _API = {"SparseResult": ".form", "sparse_laga_attention": ".form"}
 
 __all__ = list(_API)
 
 
-def __getattr__(name):
-    if name in _API:
-        value = getattr(importlib.import_module(_API[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy(__name__, _API)

@@ -120,10 +120,13 @@ def test_a_difference_in_a_later_call_raises_on_every_rank(name, found_at):
 def _equal_worker(rank, world):
     import torch.distributed as dist
     group = dist.group.WORLD
+    mask = padding_mask("right")
     for _ in range(2):
         new_micro_batch(group)
-        _layer(rank)
+        _layer(rank, key_padding_mask=mask)
         _layer(rank, softmax_scale=SCALE * 1.01)  # every rank alike: a legitimate change
+        # rank 0 reuses the exchanged mask, rank 1 builds an equal one: the same contents
+        _layer(rank, key_padding_mask=mask if rank == 0 else mask.clone())
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).step()
     return "ok"
 
