@@ -59,10 +59,11 @@ def family_loop(host_sources, tmp_path_factory):
     begins it in the background."""
     require_loop_modules()
 
-    def argv_for(ready, family, cp, laga, **recipe):
+    def argv_for(ready, family, cp, laga, every_rank_exits=False, **recipe):
         llm = Path(ready["sources"]["MINDSPEED_LLM_SRC"])
         argv = families.family_recipe(llm, family, cp, laga, ready["data_path"], **recipe)
-        return argv, real_loop.ranks(argv), dict(script=families.family_named(family).entry)
+        return argv, real_loop.ranks(argv), dict(script=families.family_named(family).entry,
+                                                 every_rank_exits=every_rank_exits)
 
     return background.Runner(host_sources, tmp_path_factory.mktemp("family-loop"), argv_for,
                              RUN_TIMEOUT_S)
@@ -103,7 +104,7 @@ def check_reference(ref):
 def test_deepseek4_refused_on_every_rank(family_loop):
     """The flag with DeepSeek-V4's own attention: every rank names the class and stops."""
     with pytest.raises(real_loop.LoopFailed) as failed:
-        family_loop("deepseek4", "deepseek4", families.DEEPSEEK4.cp, True)
+        family_loop("deepseek4", "deepseek4", families.DEEPSEEK4.cp, True, every_rank_exits=True)
     log = failed.value.log
     refusal = ("ValueError: --mla-latent-all-gather does not apply to this model: it has no "
                "CustomMLASelfAttention, its attention is DeepSeek4MTPSelfAttention, "

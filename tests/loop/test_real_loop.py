@@ -52,9 +52,11 @@ def _runner(sources, workdir):
     run.start(name, ...) begins it in the background (support/loop/background.py)."""
     require_loop_modules()
 
-    def argv_for(ready, cp, algo="ulysses_cp_algo", laga=True, **recipe):
-        return real_loop.recipe(Path(ready["sources"]["MINDSPEED_LLM_SRC"]), cp, algo, laga,
-                                ready["data_path"], **recipe), cp
+    def argv_for(ready, cp, algo="ulysses_cp_algo", laga=True, every_rank_exits=False,
+                 **recipe):
+        return (real_loop.recipe(Path(ready["sources"]["MINDSPEED_LLM_SRC"]), cp, algo, laga,
+                                 ready["data_path"], **recipe), cp,
+                dict(every_rank_exits=every_rank_exits))
 
     return background.Runner(sources, workdir, argv_for, RUN_TIMEOUT_S)
 
@@ -227,7 +229,8 @@ def test_release_loop_refused(release_loop, case):
     """What RELEASE_CASES leaves out stops at start-up, on every rank, before iteration 1."""
     release, recipe, refusal = REFUSED[case]
     with pytest.raises(real_loop.LoopFailed) as failed:
-        release_loop(release)(f"refused-{case}", 2, "ulysses_cp_algo", **recipe)
+        release_loop(release)(f"refused-{case}", 2, "ulysses_cp_algo", every_rank_exits=True,
+                              **recipe)
     log = failed.value.log
     assert log.count(refusal) >= 2, failed.value  # both ranks refuse
     assert not real_loop.parse_log(log), "it trained before refusing"

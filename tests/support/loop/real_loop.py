@@ -297,12 +297,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# torchrun polls its ranks every 0.1 s and stops the others as soon as one has exited: a
+# run that must show every rank's refusal polls this seldom instead, so a rank that is a
+# few seconds behind on a loaded machine still reaches its own refusal before it is stopped
+EVERY_RANK_MONITOR_S = 15.0
+
+
 def run_loop(sources: dict, workdir: Path, nproc: int, argv: List[str],
              timeout_s: float = 600, script: str = "pretrain_gpt.py",
-             extra_env: Optional[Dict[str, str]] = None) -> LoopRun:
+             extra_env: Optional[Dict[str, str]] = None,
+             every_rank_exits: bool = False) -> LoopRun:
     """torchrun ... -m mindspeed_laga.launch pretrain_gpt.py argv, on gloo CPU ranks
     (``script``: another entry point of the host, e.g. posttrain_gpt.py; ``extra_env``:
-    more environment for the ranks)."""
+    more environment for the ranks; ``every_rank_exits``: a run expected to stop at
+    start-up on every rank, whose log must hold each rank's own message)."""
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / "record"
     shutil.rmtree(record, ignore_errors=True)
@@ -314,6 +322,8 @@ def run_loop(sources: dict, workdir: Path, nproc: int, argv: List[str],
                LAGA_LOOP_TESTS=str(TESTS), CUDA_DEVICE_MAX_CONNECTIONS="1",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.update(extra_env or {})
+    if every_rank_exits:  # torchrun reads each of its options from PET_<OPTION> too
+        env["PET_MONITOR_INTERVAL"] = str(EVERY_RANK_MONITOR_S)
     env.pop("TRAINING_BACKEND", None)  # MindSpeed-LLM's default (mcore) applies its patches
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
