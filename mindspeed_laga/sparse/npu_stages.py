@@ -6,6 +6,10 @@ one under the contiguous layout, two under zigzag) against the gathered key pref
 ``[0, chunk end)`` with ``sparse_mode=3`` (causal from the lower-right vertex: the
 chunk's last query sees the whole prefix), as the host's kvallgather functions do; the
 keys are slices of the one packed gather, so no stage adds a collective for keys.
+With packed documents a chunk is cut at the document boundaries, and each piece runs
+against its document's keys ``[document start, piece end)``, so sparse_mode=3 is causal
+inside the document; the ops' indices count from the slice's first key, hence the
+shifts to and from global positions (:func:`_to_global`, :func:`_to_slice`).
 
 - indexer: ``npu_lightning_indexer`` on bfloat16 copies of the index query, key and
   weights (the host's cast, so the picks are the host's), ``return_value=True``; the
@@ -77,10 +81,11 @@ class SparseNpu(SparseKernel):
         for chunk in call.chunks:
             rows = slice(chunk.start, chunk.start + chunk.length)
             picked, value = _torch_npu().npu_lightning_indexer(
-                index_query[rows].transpose(0, 1).to(torch.bfloat16), keys[:, :chunk.key_end],
+                index_query[rows].transpose(0, 1).to(torch.bfloat16),
+                keys[:, chunk.key_start:chunk.key_end],
                 index_weights[rows].transpose(0, 1).to(torch.bfloat16), layout_query="BSND",
                 layout_key="BSND", sparse_count=index_topk, sparse_mode=3, return_value=True)
-            indices.append(picked.squeeze(2))
+            indices.append(_to_global(picked.squeeze(2), chunk.key_start))
             scores.append(value.squeeze(2))
         count = min(index_topk, keys.shape[1])  # the slots past the sequence are all -1
         return TopK(torch.cat(indices, dim=1)[..., :count].long(),
@@ -96,10 +101,11 @@ class SparseNpu(SparseKernel):
         indices = picks.indices.unsqueeze(2).to(torch.int32)  # [b, s, 1, k]
         outs, maxes, sums = [], [], []
         for chunk in call.chunks:
-            rows, keys = slice(chunk.start, chunk.start + chunk.length), slice(0, chunk.key_end)
+            rows, keys = _rows_and_keys(chunk)
             out, softmax_max, softmax_sum = _torch_npu().npu_sparse_flash_attention(
                 q_latent[:, rows], latent[:, keys], latent[:, keys],
-                sparse_indices=indices[:, rows], scale_value=call.softmax_scale,
+                sparse_indices=_to_slice(indices[:, rows], chunk.key_start),
+                scale_value=call.softmax_scale,
                 query_rope=q_rope[:, rows], key_rope=k_rope[:, keys],
                 sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=3,
                 attention_mode=2, return_softmax_lse=True)
@@ -124,9 +130,9 @@ class SparseNpu(SparseKernel):
         indices = picks.indices.unsqueeze(2).to(torch.int32)
         total = 0
         for chunk in call.chunks:
-            rows, keys = slice(chunk.start, chunk.start + chunk.length), slice(0, chunk.key_end)
+            rows, keys = _rows_and_keys(chunk)
             fixed = dict(query=stats.query[:, rows], key=key[:, keys],
-                         sparse_indices=indices[:, rows],
+                         sparse_indices=_to_slice(indices[:, rows], chunk.key_start),
                          softmax_max=stats.softmax_max[:, :, rows],
                          softmax_sum=stats.softmax_sum[:, :, rows], scale_value=call.softmax_scale,
                          query_rope=stats.query_rope[:, rows], key_rope=key_rope[:, keys])
@@ -135,6 +141,25 @@ class SparseNpu(SparseKernel):
                 index_weights[rows].transpose(0, 1), fixed)
         s, b = index_query.shape[:2]
         return total / (s * b) * coeff  # the op sums over query rows: this rank's mean
+
+
+def _rows_and_keys(chunk):
+    """The chunk's local query rows and the positions of the keys its op call reads."""
+    return slice(chunk.start, chunk.start + chunk.length), slice(chunk.key_start, chunk.key_end)
+
+
+def _to_global(indices, key_start: int):
+    """An op's picks (counted from its key slice's first key, -1: none) as global positions."""
+    if key_start == 0:  # no documents, or the first one: the slice starts at position 0
+        return indices
+    return torch.where(indices >= 0, indices + key_start, indices)
+
+
+def _to_slice(indices, key_start: int):
+    """Global picks (-1: none) counted from the key slice's first key, as the ops read them."""
+    if key_start == 0:
+        return indices
+    return torch.where(indices >= 0, indices - key_start, indices)
 
 
 class _IndexerKLLoss(torch.autograd.Function):
