@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -271,7 +272,7 @@ def _compare(label, per_rank, name, ref):
     """``per_rank``'s LAGA run against ``ref`` (the host at CP 1)."""
     # the non-absorbed path's fused indexer: its grads through the bf16 op (the absorbed
     # path's fused loss computes them itself, in the inputs' dtype)
-    extra = CASES[name]
+    extra = CASES.get(name) or PACKED_CASES[name]
     bf16_key_grads = ("--use-fused-lightning-indexer" in extra
                       and "--enable-mla-absorb" not in extra)
     from mindspeed_laga import layout as layouts
@@ -339,7 +340,133 @@ def check_dsa(names=None) -> None:
                  four[(name, 2, 2)], name, ref)
 
 
-if __name__ == "__main__":  # python tests/support/dsa_real.py [CASE ...]
+# --- packed documents (--reset-attention-mask) -------------------------------------------
+
+# the host's DSA runs packed documents with its fused set only (its own refusal); the
+# ends cut CP 2's and CP 4's contiguous slices (8s, 4s), a document of 5 < 6 picks
+PACKED_ENDS = [5, 11, 16]
+PACKED_FLAGS = FUSED_DIMS + ABSORBED + FUSED_INDEXER
+PACKED_CASES = {
+    # the 128K tune's algorithm; under --reset-attention-mask ulysses_cp_algo splits the
+    # batch the same contiguous way and LAGA runs the same call for it
+    "dsa-packed-kvallgather": ["--context-parallel-algo", "kvallgather_cp_algo"] + PACKED_FLAGS,
+}
+DOCUMENTS = ["--reset-attention-mask", "--micro-batch-size", "1"]
+
+
+def _packed_inputs():
+    """(hidden, grad_out, rope at each token's position inside its document), one sequence."""
+    generator = torch.Generator().manual_seed(SEED)
+    hidden = torch.randn(SEQ, 1, 64, generator=generator, dtype=torch.float64)
+    grad_out = torch.randn(SEQ, 1, 64, generator=generator, dtype=torch.float64)
+    starts = [0] + PACKED_ENDS[:-1]
+    positions = torch.cat([torch.arange(end - start) for start, end in zip(starts, PACKED_ENDS)])
+    return hidden, grad_out, positions
+
+
+def _packed_case(name, cp_size):
+    """At CP 1 the host's own forward on each document alone (the reference: what packed
+    documents mean, each its own sequence; its indexer loss weighted by the document's
+    share of the rows, as the packed mean weights it); at CP > 1 the patched forward with
+    the documents as MindSpeed feeds them (``set_actual_seq_len``, ``packed_seq_params``)."""
+    from megatron.core import parallel_state
+    from mindspeed.core.context_parallel.get_batch_utils import set_actual_seq_len
+
+    from mindspeed_laga import layout as layouts
+    from mindspeed_laga.features.laga_args import laga_settings
+    from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
+    from mindspeed_llm.tasks.models.transformer import multi_latent_attention as mla
+
+    extra = PACKED_CASES[name] + (DOCUMENTS if cp_size > 1 else [])
+    plain = mla.MlaDotProductAttention
+    mla.MlaDotProductAttention = _mla_attention_on_custom()
+    try:
+        args, module = _build(MODEL + DSA + extra, 1, cp_size, False)
+    finally:
+        mla.MlaDotProductAttention = plain
+    args.attention_mask_on_cpu = True
+    try:
+        module.double()
+        module.dsa_indexer.k_norm.float()
+        hidden, grad_out, positions = _packed_inputs()
+        rope = _rope_table(SEQ, args.qk_pos_emb_head_dim)[positions]
+        layout = laga_settings(args).layout if cp_size > 1 else "contiguous"
+        cp_rank = parallel_state.get_context_parallel_rank()
+        res = dict(layout=layout, tp_rank=0, cp_rank=cp_rank, tp_size=1,
+                   sequence_parallel=False, ulysses_degree=1)
+        if cp_size == 1:
+            res["original"] = _per_document(module, hidden, rope, grad_out)
+            return res
+        set_actual_seq_len(torch.tensor(PACKED_ENDS))
+        ends = torch.tensor(PACKED_ENDS)
+        packed = SimpleNamespace(qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends)
+        patched = laga_mla_forward_wrapper(type(module).forward)
+
+        def local(t):
+            return layouts.shard(t, layout, cp_size, cp_rank, dim=0)
+
+        try:
+            res["laga"] = _run(module, lambda h, r: patched(module, h, None, rotary_pos_emb=r,
+                                                            packed_seq_params=packed),
+                               (local(hidden), local(rope), local(grad_out)), cp_size)
+        finally:
+            set_actual_seq_len(None)
+        return res
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _per_document(module, hidden, rope, grad_out):
+    """The host's forward on each document alone, put together as one packed run: outputs
+    and hidden grads concatenated, parameter grads summed, picks shifted to the packed
+    positions, the loss the row-weighted mean."""
+    runs, picks, loss = [], [], 0.0
+    for start, end in zip([0] + PACKED_ENDS[:-1], PACKED_ENDS):
+        rows = slice(start, end)
+        share = (end - start) / SEQ
+        run = _run(module, lambda h, r: module(h, None, rotary_pos_emb=r),
+                   (hidden[rows], rope[rows], grad_out[rows]), 1 / share, host_forward=True)
+        runs.append(run)
+        topk = run["topk"].long()
+        picks.append(torch.where(topk >= 0, topk + start, topk))
+        loss += share * run["loss"]
+    grads = {k: sum(r["param_grads"][k] for r in runs) for k in runs[0]["param_grads"]}
+    return dict(output=torch.cat([r["output"] for r in runs]),
+                hidden_grad=torch.cat([r["hidden_grad"] for r in runs]), param_grads=grads,
+                topk=torch.cat(picks, dim=1), loss=loss,
+                partition={n: None for n in runs[0]["partition"]})
+
+
+def packed_worker(rank, world_size, runs):
+    """{(case, 1, CP): results} of :func:`_packed_case` for ``runs``."""
     prepare()
-    check_dsa(sys.argv[1:])
-    print("real DSA CustomMLASelfAttention: ok")
+    _install_hadamard()
+    _install_fused_ops()
+    from support.npu_host import npu_float
+    with _patched(torch.Tensor, "float", npu_float):
+        return {(name, tp, cp): _packed_case(name, cp) for name, tp, cp in runs}
+
+
+def check_packed() -> None:
+    """Every packed case at CP 2 and 4 against the host's forward per document at CP 1."""
+    from mindspeed_laga.tools.spawn import run_on_ranks
+
+    names = list(PACKED_CASES)
+    runs = [(n, 1, cp) for n in names for cp in (1, 2, 4)]  # one job: CP 1 and 2 replicated
+    results = run_on_ranks(packed_worker, 4, runs, timeout_s=900)
+    jobs = {key: [{key[0]: r[key]} for r in results[:key[2]]] for key in runs}
+    for name in names:
+        ref = _reference(jobs[(name, 1, 1)], name)
+        for cp in (2, 4):
+            _compare(f"{name}: LAGA at CP={cp} with documents vs the host's forward per "
+                     "document", jobs[(name, 1, cp)], name, ref)
+
+
+if __name__ == "__main__":  # python tests/support/dsa_real.py [CASE ... | --packed]
+    prepare()
+    if sys.argv[1:] == ["--packed"]:
+        check_packed()
+        print("real DSA CustomMLASelfAttention with packed documents: ok")
+    else:
+        check_dsa(sys.argv[1:])
+        print("real DSA CustomMLASelfAttention: ok")
