@@ -84,3 +84,49 @@ def test_fused_stages_equal_reference(cp_size, layout):
     x = sm.full_inputs(sk.SEED, dims=FUSED_DIMS, index_bf16=True, scales=sk.SCALES)
     want = sm.reference(x, sk.TOPK, eps=0, documents=FUSED_DOCUMENTS)  # the fused loss: exact KL
     _check(run_on_ranks(fused_worker, cp_size, layout, timeout_s=180), layout, want)
+
+
+def disagreeing_worker(rank, world_size, documents):
+    """One call with this rank's ``documents[rank]``: (the ValueError's message, bytes the
+    data collectives moved)."""
+    import torch.distributed as dist
+
+    from mindspeed_laga import count_bytes, layout as layouts
+    from mindspeed_laga.sparse.form import sparse_laga_attention
+
+    x = sm.full_inputs(0, dims=DIMS)
+    local = {k: layouts.shard(x[k], "contiguous", world_size, rank) for k in sm.LOCAL}
+    with count_bytes() as counter:
+        try:
+            sparse_laga_attention(*(local[k] for k in sm.LOCAL[:3]), x["kv_up_weight"],
+                                  *(local[k] for k in sm.LOCAL[3:]), index_topk=sm.TOPK,
+                                  softmax_scale=sm.SCALE, qk_head_dim=sm.D_N, v_head_dim=sm.D_V,
+                                  cp_group=dist.group.WORLD, layout="contiguous",
+                                  cu_seqlens=documents[rank])
+            return None, counter.bytes()
+        except ValueError as exc:
+            return str(exc), counter.bytes()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("documents,needle", [
+    ([DOCUMENTS, (0, 4, 9, 16)], "documents (cu_seqlens)"),
+    ([DOCUMENTS, (0, 9, 3, 16)], "cu_seqlens must increase strictly"),
+], ids=["different", "one-rank-invalid"])
+def test_documents_that_differ_raise_on_every_rank_before_the_gather(documents, needle):
+    results = run_on_ranks(disagreeing_worker, 2, documents, timeout_s=100)
+    for rank, (error, moved) in enumerate(results):
+        assert error and (needle in error or "rejected their arguments" in error), results
+        assert moved == 0, results
+    assert any(needle in error for error, _ in results), results
+
+
+def test_all_keys_target_with_documents_is_refused_by_name():
+    x = sm.full_inputs(0, dims=DIMS)
+    from mindspeed_laga.sparse.form import sparse_laga_attention
+    with pytest.raises(ValueError, match="loss_target='all_keys' with cu_seqlens"):
+        sparse_laga_attention(*(x[k] for k in sm.LOCAL[:3]), x["kv_up_weight"],
+                              *(x[k] for k in sm.LOCAL[3:]), index_topk=sm.TOPK,
+                              softmax_scale=sm.SCALE, qk_head_dim=sm.D_N, v_head_dim=sm.D_V,
+                              indexer_loss_coeff=sm.COEFF, loss_target="all_keys",
+                              cu_seqlens=DOCUMENTS)
