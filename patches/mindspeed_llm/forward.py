@@ -133,8 +133,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     inputs = _mla_inputs(self, hidden_states, rotary_pos_emb, cp_group if overlap else None,
                          check_ranks, rope_cu_seqlens=packed_seq_params, rope_input=rope_input,
                          lora_scales=release.lora_scales)
-    cu_seqlens = (document_boundaries(_mtp_depth(self), settings.loader_scaled_ends, cp_group)
-                  if settings.documents else None)
+    cu_seqlens = _cu_seqlens(self, settings, cp_group)
     launch_a2a(self)
     core_out = laga_attention(inputs.query, inputs.kv_latent, inputs.k_pos_emb, kv_up_weight,
                               softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
@@ -162,9 +161,7 @@ def _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
                          rope_cu_seqlens=packed_seq_params,
                          rope_input=_rope_input(release, megatron_args),
                          lora_scales=release.lora_scales, rope=dsa_rope(self, megatron_args))
-    settings = laga_settings(megatron_args)
-    cu_seqlens = (document_boundaries(_mtp_depth(self), settings.loader_scaled_ends, cp_group)
-                  if settings.documents else None)
+    cu_seqlens = _cu_seqlens(self, laga_settings(megatron_args), cp_group)
     return laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
                               inputs, kv_up_weight, softmax_scale(self, megatron_args),
                               check_ranks, cu_seqlens=cu_seqlens)
@@ -186,6 +183,14 @@ def _length_error(settings, megatron_args, cp_group):
     flag = "--pad-to-multiple-of " + str(getattr(megatron_args, "pad_to_multiple_of", None))
     return lambda length: (padded_length_error(length, multiple, flag) if length % multiple
                            else None)
+
+
+def _cu_seqlens(self, settings, cp_group):
+    """The core's ``cu_seqlens``: this module's document boundaries under
+    --reset-attention-mask (:func:`document_boundaries`), else None."""
+    if not settings.documents:
+        return None
+    return document_boundaries(_mtp_depth(self), settings.loader_scaled_ends, cp_group)
 
 
 def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True, cp_group=None):
