@@ -22,14 +22,5 @@ def test_dsa_equals_the_hosts_forward_at_cp1(host_sources):
                           env=dict(os.environ, **host_sources), timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert "real DSA CustomMLASelfAttention: ok" in proc.stdout, proc.stdout[-4000:]
-    assert proc.stdout.count("max relative error") == 14, proc.stdout[-4000:]
+    assert proc.stdout.count("max relative error") == 16, proc.stdout[-4000:]
 
-
-@pytest.mark.timeout(900)
-def test_dsa_with_packed_documents_equals_the_hosts_forward_per_document(host_sources):
-    script = Path(__file__).resolve().parents[1] / "support" / "dsa_real.py"
-    proc = subprocess.run([sys.executable, str(script), "--packed"], capture_output=True,
-                          text=True, env=dict(os.environ, **host_sources), timeout=800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    assert "with packed documents: ok" in proc.stdout, proc.stdout[-4000:]
-    assert proc.stdout.count("max relative error") == 2, proc.stdout[-4000:]

@@ -20,6 +20,11 @@ included; summed over CP ranks, with the host's indexer-loss scale set to 1/CP a
 Megatron's average over CP makes it), the top-k picks (exactly, as sets: the host's
 ``torch.topk`` orders tied scores as it likes) and the indexer loss
 (the mean of the ranks' losses, as the host's tracker averages them over CP).
+
+The packed cases (``PACKED_CASES``: --reset-attention-mask, with the fused set the host
+needs for packed DSA) run LAGA at CP 2 and 4 on one sequence of documents, against the
+host's own forward run on each document alone at CP 1 (what a packed document must
+compute), in the same jobs as the other cases.
 """
 from __future__ import annotations
 
@@ -173,7 +178,8 @@ def worker(rank, world_size, runs):
     _install_fused_ops()
     from support.npu_host import npu_float
     with _patched(torch.Tensor, "float", npu_float):  # NPU's cast: a contiguous copy
-        return {(name, tp, cp): _case(name, CASES[name], tp, cp) for name, tp, cp in runs}
+        return {(name, tp, cp): _packed_case(name, cp) if name in PACKED_CASES
+                else _case(name, CASES[name], tp, cp) for name, tp, cp in runs}
 
 
 def _install_fused_ops():
@@ -319,16 +325,17 @@ def _job(world_size, runs):
 
 
 def check_dsa(names=None) -> None:
-    """Every case (or those of ``names``) at CP 1 and 2 (and 4: ``CP4_CASES``), and the TP
-    cases at TP 2."""
-    names = list(names or CASES)
+    """Every case (or those of ``names``) at CP 1 and 2 (and 4: ``CP4_CASES`` and the
+    packed cases), and the TP cases at TP 2; the packed cases share the jobs."""
+    names = list(names or [*CASES, *PACKED_CASES])
     tp_names = [n for n in TP_CASES if n in names]
     two = _job(2, [(n, 1, cp) for n in names for cp in (1, 2)] + [(n, 2, 1) for n in tp_names])
-    four_names = [n for n in CP4_CASES if n in names]
+    four_names = [n for n in (*CP4_CASES, *PACKED_CASES) if n in names]
     four = _job(4, [(n, 1, 4) for n in four_names] + [(n, 2, 2) for n in tp_names])
     for name in names:
         ref = _reference(two[(name, 1, 1)], name)
-        _compare(f"{name}: LAGA at CP=1 vs the host's forward", two[(name, 1, 1)], name, ref)
+        if name not in PACKED_CASES:  # (packed: LAGA runs at CP > 1 only)
+            _compare(f"{name}: LAGA at CP=1 vs the host's forward", two[(name, 1, 1)], name, ref)
         _compare(f"{name}: LAGA at CP=2 vs the host's forward at CP=1", two[(name, 1, 2)], name,
                  ref)
         if name in four_names:
@@ -437,36 +444,7 @@ def _per_document(module, hidden, rope, grad_out):
                 partition={n: None for n in runs[0]["partition"]})
 
 
-def packed_worker(rank, world_size, runs):
-    """{(case, 1, CP): results} of :func:`_packed_case` for ``runs``."""
+if __name__ == "__main__":  # python tests/support/dsa_real.py [CASE ...]
     prepare()
-    _install_hadamard()
-    _install_fused_ops()
-    from support.npu_host import npu_float
-    with _patched(torch.Tensor, "float", npu_float):
-        return {(name, tp, cp): _packed_case(name, cp) for name, tp, cp in runs}
-
-
-def check_packed() -> None:
-    """Every packed case at CP 2 and 4 against the host's forward per document at CP 1."""
-    from mindspeed_laga.tools.spawn import run_on_ranks
-
-    names = list(PACKED_CASES)
-    runs = [(n, 1, cp) for n in names for cp in (1, 2, 4)]  # one job: CP 1 and 2 replicated
-    results = run_on_ranks(packed_worker, 4, runs, timeout_s=900)
-    jobs = {key: [{key[0]: r[key]} for r in results[:key[2]]] for key in runs}
-    for name in names:
-        ref = _reference(jobs[(name, 1, 1)], name)
-        for cp in (2, 4):
-            _compare(f"{name}: LAGA at CP={cp} with documents vs the host's forward per "
-                     "document", jobs[(name, 1, cp)], name, ref)
-
-
-if __name__ == "__main__":  # python tests/support/dsa_real.py [CASE ... | --packed]
-    prepare()
-    if sys.argv[1:] == ["--packed"]:
-        check_packed()
-        print("real DSA CustomMLASelfAttention with packed documents: ok")
-    else:
-        check_dsa(sys.argv[1:])
-        print("real DSA CustomMLASelfAttention: ok")
+    check_dsa(sys.argv[1:])
+    print("real DSA CustomMLASelfAttention: ok")
