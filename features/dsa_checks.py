@@ -25,10 +25,12 @@ _DSA_INCOMPATIBLE = (
      "build: drop {flag} or drop " + FLAG),
     ("index_topk_pattern", "--index-topk-pattern", _SHARE),
     ("index_share_for_mtp_iteration", "--index-share-for-mtp-iteration", _SHARE),
-    ("reset_attention_mask", "--reset-attention-mask",
-     "the host's DSA with packed documents runs its fused ops on the TND layout, whose "
-     "document-wise key prefixes LAGA does not cut yet: drop {flag} or drop " + FLAG),
 )
+# what MindSpeed-LLM's DSA needs with packed documents (its TND layout): it refuses the
+# run without them itself; LAGA names them first
+_DOCUMENT_FLAGS = (("use_fused_lightning_indexer", "--use-fused-lightning-indexer"),
+                   ("use_fused_lightning_indexer_loss", "--use-fused-lightning-indexer-loss"),
+                   ("use_sparse_flash_attn", "--use-sparse-flash-attn"))
 DSA_CP_ALGOS = ("ulysses_cp_algo", "kvallgather_cp_algo")
 
 
@@ -40,6 +42,7 @@ def check_dsa(args: Namespace) -> bool:
         if getattr(args, attr, None):
             raise ValueError(f"{FLAG} with --enable-dsa-indexer and {flag} is not supported: "
                              + why.format(flag=flag))
+    _check_documents(args)
     freq = int(getattr(args, "index_topk_freq", None) or 1)
     if freq != 1:
         raise ValueError(f"{FLAG} with --enable-dsa-indexer and --index-topk-freq {freq} is "
@@ -61,3 +64,18 @@ def check_dsa(args: Namespace) -> bool:
                          "all-to-alls, docs/SPARSE_MLA.md); use --context-parallel-algo "
                          f"kvallgather_cp_algo (the same zigzag split, one gather) or drop {FLAG}")
     return True
+
+
+def _check_documents(args: Namespace) -> None:
+    """--reset-attention-mask: LAGA cuts the picks, the attention and the loss at the
+    documents on any path, but MindSpeed-LLM runs packed DSA with its fused ops only."""
+    if not getattr(args, "reset_attention_mask", False):
+        return
+    missing = [flag for attr, flag in _DOCUMENT_FLAGS if not getattr(args, attr, False)]
+    if missing:
+        raise ValueError(f"{FLAG} with --enable-dsa-indexer and --reset-attention-mask needs "
+                         f"{' '.join(missing)}: MindSpeed-LLM runs DSA on packed documents (its "
+                         "TND layout) with its fused indexer, indexer loss and sparse flash "
+                         "attention only, and refuses the run without them; add "
+                         f"{' '.join(missing)} (with --enable-mla-absorb --mla-mm-split) or drop "
+                         "--reset-attention-mask")

@@ -17,6 +17,9 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from .. import agreement, comm, handshake
+from ..agreement_row import documents_code
+from ..checks import _documents as check_cu_seqlens  # the dense forms' documents check
+from ..vocab.segments import Documents
 from .registry import SPARSE_KERNELS, SparseStages, kernel_index, sparse_stages
 from .stage import SparseDims
 
@@ -41,6 +44,7 @@ class SparseOptions(NamedTuple):
     loss_kernel: str = "torch"
     loss_tp_group: object = None
     loss_target: str = "picks"
+    cu_seqlens: object = None  # packed documents: the global boundaries 0 ... S, or None
 
 
 class SparseSetup(NamedTuple):
@@ -55,6 +59,7 @@ class SparseSetup(NamedTuple):
     micro_batch: int
     with_loss: bool
     all_keys: bool  # the loss reads the all_keys target
+    documents: Documents = None  # the checked global document boundaries, or None
 
 
 def check(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, index_weights,
@@ -79,9 +84,22 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, ind
         raise ValueError(f"loss_target='all_keys' needs a loss kernel that supports it: "
                          f"loss_kernel={o.loss_kernel!r} does not; use a loss_kernel with "
                          f"supports_all_keys (e.g. loss_kernel='torch') or loss_target='picks'")
+    documents = _check_documents(o, query, cp_size)
     return SparseSetup(o, dims, stages, (o.indexer_kernel, o.attention_kernel, o.loss_kernel),
                        cp_size, comm.group_rank(o.cp_group), query.shape[0], query.shape[1],
-                       with_loss, with_loss and o.loss_target == "all_keys")
+                       with_loss, with_loss and o.loss_target == "all_keys", documents)
+
+
+def _check_documents(o: SparseOptions, query, cp_size: int) -> Documents:
+    """cu_seqlens checked as the dense forms check it (micro-batch 1, boundaries 0 ... S);
+    the all_keys target reads every key of the sequence, which documents do not define."""
+    documents = check_cu_seqlens(o.cu_seqlens, query, cp_size, o.layout, cp_group=o.cp_group)
+    if documents is not None and o.loss_target == "all_keys" and o.indexer_loss_coeff is not None:
+        raise ValueError("loss_target='all_keys' with cu_seqlens is not supported: its target "
+                         "is the softmax over every key of the packed sequence, across "
+                         "documents; use loss_target='picks' (the attention's own "
+                         "probabilities, within the document) or drop cu_seqlens")
+    return documents
 
 
 def check_call(tensors, options: SparseOptions, check_ranks=None) -> SparseSetup:
@@ -99,8 +117,10 @@ def check_call(tensors, options: SparseOptions, check_ranks=None) -> SparseSetup
         failure = exc
     if cp_size > 1:
         device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else "cpu"
+        documents = list(setup.documents or ()) if setup is not None else []
         agreement.agree_call(options.cp_group, check_ranks, failure, device,
-                             lambda: _row(setup, tensors, check_ranks), names=_NAMES)
+                             lambda: _row(setup, tensors, check_ranks), names=_NAMES,
+                             details={"documents": documents})
     return setup
 
 
@@ -119,6 +139,9 @@ def _row(setup: Optional[SparseSetup], tensors, check_ranks) -> Dict[str, int]:
     values = agreed_values(setup, tensors)
     values["loss_coeff"] = values.pop("indexer_loss_coeff")
     query, o = tensors[0], setup.options
+    # a hash of the boundaries, once per micro-batch (the later calls pass the same ones)
+    row["documents"] = agreement.memo(o.cp_group, ("documents", setup.documents),
+                                      lambda: documents_code(setup.documents))
     row.update(values, softmax_scale=handshake.float_bits(o.softmax_scale),
                heads=setup.dims.heads, qk_head_dim=o.qk_head_dim, v_head_dim=o.v_head_dim,
                rope_dim=setup.dims.k_pos_emb, kv_lora_rank=setup.dims.kv_latent)

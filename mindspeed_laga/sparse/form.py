@@ -19,11 +19,13 @@ prefix. Both read the keys of the one gather. The arguments are checked in one p
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
 from .. import comm, layout as layouts
+from ..vocab.documents import doc_pieces, document_of
+from ..vocab.segments import Segment
 from .checks import SparseOptions, check_call
 from .stage import Chunk, SparseCall
 
@@ -41,7 +43,7 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
                           indexer_kernel: str = "torch", attention_kernel: str = "torch",
                           loss_kernel: str = "torch", loss_tp_group=None,
                           loss_target: str = "picks",
-                          check_ranks: Optional[bool] = None) -> SparseResult:
+                          check_ranks: Optional[bool] = None, cu_seqlens=None) -> SparseResult:
     """Sparse MLA of this rank's queries over the whole sequence, one gather per call.
 
     Local tensors (s = this rank's tokens, rope applied at their global positions):
@@ -65,6 +67,11 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
     ``check_ranks``: as in ``laga_attention``: the CP ranks agree on every value above and
     on the shapes, dtype and requires-grad pattern before the gather, once per
     micro-batch (``new_micro_batch``) or on every call of a group that opens none.
+    ``cu_seqlens``: packed documents, as in ``laga_attention`` (the global boundaries
+    0 ... S in position order, the same on every rank, micro-batch 1): a query's top-k,
+    its attention and its loss's target read only keys of its own document at positions
+    <= its own; the boundaries are part of the ranks' agreement. Not with
+    ``loss_target="all_keys"`` (refused by name).
     """
     tensors = (query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key,
                index_weights)
@@ -73,14 +80,15 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
                       v_head_dim=v_head_dim, cp_group=cp_group, layout=layout,
                       indexer_loss_coeff=indexer_loss_coeff, indexer_kernel=indexer_kernel,
                       attention_kernel=attention_kernel, loss_kernel=loss_kernel,
-                      loss_tp_group=loss_tp_group, loss_target=loss_target), check_ranks)
+                      loss_tp_group=loss_tp_group, loss_target=loss_target,
+                      cu_seqlens=cu_seqlens), check_ranks)
     stages, s = setup.stages, setup.local_len
     size, rank = setup.cp_size, setup.cp_rank
     latent, k_pe, keys = _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout)
-    chunks = [Chunk(start, length, first + length)
-              for start, length, first in layouts.rank_segments(layout, size, rank, s)]
+    chunks = query_chunks(layout, size, rank, s, setup.documents)
     call = SparseCall(latent, k_pe, keys, layouts.positions(layout, size, rank, s).to(query.device),
-                      chunks, softmax_scale, qk_head_dim, v_head_dim)
+                      chunks, softmax_scale, qk_head_dim, v_head_dim,
+                      _query_starts(chunks, setup.documents, query.device))
     picks = stages.indexer.topk(call, index_query, index_weights, index_topk)
     attended = stages.attention.attend(call, query, kv_up_weight, picks,
                                        None if setup.all_keys else stages.keep)
@@ -92,6 +100,25 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
         loss = stages.loss.loss(call, attended, picks, index_query, index_weights,
                                 indexer_loss_coeff, loss_tp_group)
     return SparseResult(attended.output, picks.indices, loss)
+
+
+def query_chunks(layout: str, size: int, rank: int, local_len: int, documents) -> List[Chunk]:
+    """This rank's runs of consecutive query positions, cut at the document boundaries
+    (host ints only: no device value is read)."""
+    chunks = []
+    for segment in layouts.rank_segments(layout, size, rank, local_len):
+        for start, length, first in doc_pieces(Segment(*segment), documents):
+            key_start = 0 if documents is None else documents[document_of(first, documents)]
+            chunks.append(Chunk(start, length, first + length, key_start))
+    return chunks
+
+
+def _query_starts(chunks: List[Chunk], documents, device) -> Optional[torch.Tensor]:
+    """[s] each local query's document start (None without documents), in local order."""
+    if documents is None:
+        return None
+    starts = [chunk.key_start for chunk in chunks for _ in range(chunk.length)]
+    return torch.tensor(starts, dtype=torch.long).to(device)
 
 
 def _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout):

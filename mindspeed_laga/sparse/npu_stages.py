@@ -6,6 +6,13 @@ one under the contiguous layout, two under zigzag) against the gathered key pref
 ``[0, chunk end)`` with ``sparse_mode=3`` (causal from the lower-right vertex: the
 chunk's last query sees the whole prefix), as the host's kvallgather functions do; the
 keys are slices of the one packed gather, so no stage adds a collective for keys.
+With packed documents (micro-batch 1) each run of consecutive query positions is still
+one op call, in the ops' TND layout: its queries cut at the document boundaries are the
+TND sequences, each against its document's keys ``[document start, piece end)`` (these
+ranges tile the run's key range, so they are one slice of the gathered keys), with
+cumulative query and key lengths; sparse_mode=3 is then causal inside each document. The
+ops count a sequence's picks from its own first key, the query's document start, hence
+the shifts to and from global positions (:func:`_to_global`, :func:`_to_slice`).
 
 - indexer: ``npu_lightning_indexer`` on bfloat16 copies of the index query, key and
   weights (the host's cast, so the picks are the host's), ``return_value=True``; the
@@ -30,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .indexer import TopK
+from .op_calls import op_calls
 from .stage import AbsorbedStats, Attended, SparseDims, SparseKernel
 from .torch_stages import attention_probs
 
@@ -73,15 +81,17 @@ class SparseNpu(SparseKernel):
 
     def topk(self, call, index_query, index_weights, index_topk):
         keys = call.index_key.transpose(0, 1).unsqueeze(2).to(torch.bfloat16)  # [b, S, 1, D]
+        query = index_query.transpose(0, 1).to(torch.bfloat16)
+        weights = index_weights.transpose(0, 1).to(torch.bfloat16)
         indices, scores = [], []
-        for chunk in call.chunks:
-            rows = slice(chunk.start, chunk.start + chunk.length)
+        for op in op_calls(call):
             picked, value = _torch_npu().npu_lightning_indexer(
-                index_query[rows].transpose(0, 1).to(torch.bfloat16), keys[:, :chunk.key_end],
-                index_weights[rows].transpose(0, 1).to(torch.bfloat16), layout_query="BSND",
-                layout_key="BSND", sparse_count=index_topk, sparse_mode=3, return_value=True)
-            indices.append(picked.squeeze(2))
-            scores.append(value.squeeze(2))
+                op.part(query), op.part(keys, keys=True), op.part(weights),
+                **op.lengths("actual_seq_lengths_query", "actual_seq_lengths_key"),
+                layout_query=op.layout, layout_key=op.layout, sparse_count=index_topk,
+                sparse_mode=3, return_value=True)
+            indices.append(_to_global(op.batched(picked).squeeze(2), op.first_key))
+            scores.append(op.batched(value).squeeze(2))
         count = min(index_topk, keys.shape[1])  # the slots past the sequence are all -1
         return TopK(torch.cat(indices, dim=1)[..., :count].long(),
                     torch.cat(scores, dim=1)[..., :count])
@@ -95,17 +105,19 @@ class SparseNpu(SparseKernel):
         latent, k_rope = (x.transpose(0, 1).unsqueeze(2) for x in (call.latent, call.k_pe))
         indices = picks.indices.unsqueeze(2).to(torch.int32)  # [b, s, 1, k]
         outs, maxes, sums = [], [], []
-        for chunk in call.chunks:
-            rows, keys = slice(chunk.start, chunk.start + chunk.length), slice(0, chunk.key_end)
+        for op in op_calls(call):
+            key = op.part(latent, keys=True)
             out, softmax_max, softmax_sum = _torch_npu().npu_sparse_flash_attention(
-                q_latent[:, rows], latent[:, keys], latent[:, keys],
-                sparse_indices=indices[:, rows], scale_value=call.softmax_scale,
-                query_rope=q_rope[:, rows], key_rope=k_rope[:, keys],
-                sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=3,
-                attention_mode=2, return_softmax_lse=True)
-            outs.append(out)
-            maxes.append(softmax_max)
-            sums.append(softmax_sum)
+                op.part(q_latent), key, key,
+                sparse_indices=_to_slice(op.part(indices), op.first_key),
+                scale_value=call.softmax_scale,
+                query_rope=op.part(q_rope), key_rope=op.part(k_rope, keys=True),
+                **op.lengths("actual_seq_lengths_query", "actual_seq_lengths_kv"),
+                sparse_block_size=1, layout_query=op.layout, layout_kv=op.layout,
+                sparse_mode=3, attention_mode=2, return_softmax_lse=True)
+            outs.append(op.batched(out))
+            maxes.append(op.batched_stats(softmax_max))
+            sums.append(op.batched_stats(softmax_sum))
         output = torch.einsum("bsnc,nvc->sbnv", torch.cat(outs, dim=1), w_uv)
         stats = None
         if keep == "stats":
@@ -123,18 +135,35 @@ class SparseNpu(SparseKernel):
         key_index = call.index_key.transpose(0, 1).unsqueeze(2)  # [b, S, 1, D], with grad
         indices = picks.indices.unsqueeze(2).to(torch.int32)
         total = 0
-        for chunk in call.chunks:
-            rows, keys = slice(chunk.start, chunk.start + chunk.length), slice(0, chunk.key_end)
-            fixed = dict(query=stats.query[:, rows], key=key[:, keys],
-                         sparse_indices=indices[:, rows],
-                         softmax_max=stats.softmax_max[:, :, rows],
-                         softmax_sum=stats.softmax_sum[:, :, rows], scale_value=call.softmax_scale,
-                         query_rope=stats.query_rope[:, rows], key_rope=key_rope[:, keys])
+        for op in op_calls(call):
+            fixed = dict(query=op.part(stats.query), key=op.part(key, keys=True),
+                         sparse_indices=_to_slice(op.part(indices), op.first_key),
+                         softmax_max=op.part_stats(stats.softmax_max),
+                         softmax_sum=op.part_stats(stats.softmax_sum),
+                         scale_value=call.softmax_scale, query_rope=op.part(stats.query_rope),
+                         key_rope=op.part(key_rope, keys=True), layout=op.layout,
+                         **op.lengths("actual_seq_qlen", "actual_seq_klen", as_list=True))
             total = total + _IndexerKLLoss.apply(
-                index_query[rows].transpose(0, 1), key_index[:, keys],
-                index_weights[rows].transpose(0, 1), fixed)
+                op.part(index_query.transpose(0, 1)), op.part(key_index, keys=True),
+                op.part(index_weights.transpose(0, 1)), fixed)
         s, b = index_query.shape[:2]
         return total / (s * b) * coeff  # the op sums over query rows: this rank's mean
+
+
+def _to_global(indices, first_key):
+    """An op's picks (counted from its sequence's first key, -1: none) as global positions;
+    ``first_key``: 0 (BSND against the prefix) or [s] each query row's document start."""
+    if isinstance(first_key, int):  # the key prefix starts at position 0
+        return indices
+    return torch.where(indices >= 0, indices + first_key.to(indices.dtype).view(1, -1, 1), indices)
+
+
+def _to_slice(indices, first_key):
+    """Global picks [b, s, 1, k] (-1: none) counted from each sequence's first key, in the
+    layout the op reads (TND: [s, 1, k])."""
+    if isinstance(first_key, int):
+        return indices
+    return torch.where(indices >= 0, indices - first_key.to(indices.dtype).view(-1, 1, 1), indices)
 
 
 class _IndexerKLLoss(torch.autograd.Function):
@@ -148,7 +177,8 @@ class _IndexerKLLoss(torch.autograd.Function):
                 fixed["query"], fixed["key"], query_index, key_index, weights,
                 fixed["sparse_indices"], fixed["softmax_max"], fixed["softmax_sum"],
                 scale_value=fixed["scale_value"], query_rope=fixed["query_rope"],
-                key_rope=fixed["key_rope"], layout="BSND", sparse_mode=3)
+                key_rope=fixed["key_rope"], layout=fixed["layout"], sparse_mode=3,
+                **{k: fixed[k] for k in ("actual_seq_qlen", "actual_seq_klen") if k in fixed})
         ctx.save_for_backward(d_query_index, d_key_index, d_weights)
         return loss[0]
 

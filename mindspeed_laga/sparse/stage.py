@@ -25,10 +25,12 @@ import torch
 
 
 class Chunk(NamedTuple):
-    """A run of this rank's queries with consecutive global positions."""
+    """A run of this rank's queries with consecutive global positions, inside one document
+    when the call has documents."""
     start: int    # its first local query row
     length: int
-    key_end: int  # one past its last query's position: it sees the key prefix [0, key_end)
+    key_end: int  # one past its last query's position: it sees the keys [key_start, key_end)
+    key_start: int = 0  # the first position of its queries' document (0: no documents)
 
 
 class SparseCall(NamedTuple):
@@ -41,6 +43,9 @@ class SparseCall(NamedTuple):
     softmax_scale: float
     qk_head_dim: int
     v_head_dim: int
+    # [s] the first position of each query's document: a query sees only keys at positions
+    # in [query_start, query_pos] (None: no documents, every key up to its own position)
+    query_start: Optional[torch.Tensor] = None
 
 
 class AbsorbedStats(NamedTuple):

@@ -18,11 +18,13 @@ import torch
 from .indexer import TopK, index_scores, top_k
 
 
-def indexer_topk(index_query, index_key, index_weights, query_pos, index_topk: int) -> TopK:
-    """:func:`top_k` of :func:`index_scores` (keys at positions 0 ... S-1), the scores at
-    the picks carrying the indexer inputs' gradient (module docstring)."""
+def indexer_topk(index_query, index_key, index_weights, query_pos, index_topk: int,
+                 query_start=None) -> TopK:
+    """:func:`top_k` of :func:`index_scores` (keys at positions 0 ... S-1; ``query_start``:
+    each query's document start, or None), the scores at the picks carrying the indexer
+    inputs' gradient (module docstring)."""
     scores, indices = IndexerTopK.apply(index_query, index_key, index_weights, query_pos,
-                                        index_topk)
+                                        index_topk, query_start)
     return TopK(indices, scores)
 
 
@@ -31,10 +33,12 @@ class IndexerTopK(torch.autograd.Function):
     [S, b, D] (position order), index_weights [s, b, H]."""
 
     @staticmethod
-    def forward(ctx, index_query, index_key, index_weights, query_pos, index_topk):
+    def forward(ctx, index_query, index_key, index_weights, query_pos, index_topk,
+                query_start=None):
         key_pos = torch.arange(index_key.shape[0], device=index_key.device)
-        picks = top_k(index_scores(index_query, index_key, index_weights, query_pos, key_pos),
-                      index_topk, query_pos)
+        scores = index_scores(index_query, index_key, index_weights, query_pos, key_pos,
+                              query_start)
+        picks = top_k(scores, index_topk, query_pos, query_start)
         ctx.save_for_backward(index_query, index_key, index_weights, picks.indices)
         ctx.mark_non_differentiable(picks.indices)
         return picks.scores, picks.indices
@@ -43,13 +47,13 @@ class IndexerTopK(torch.autograd.Function):
     def backward(ctx, grad_scores, _grad_indices):
         index_query, index_key, index_weights, indices = ctx.saved_tensors
         grads = _picked_grads(grad_scores, index_query, index_key, index_weights, indices)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def _picked_grads(grad_scores, index_query, index_key, index_weights, indices):
     """The index inputs' grads from the scores' grad at the picks: the backward of
     ``sum_h relu(q_h . k) * w_h`` (float32 products) at the picked keys only; a pick of
-    -1 (a future key, masked to -inf) passes none."""
+    -1 (a future key or another document's, masked to -inf) passes none."""
     valid = indices >= 0
     b = indices.shape[0]
     batch = torch.arange(b, device=indices.device).view(b, 1, 1)

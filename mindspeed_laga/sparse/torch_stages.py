@@ -1,7 +1,8 @@
 """The sparse MLA (DSA) stages in plain torch: any device, any float dtype.
 
 - indexer: ``sparse/indexer.py``'s scores and deterministic top-k over every
-  gathered key (causal by global position), through ``sparse/topk_scores.py``, whose
+  gathered key (causal by global position, within the query's document when the call
+  has documents), through ``sparse/topk_scores.py``, whose
   backward keeps nothing of size S_local x S;
 - attention: absorbed MQA of each query over its picked keys, gathered per query
   (``[b, s, k, d_c + d_r]`` held), in the inputs' dtype;
@@ -28,7 +29,7 @@ class SparseTorch(SparseKernel):
 
     def topk(self, call, index_query, index_weights, index_topk):
         return indexer_topk(index_query, call.index_key, index_weights, call.query_pos,
-                            index_topk)
+                            index_topk, call.query_start)
 
     def attend(self, call, query, kv_up_weight, picks, keep):
         q_latent, scores, latent_sel = _scores(call, query, kv_up_weight, picks.indices)

@@ -44,14 +44,15 @@ def is_dsa(module) -> bool:
 
 
 def laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
-                       inputs, kv_up_weight, softmax_scale, check_ranks=None):
+                       inputs, kv_up_weight, softmax_scale, check_ranks=None, cu_seqlens=None):
     """Sparse MLA with LAGA as the core; returns ``linear_proj``'s (output, bias).
 
     ``check_ranks``: the core's (True on the module's first call, None after: the ranks
     agree once per micro-batch, patches/common.py).
     ``inputs``: the module's MLA inputs built with :func:`dsa_rope` (forward.py's
     ``MlaInputs``: ``query``, ``kv_latent``, ``k_pos_emb``, and the query latents
-    ``q_compressed`` / ``q_normed`` the indexer reads)."""
+    ``q_compressed`` / ``q_normed`` the indexer reads). ``cu_seqlens``: the global document
+    boundaries under --reset-attention-mask (forward.py's ``document_boundaries``), or None."""
     args = megatron_args
     host = sys.modules[type(self).__module__]
     query, kv_latent, k_pos_emb = inputs.query, inputs.kv_latent, inputs.k_pos_emb
@@ -66,7 +67,7 @@ def laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_a
         qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim, cp_group=cp_group,
         layout=laga_settings(args).layout,
         indexer_loss_coeff=args.indexer_loss_coeff if training else None,
-        check_ranks=check_ranks, **dsa_kernels(self, args))
+        check_ranks=check_ranks, cu_seqlens=cu_seqlens, **dsa_kernels(self, args))
     core_out = result.output
     if result.indexer_loss is not None:
         core_out = _attach_loss(self, host, args, core_out, result.indexer_loss)

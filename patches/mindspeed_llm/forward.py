@@ -111,7 +111,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     check_mindspeed_llm_module(self, release)
     if is_dsa(self):  # sparse MLA: one gather of latent, rope key and index key (dsa.py)
         return _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
-                              release)
+                              release, packed_seq_params)
     settings = laga_settings(megatron_args)
     check_ranks = agree_per_micro_batch(self, cp_group)
     # (a LoRA-wrapped module it cannot read raises here, on every CP rank on the first call)
@@ -133,8 +133,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     inputs = _mla_inputs(self, hidden_states, rotary_pos_emb, cp_group if overlap else None,
                          check_ranks, rope_cu_seqlens=packed_seq_params, rope_input=rope_input,
                          lora_scales=release.lora_scales)
-    cu_seqlens = (document_boundaries(_mtp_depth(self), settings.loader_scaled_ends, cp_group)
-                  if settings.documents else None)
+    cu_seqlens = _cu_seqlens(self, settings, cp_group)
     launch_a2a(self)
     core_out = laga_attention(inputs.query, inputs.kv_latent, inputs.k_pos_emb, kv_up_weight,
                               softmax_scale=softmax_scale(self, megatron_args), cp_group=cp_group,
@@ -148,20 +147,24 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     return self.linear_proj(core_out)
 
 
-def _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args, release):
+def _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args, release,
+                   packed_seq_params=None):
     """The DSA path, one way: MindSpeed-LLM's inputs built here (this adapter's query /
     latent / rope-key builder with the host's DSA rope), then patches/mindspeed_llm/dsa.py
     runs LAGA's sparse call and the host's loss bookkeeping. The host's DSA forward
     ignores the layer's attention mask (its picks are causal by position), and so does
-    this path."""
+    this path; under --reset-attention-mask the document boundaries are the dense path's
+    (:func:`document_boundaries`), and rope gets ``packed_seq_params`` as the host's."""
     check_ranks = agree_per_micro_batch(self, cp_group)
     kv_up_weight = check_weight_once(check_ranks, lambda: _kv_up_weight(self), cp_group)
     inputs = _mla_inputs(self, hidden_states, rotary_pos_emb, None, check_ranks,
+                         rope_cu_seqlens=packed_seq_params,
                          rope_input=_rope_input(release, megatron_args),
                          lora_scales=release.lora_scales, rope=dsa_rope(self, megatron_args))
+    cu_seqlens = _cu_seqlens(self, laga_settings(megatron_args), cp_group)
     return laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
                               inputs, kv_up_weight, softmax_scale(self, megatron_args),
-                              check_ranks)
+                              check_ranks, cu_seqlens=cu_seqlens)
 
 
 def _full_length(self, hidden_states, cp_group) -> int:
@@ -180,6 +183,14 @@ def _length_error(settings, megatron_args, cp_group):
     flag = "--pad-to-multiple-of " + str(getattr(megatron_args, "pad_to_multiple_of", None))
     return lambda length: (padded_length_error(length, multiple, flag) if length % multiple
                            else None)
+
+
+def _cu_seqlens(self, settings, cp_group):
+    """The core's ``cu_seqlens``: this module's document boundaries under
+    --reset-attention-mask (:func:`document_boundaries`), else None."""
+    if not settings.documents:
+        return None
+    return document_boundaries(_mtp_depth(self), settings.loader_scaled_ends, cp_group)
 
 
 def document_boundaries(mtp_depth: int = 0, loader_scaled: bool = True, cp_group=None):

@@ -45,7 +45,10 @@ CASES = {
     "checkpoint": dict(form="laga", checkpoint=False),
     "checkpoint-reentrant": dict(form="laga", checkpoint=True),
     "sparse": dict(form="sparse"),
+    "sparse-documents": dict(form="sparse", documents=True),
 }
+# sparse MLA's packed documents: ragged, inside the layout's chunks (sparse_mla.S = 16)
+SPARSE_DOCUMENTS = [0, 3, 9, 16]
 
 
 def _protocol():
@@ -94,14 +97,20 @@ def _dense_call(case, inputs, extra, group):
     return call(*tensors)
 
 
-def _sparse_call(inputs, group):
+def _sparse_inputs(case):
+    """sparse_mla's float64 inputs: one packed sequence when the case has documents."""
+    return sp.full_inputs(dims={"B": 1} if case.get("documents") else None)
+
+
+def _sparse_call(case, inputs, group):
     from mindspeed_laga import sparse_laga_attention
     local = [inputs[k] for k in sp.LOCAL]
     d_r = inputs["k_pos_emb"].shape[-1]
     got = sparse_laga_attention(*local[:3], inputs["kv_up_weight"], *local[3:],
                                 index_topk=sp.TOPK, softmax_scale=sp.SCALE,
                                 qk_head_dim=inputs["query"].shape[-1] - d_r, v_head_dim=sp.D_V,
-                                cp_group=group, layout=LAYOUT, indexer_loss_coeff=sp.COEFF)
+                                cp_group=group, layout=LAYOUT, indexer_loss_coeff=sp.COEFF,
+                                cu_seqlens=SPARSE_DOCUMENTS if case.get("documents") else None)
     return got
 
 
@@ -109,12 +118,12 @@ def _one_call(case, rank, group):
     """One forward + backward on fresh leaves, counted; (counts, output, grads)."""
     with count_host_syncs() as syncs, count_collectives(regions=syncs) as calls:
         if case["form"] == "sparse":
-            x = sp.full_inputs()
+            x = _sparse_inputs(case)
             inputs = {k: layouts.shard(x[k], LAYOUT, CP, rank).clone().requires_grad_()
                       for k in sp.LOCAL}
             inputs["kv_up_weight"] = x["kv_up_weight"].clone().requires_grad_()
             with syncs.region("forward"):
-                got = _sparse_call(inputs, group)
+                got = _sparse_call(case, inputs, group)
             with syncs.region("backward"):
                 grad_out = layouts.shard(x["grad_out"], LAYOUT, CP, rank)
                 ((got.output * grad_out).sum() + got.indexer_loss / CP).backward()
@@ -241,7 +250,8 @@ def test_every_call_matches_the_single_process_reference(name):
     case = CASES[name]
     per_rank = [per_case[name] for per_case in _results()]
     if case["form"] == "sparse":
-        want = sp.reference(sp.full_inputs())
+        want = sp.reference(_sparse_inputs(case),
+                            documents=SPARSE_DOCUMENTS if case.get("documents") else None)
         for index in range(MICRO_BATCHES * CALLS):
             got = sp.assemble([[runs[index]] for runs in per_rank], 0, LAYOUT)
             _sparse_close(f"call {index}", got, want)

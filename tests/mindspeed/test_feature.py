@@ -218,7 +218,10 @@ DSA_REJECTED = [
     (["--index-topk-freq", "2"], "--index-topk-freq 2"),
     (["--index-topk-pattern", "CSCS"], "--index-topk-pattern"),
     (["--index-share-for-mtp-iteration"], "--index-share-for-mtp-iteration"),
-    (["--reset-attention-mask", "--micro-batch-size", "1"], "--reset-attention-mask"),
+    # packed documents: the host's DSA runs them with its fused ops only
+    (["--reset-attention-mask", "--micro-batch-size", "1"], "--use-fused-lightning-indexer-loss"),
+    (["--reset-attention-mask", "--micro-batch-size", "1", "--use-fused-lightning-indexer"],
+     "--use-sparse-flash-attn"),
     (["--context-parallel-algo", "megatron_cp_algo"], "megatron_cp_algo"),
     (["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"],
      "hybrid_cp_algo"),
@@ -231,6 +234,10 @@ DSA_RUNS = [
     ["--use-sparse-flash-attn", "--enable-mla-absorb"],
     ["--enable-mla-absorb"],
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    # packed documents, with the fused set the host's DSA needs for them
+    ["--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
+     "--use-sparse-flash-attn", "--enable-mla-absorb", "--reset-attention-mask",
+     "--micro-batch-size", "1"],
 ]
 
 

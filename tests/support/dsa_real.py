@@ -20,12 +20,18 @@ included; summed over CP ranks, with the host's indexer-loss scale set to 1/CP a
 Megatron's average over CP makes it), the top-k picks (exactly, as sets: the host's
 ``torch.topk`` orders tied scores as it likes) and the indexer loss
 (the mean of the ranks' losses, as the host's tracker averages them over CP).
+
+The packed cases (``PACKED_CASES``: --reset-attention-mask, with the fused set the host
+needs for packed DSA) run LAGA at CP 2 and 4 on one sequence of documents, against the
+host's own forward run on each document alone at CP 1 (what a packed document must
+compute), in the same jobs as the other cases.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -172,7 +178,8 @@ def worker(rank, world_size, runs):
     _install_fused_ops()
     from support.npu_host import npu_float
     with _patched(torch.Tensor, "float", npu_float):  # NPU's cast: a contiguous copy
-        return {(name, tp, cp): _case(name, CASES[name], tp, cp) for name, tp, cp in runs}
+        return {(name, tp, cp): _packed_case(name, cp) if name in PACKED_CASES
+                else _case(name, CASES[name], tp, cp) for name, tp, cp in runs}
 
 
 def _install_fused_ops():
@@ -271,7 +278,7 @@ def _compare(label, per_rank, name, ref):
     """``per_rank``'s LAGA run against ``ref`` (the host at CP 1)."""
     # the non-absorbed path's fused indexer: its grads through the bf16 op (the absorbed
     # path's fused loss computes them itself, in the inputs' dtype)
-    extra = CASES[name]
+    extra = CASES.get(name) or PACKED_CASES[name]
     bf16_key_grads = ("--use-fused-lightning-indexer" in extra
                       and "--enable-mla-absorb" not in extra)
     from mindspeed_laga import layout as layouts
@@ -318,16 +325,17 @@ def _job(world_size, runs):
 
 
 def check_dsa(names=None) -> None:
-    """Every case (or those of ``names``) at CP 1 and 2 (and 4: ``CP4_CASES``), and the TP
-    cases at TP 2."""
-    names = list(names or CASES)
+    """Every case (or those of ``names``) at CP 1 and 2 (and 4: ``CP4_CASES`` and the
+    packed cases), and the TP cases at TP 2; the packed cases share the jobs."""
+    names = list(names or [*CASES, *PACKED_CASES])
     tp_names = [n for n in TP_CASES if n in names]
     two = _job(2, [(n, 1, cp) for n in names for cp in (1, 2)] + [(n, 2, 1) for n in tp_names])
-    four_names = [n for n in CP4_CASES if n in names]
+    four_names = [n for n in (*CP4_CASES, *PACKED_CASES) if n in names]
     four = _job(4, [(n, 1, 4) for n in four_names] + [(n, 2, 2) for n in tp_names])
     for name in names:
         ref = _reference(two[(name, 1, 1)], name)
-        _compare(f"{name}: LAGA at CP=1 vs the host's forward", two[(name, 1, 1)], name, ref)
+        if name not in PACKED_CASES:  # (packed: LAGA runs at CP > 1 only)
+            _compare(f"{name}: LAGA at CP=1 vs the host's forward", two[(name, 1, 1)], name, ref)
         _compare(f"{name}: LAGA at CP=2 vs the host's forward at CP=1", two[(name, 1, 2)], name,
                  ref)
         if name in four_names:
@@ -337,6 +345,103 @@ def check_dsa(names=None) -> None:
         ref = _reference(two[(name, 2, 1)], name)
         _compare(f"{name}: LAGA at TP=2 (SP) CP=2 vs the host's forward at TP=2 CP=1",
                  four[(name, 2, 2)], name, ref)
+
+
+# --- packed documents (--reset-attention-mask) -------------------------------------------
+
+# the host's DSA runs packed documents with its fused set only (its own refusal); the
+# ends cut CP 2's and CP 4's contiguous slices (8s, 4s), a document of 5 < 6 picks
+PACKED_ENDS = [5, 11, 16]
+PACKED_FLAGS = FUSED_DIMS + ABSORBED + FUSED_INDEXER
+PACKED_CASES = {
+    # the 128K tune's algorithm; under --reset-attention-mask ulysses_cp_algo splits the
+    # batch the same contiguous way and LAGA runs the same call for it
+    "dsa-packed-kvallgather": ["--context-parallel-algo", "kvallgather_cp_algo"] + PACKED_FLAGS,
+}
+DOCUMENTS = ["--reset-attention-mask", "--micro-batch-size", "1"]
+
+
+def _packed_inputs():
+    """(hidden, grad_out, rope at each token's position inside its document), one sequence."""
+    generator = torch.Generator().manual_seed(SEED)
+    hidden = torch.randn(SEQ, 1, 64, generator=generator, dtype=torch.float64)
+    grad_out = torch.randn(SEQ, 1, 64, generator=generator, dtype=torch.float64)
+    starts = [0] + PACKED_ENDS[:-1]
+    positions = torch.cat([torch.arange(end - start) for start, end in zip(starts, PACKED_ENDS)])
+    return hidden, grad_out, positions
+
+
+def _packed_case(name, cp_size):
+    """At CP 1 the host's own forward on each document alone (the reference: what packed
+    documents mean, each its own sequence; its indexer loss weighted by the document's
+    share of the rows, as the packed mean weights it); at CP > 1 the patched forward with
+    the documents as MindSpeed feeds them (``set_actual_seq_len``, ``packed_seq_params``)."""
+    from megatron.core import parallel_state
+    from mindspeed.core.context_parallel.get_batch_utils import set_actual_seq_len
+
+    from mindspeed_laga import layout as layouts
+    from mindspeed_laga.features.laga_args import laga_settings
+    from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
+    from mindspeed_llm.tasks.models.transformer import multi_latent_attention as mla
+
+    extra = PACKED_CASES[name] + (DOCUMENTS if cp_size > 1 else [])
+    plain = mla.MlaDotProductAttention
+    mla.MlaDotProductAttention = _mla_attention_on_custom()
+    try:
+        args, module = _build(MODEL + DSA + extra, 1, cp_size, False)
+    finally:
+        mla.MlaDotProductAttention = plain
+    args.attention_mask_on_cpu = True
+    try:
+        module.double()
+        module.dsa_indexer.k_norm.float()
+        hidden, grad_out, positions = _packed_inputs()
+        rope = _rope_table(SEQ, args.qk_pos_emb_head_dim)[positions]
+        layout = laga_settings(args).layout if cp_size > 1 else "contiguous"
+        cp_rank = parallel_state.get_context_parallel_rank()
+        res = dict(layout=layout, tp_rank=0, cp_rank=cp_rank, tp_size=1,
+                   sequence_parallel=False, ulysses_degree=1)
+        if cp_size == 1:
+            res["original"] = _per_document(module, hidden, rope, grad_out)
+            return res
+        set_actual_seq_len(torch.tensor(PACKED_ENDS))
+        ends = torch.tensor(PACKED_ENDS)
+        packed = SimpleNamespace(qkv_format="thd", cu_seqlens_q=ends, cu_seqlens_kv=ends)
+        patched = laga_mla_forward_wrapper(type(module).forward)
+
+        def local(t):
+            return layouts.shard(t, layout, cp_size, cp_rank, dim=0)
+
+        try:
+            res["laga"] = _run(module, lambda h, r: patched(module, h, None, rotary_pos_emb=r,
+                                                            packed_seq_params=packed),
+                               (local(hidden), local(rope), local(grad_out)), cp_size)
+        finally:
+            set_actual_seq_len(None)
+        return res
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _per_document(module, hidden, rope, grad_out):
+    """The host's forward on each document alone, put together as one packed run: outputs
+    and hidden grads concatenated, parameter grads summed, picks shifted to the packed
+    positions, the loss the row-weighted mean."""
+    runs, picks, loss = [], [], 0.0
+    for start, end in zip([0] + PACKED_ENDS[:-1], PACKED_ENDS):
+        rows = slice(start, end)
+        share = (end - start) / SEQ
+        run = _run(module, lambda h, r: module(h, None, rotary_pos_emb=r),
+                   (hidden[rows], rope[rows], grad_out[rows]), 1 / share, host_forward=True)
+        runs.append(run)
+        topk = run["topk"].long()
+        picks.append(torch.where(topk >= 0, topk + start, topk))
+        loss += share * run["loss"]
+    grads = {k: sum(r["param_grads"][k] for r in runs) for k in runs[0]["param_grads"]}
+    return dict(output=torch.cat([r["output"] for r in runs]),
+                hidden_grad=torch.cat([r["hidden_grad"] for r in runs]), param_grads=grads,
+                topk=torch.cat(picks, dim=1), loss=loss,
+                partition={n: None for n in runs[0]["partition"]})
 
 
 if __name__ == "__main__":  # python tests/support/dsa_real.py [CASE ...]

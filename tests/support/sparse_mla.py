@@ -53,9 +53,10 @@ def full_inputs(seed=0, tie=False, dims=None, index_bf16=False, scales=None):
     return x
 
 
-def _reference_topk(scores, topk):
+def _reference_topk(scores, topk, starts):
     """[b, s, k] picks of [b, s, S] scores: best first, ties to the lowest position, -1 after
-    the query's own position (row s sees keys 0..s)."""
+    the query's own position or before its document's start (row s sees keys
+    starts[s]..s)."""
     b, s, total = scores.shape
     k = min(topk, total)
     out = torch.empty(b, s, k, dtype=torch.long)
@@ -63,12 +64,19 @@ def _reference_topk(scores, topk):
         for i in range(s):
             row = scores[bi, i].tolist()
             ranked = sorted(range(total), key=lambda j: (-row[j], j))[:k]
-            out[bi, i] = torch.tensor([j if j <= i else -1 for j in ranked])
+            out[bi, i] = torch.tensor([j if starts[i] <= j <= i else -1 for j in ranked])
     return out
 
 
-def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False):
+def document_starts(total, documents=None):
+    """Each position's document start (0 for all without documents), from the boundaries."""
+    bounds = list(documents or (0, total))
+    return [max(b for b in bounds[:-1] if b <= i) for i in range(total)]
+
+
+def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False, documents=None):
     """Output, picks, loss and grads (of output . grad_out + loss) of the whole sequence.
+    ``documents``: the packed documents' boundaries: a query sees only its document's keys.
     ``eps``: added to both distributions in the KL loss, as the DSA reference does (0: the
     exact KL, as the fused loss op computes it). ``all_keys``: the loss's target from each
     head's unmasked softmax over every key, read at the picks (an empty one: the last
@@ -78,11 +86,12 @@ def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False):
     total, b, n, _ = q.shape
     d_n = w.shape[0] // n - (x["grad_out"].shape[-1] // n)
     d_v = x["grad_out"].shape[-1] // n
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    starts = document_starts(total, documents)
+    causal = torch.tensor([[starts[i] <= j <= i for j in range(total)] for i in range(total)])
     logits = torch.einsum("sbhd,tbd->bhst", iq.float(), ik.float()).relu()
     scores = (logits * iw.permute(1, 2, 0)[..., None]).sum(1)
     scores = scores.masked_fill(~causal, float("-inf"))
-    picks = _reference_topk(scores.detach(), topk)
+    picks = _reference_topk(scores.detach(), topk, starts)
     valid = picks >= 0
     picked = torch.zeros(b, total, total, dtype=torch.bool)
     for bi in range(b):
@@ -116,11 +125,12 @@ def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False):
 
 
 def worker(rank, world_size, layout, seeds_ties, topk=TOPK, dims=None, kernels=None,
-           index_bf16=False, scales=None):
+           index_bf16=False, scales=None, documents=None):
     """LAGA's sparse MLA on this rank's shard of each (seed, tie) input: output, picks,
     loss, the byte counter and grads of (output . grad_out + loss / P), the loss weighted
     as Megatron's average over CP ranks weights it. ``kernels``: the stages' kernel
-    arguments (``indexer_kernel`` etc.); ``index_bf16``, ``scales``: as in :func:`full_inputs`."""
+    arguments (``indexer_kernel`` etc.); ``index_bf16``, ``scales``: as in :func:`full_inputs`;
+    ``documents``: the packed documents' boundaries (``cu_seqlens``)."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
@@ -137,7 +147,7 @@ def worker(rank, world_size, layout, seeds_ties, topk=TOPK, dims=None, kernels=N
                 *(local[k] for k in LOCAL[:3]), weight, *(local[k] for k in LOCAL[3:]),
                 index_topk=topk, softmax_scale=SCALE, qk_head_dim=x["query"].shape[-1] -
                 x["k_pos_emb"].shape[-1], v_head_dim=d_v, cp_group=group, layout=layout,
-                indexer_loss_coeff=COEFF, **(kernels or {}))
+                indexer_loss_coeff=COEFF, cu_seqlens=documents, **(kernels or {}))
             grad_out = layouts.shard(x["grad_out"], layout, world_size, rank)
             ((got.output * grad_out).sum() + got.indexer_loss / world_size).backward()
         grads = {k: v.grad for k, v in local.items()}
