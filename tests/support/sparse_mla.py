@@ -67,8 +67,10 @@ def _reference_topk(scores, topk):
     return out
 
 
-def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False):
+def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False, picks=None):
     """Output, picks, loss and grads (of output . grad_out + loss) of the whole sequence.
+    ``picks``: given [b, S, k] picks (a layer reusing another's): no indexer, no loss (0),
+    no grad to the index inputs.
     ``eps``: added to both distributions in the KL loss, as the DSA reference does (0: the
     exact KL, as the fused loss op computes it). ``all_keys``: the loss's target from each
     head's unmasked softmax over every key, read at the picks (an empty one: the last
@@ -78,11 +80,13 @@ def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False):
     total, b, n, _ = q.shape
     d_n = w.shape[0] // n - (x["grad_out"].shape[-1] // n)
     d_v = x["grad_out"].shape[-1] // n
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    logits = torch.einsum("sbhd,tbd->bhst", iq.float(), ik.float()).relu()
-    scores = (logits * iw.permute(1, 2, 0)[..., None]).sum(1)
-    scores = scores.masked_fill(~causal, float("-inf"))
-    picks = _reference_topk(scores.detach(), topk)
+    given = picks is not None
+    if not given:
+        causal = torch.ones(total, total, dtype=torch.bool).tril()
+        logits = torch.einsum("sbhd,tbd->bhst", iq.float(), ik.float()).relu()
+        scores = (logits * iw.permute(1, 2, 0)[..., None]).sum(1)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        picks = _reference_topk(scores.detach(), topk)
     valid = picks >= 0
     picked = torch.zeros(b, total, total, dtype=torch.bool)
     for bi in range(b):
@@ -95,6 +99,10 @@ def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False):
     att = torch.einsum("sbnd,tbnd->bnst", q, key) * scale
     probs = att.masked_fill(~picked[:, None], float("-inf")).softmax(-1)
     out = torch.einsum("bnst,tbnv->sbnv", probs, value).reshape(total, b, n * d_v)
+    if given:
+        ((out * x["grad_out"]).sum()).backward()
+        return dict(output=out.detach(), topk_indices=picks, loss=torch.zeros(()),
+                    grads={k: v.grad for k, v in inputs.items()})
     if all_keys:
         dist = att.detach().softmax(-1, dtype=torch.float32).sum(1)
         read = torch.where(valid, picks, torch.full_like(picks, total - 1))
