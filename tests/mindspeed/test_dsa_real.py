@@ -1,7 +1,8 @@
 """Sparse MLA (DSA): LAGA against MindSpeed-LLM's real ``CustomMLASelfAttention`` with the
 DSA indexer, on the master sources (tests/support/dsa_real.py: CP 1, 2 and 4, ulysses'
 contiguous and kvallgather's zigzag split, float64; output, every grad, the top-k picks
-and the indexer loss against the host's own forward at CP 1)."""
+and the indexer loss against the host's own forward at CP 1; GLM-5.2's shared picks as a
+chain of Compute and Share layers)."""
 import os
 import subprocess
 import sys
@@ -21,4 +22,4 @@ def test_dsa_equals_the_hosts_forward_at_cp1(host_sources):
                           env=dict(os.environ, **host_sources), timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert "real DSA CustomMLASelfAttention: ok" in proc.stdout, proc.stdout[-4000:]
-    assert proc.stdout.count("max relative error") == 14, proc.stdout[-4000:]
+    assert proc.stdout.count("max relative error") == 17, proc.stdout[-4000:]
