@@ -29,6 +29,27 @@ def test_the_counter_sees_one_gather_of_704_values_equal_to_the_model(capsys):
     assert "yes" in err and "host ulysses" in err  # the table goes to stderr with --json -
 
 
+@pytest.mark.timeout(300)
+def test_a_sharing_model_measures_both_layer_kinds(capsys):
+    """GLM-5.2: a computing layer gathers 704 values a token, one reusing its picks 576, each
+    equal to the model; the layer mix follows."""
+    code, out, err = run_cli(capsys, "bench", "--dsa", "glm-5.2", "--cp", "2", "--seq-lens", "64",
+                             "--repeat", "1", "--warmup", "0", "--heads", "2", "--index-topk", "8",
+                             "--json", "-")
+    assert code == 0, err
+    doc = json.loads(out)
+    computing, reusing = doc["rows"]
+    assert (computing["layer"], reusing["layer"]) == ("computing", "reusing")
+    for row, width in ((computing, 704), (reusing, 576)):
+        for direction in ("forward", "backward"):
+            got = row[direction]
+            assert (got["collectives"], got["values_per_token"]) == (1, width), got
+            assert got["wire_bytes"] == 32 * width * 4 == got["model_wire_bytes"]
+            assert got["counter_equals_model"]
+    assert (doc["layer_mix"]["computing"], doc["layer_mix"]["reusing"]) == (21, 57)
+    assert "57 reuse them" in " ".join(err.split())
+
+
 @pytest.mark.parametrize("argv, word", [
     (("--num-docs", "2"), "--num-docs"),
     (("--layout", "doc_zigzag"), "--layout"),
