@@ -14,7 +14,8 @@ the host's validation turns on ``--use-fused-lightning-indexer-loss``; 128K:
 ``--use-fused-lightning-indexer --use-fused-lightning-indexer-loss --use-sparse-flash-attn
 --enable-mla-absorb --mla-mm-split``; GLM-5: ``--use-sparse-flash-attn --enable-mla-absorb
 --mla-mm-split``), the host's and LAGA's fused ops on their CPU stand-ins
-(tests/support/fake_dsa_ops.py), each op called on every MLA forward of both runs.
+(tests/support/fake_dsa_ops.py), each op called on every MLA forward of both runs (in
+GLM-5.2's, whose layer 4 reuses layer 3's picks, the indexer's ops on layers 1 to 3 only).
 
 The 16K tune's fused indexer hands its grads back in bfloat16 (the op's dtype: the host
 casts the indexer's inputs), and its index-key grad is a sum over the queries of a call:
