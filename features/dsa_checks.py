@@ -5,8 +5,11 @@ layer (patches/mindspeed_llm/dsa.py): its torch path (``bf16_index``,
 ``generate_sparse_mask``, ``compute_dsa_indexer_loss``) and its fused ops
 (``--use-fused-lightning-indexer``, ``--use-fused-lightning-indexer-loss``,
 ``--use-sparse-flash-attn`` with ``--enable-mla-absorb``), at any tensor-parallel size,
-with or without sequence parallelism. What it does not run is refused here, by flag,
-with the reason and the fix, before any process group exists.
+with or without sequence parallelism, and the layers that reuse an earlier layer's picks
+(GLM-5.2's ``--index-topk-freq`` / ``--index-skip-topk-offset`` / ``--index-topk-pattern``)
+on the releases whose MLA module shares them (:func:`check_index_share`), and packed
+documents (``--reset-attention-mask``) with the fused set the host runs them on. What it does not
+run is refused here, by flag, with the reason and the fix, before any process group exists.
 """
 from __future__ import annotations
 
@@ -14,17 +17,18 @@ from argparse import Namespace
 
 from .laga_args import FLAG, context_parallel_algo
 
-_SHARE = ("a layer that reuses another layer's top-k (GLM-5.2's index share) reads the "
-          "host's per-rank cache of picks, which LAGA's global-position picks do not fill: "
-          "drop {flag} or drop " + FLAG)
+# GLM-5.2's shared picks: the flags of MindSpeed-LLM's index share (its feature registers
+# all four; --index-share-for-mtp-iteration is read by no host code, so it changes nothing)
+INDEX_SHARE_FLAGS = (("index_topk_freq", "--index-topk-freq"),
+                     ("index_skip_topk_offset", "--index-skip-topk-offset"),
+                     ("index_topk_pattern", "--index-topk-pattern"),
+                     ("index_share_for_mtp_iteration", "--index-share-for-mtp-iteration"))
 
 # (args attribute, flag, why and how to fix); a truthy attribute is rejected with DSA
 _DSA_INCOMPATIBLE = (
     ("kv_compress", "--kv-compress",
      "compressed KV (DeepSeek-V4's CSA) gathers a compressed key stream LAGA does not "
      "build: drop {flag} or drop " + FLAG),
-    ("index_topk_pattern", "--index-topk-pattern", _SHARE),
-    ("index_share_for_mtp_iteration", "--index-share-for-mtp-iteration", _SHARE),
 )
 # what MindSpeed-LLM's DSA needs with packed documents (its TND layout): it refuses the
 # run without them itself; LAGA names them first
@@ -43,10 +47,6 @@ def check_dsa(args: Namespace) -> bool:
             raise ValueError(f"{FLAG} with --enable-dsa-indexer and {flag} is not supported: "
                              + why.format(flag=flag))
     _check_documents(args)
-    freq = int(getattr(args, "index_topk_freq", None) or 1)
-    if freq != 1:
-        raise ValueError(f"{FLAG} with --enable-dsa-indexer and --index-topk-freq {freq} is "
-                         "not supported: " + _SHARE.format(flag="--index-topk-freq"))
     if getattr(args, "use_sparse_flash_attn", False) and not getattr(args, "enable_mla_absorb",
                                                                      False):
         raise ValueError(f"{FLAG} with --enable-dsa-indexer and --use-sparse-flash-attn needs "
@@ -79,3 +79,23 @@ def _check_documents(args: Namespace) -> None:
                          "attention only, and refuses the run without them; add "
                          f"{' '.join(missing)} (with --enable-mla-absorb --mla-mm-split) or drop "
                          "--reset-attention-mask")
+
+
+def index_share_flags(args: Namespace) -> list:
+    """The index-share flags this run sets to other than the host's defaults."""
+    defaults = {"index_topk_freq": 1, "index_skip_topk_offset": 2}
+    return [flag for attr, flag in INDEX_SHARE_FLAGS
+            if getattr(args, attr, None) not in (None, False, defaults.get(attr))]
+
+
+def check_index_share(args: Namespace, release) -> None:
+    """Refuse the index share on a MindSpeed-LLM release whose MLA module has none
+    (``release.index_share`` False): LAGA reproduces the host's sharing, not its flags."""
+    if not getattr(args, "enable_dsa_indexer", False) or release.index_share:
+        return
+    set_flags = index_share_flags(args)
+    if set_flags:
+        raise ValueError(f"{FLAG} with --enable-dsa-indexer and {', '.join(set_flags)} is not "
+                         f"supported on MindSpeed-LLM {release.name}: its MLA module shares no "
+                         "top-k picks between layers (26.1.0 and master do); install one of "
+                         f"those, drop {', '.join(set_flags)}, or drop {FLAG}")

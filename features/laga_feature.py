@@ -15,6 +15,7 @@ import os
 import warnings
 from argparse import ArgumentParser, Namespace
 
+from .dsa_checks import check_index_share
 from .laga_args import FEATURE_NAME, FLAG, context_parallel_algo, register_laga_args
 from .laga_checks import check_laga_args, context_parallel_size
 
@@ -66,6 +67,7 @@ class LAGAFeature(_Base):
         logger.info(found)
         if os.environ.get("RANK", "0") == "0":  # the start-up log, once per job
             print(found, flush=True)
+        check_index_share(args, release)  # GLM-5.2's shared picks: where the host has them
         algo = context_parallel_algo(args)
         if getattr(args, "reset_attention_mask", False) and not release.takes_documents(algo):
             other = (f"use --context-parallel-algo {' or '.join(release.document_algos)}, "

@@ -50,8 +50,8 @@ FIELDS = ("rejected", "stage", "check_ranks", "form", "cp_algo", "layout", "caus
           "v_head_dim", "kv_lora_rank", "dtype", "requires_grad", "recompute_kv",
           "kv_block_size", "trim_causal_prefix", "latent_gather", "documents", "ulysses_degree", "key_padding",
           "empty_rows", "kv_up_linear",
-          # sparse MLA (DSA)
-          "index_topk", "index_heads", "index_head_dim", "loss_target", "loss_coeff",
+          # sparse MLA (DSA); given_topk: the k of given picks (a layer reusing another's), 0: none
+          "given_topk", "index_topk", "index_heads", "index_head_dim", "loss_target", "loss_coeff",
           "indexer_kernel", "attention_kernel", "loss_kernel",
           # the digests of the calls that exchanged nothing since the last exchange
           # (agreement.py): of their rows, and of the contents hashed on the device
@@ -73,7 +73,8 @@ LABELS = {"local_len": "the local sequence length", "micro_batch": "the micro-ba
           "index_head_dim": "the index head dim (index_key.shape[-1])",
           "loss_target": "loss_target", "loss_coeff": "indexer_loss_coeff",
           "indexer_kernel": "indexer_kernel", "attention_kernel": "attention_kernel",
-          "loss_kernel": "loss_kernel"}
+          "loss_kernel": "loss_kernel",
+          "given_topk": "topk_indices (given picks: their k; 0: the indexer picks)"}
 UNKNOWN = -1
 CONTENT = -2  # a code left to the device-side content digest (agreement.content_code)
 # The dtypes the forms run (float8 and the rest are refused by name), as handshake codes.

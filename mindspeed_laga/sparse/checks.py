@@ -28,6 +28,9 @@ LOSS_TARGETS = ("picks", "all_keys")
 # the call's tensors in requires-grad bit order (bit i: input i needs a gradient)
 INPUTS = ("query", "kv_latent", "k_pos_emb", "kv_up_weight", "index_query", "index_key",
           "index_weights")
+# what a call with given picks (topk_indices) needs none of: it runs no indexer
+INDEX_INPUTS = INPUTS[4:]
+PICK_DTYPES = (torch.int32, torch.int64)
 
 
 class SparseOptions(NamedTuple):
@@ -63,23 +66,31 @@ class SparseSetup(NamedTuple):
 
 
 def check(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, index_weights,
-          options: SparseOptions) -> SparseSetup:
-    """Every argument of the sparse call checked (ValueError naming it); no collective."""
+          options: SparseOptions, topk_indices=None) -> SparseSetup:
+    """Every argument of the sparse call checked (ValueError naming it); no collective.
+    ``topk_indices``: the given picks (a layer reusing another layer's), or None."""
     o = options
     _check_choices(o)
     tensors = (query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, index_weights)
+    given = topk_indices is not None
+    if given:
+        _check_given_picks(topk_indices, dict(zip(INPUTS, tensors)), o)
+        tensors = tensors[:4]
     _check_tensors(dict(zip(INPUTS, tensors)))
-    _check_shapes(*tensors, o.qk_head_dim, o.v_head_dim)
+    _check_shapes(*tensors, qk_head_dim=o.qk_head_dim, v_head_dim=o.v_head_dim)
     cp_size = comm.check_group(o.cp_group)
     _check_split(query.shape[0], cp_size, o.layout)
+    if given:
+        _check_picks_shape(topk_indices, query, o.index_topk)
     loss_group = comm.check_group(o.loss_tp_group, "loss_tp_group")
     dims = SparseDims(kv_latent=kv_latent.shape[-1], k_pos_emb=k_pos_emb.shape[-1],
-                      index_key=index_key.shape[-1], heads=query.shape[2],
-                      loss_heads=query.shape[2] * loss_group, index_heads=index_query.shape[2],
-                      index_topk=o.index_topk)
+                      index_key=0 if given else index_key.shape[-1], heads=query.shape[2],
+                      loss_heads=query.shape[2] * loss_group,
+                      index_heads=0 if given else index_query.shape[2], index_topk=o.index_topk)
     with_loss = o.indexer_loss_coeff is not None
     stages = sparse_stages(indexer_kernel=o.indexer_kernel, attention_kernel=o.attention_kernel,
-                           loss_kernel=o.loss_kernel, dims=dims, with_loss=with_loss)
+                           loss_kernel=o.loss_kernel, dims=dims, with_loss=with_loss,
+                           with_indexer=not given)
     if o.loss_target == "all_keys" and not stages.loss.supports_all_keys:
         raise ValueError(f"loss_target='all_keys' needs a loss kernel that supports it: "
                          f"loss_kernel={o.loss_kernel!r} does not; use a loss_kernel with "
@@ -87,7 +98,8 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, ind
     documents = _check_documents(o, query, cp_size)
     return SparseSetup(o, dims, stages, (o.indexer_kernel, o.attention_kernel, o.loss_kernel),
                        cp_size, comm.group_rank(o.cp_group), query.shape[0], query.shape[1],
-                       with_loss, with_loss and o.loss_target == "all_keys", documents)
+                       with_loss, with_loss and o.loss_target == "all_keys", documents,
+                       topk_indices.shape[-1] if given else 0)
 
 
 def _check_documents(o: SparseOptions, query, cp_size: int) -> Documents:
@@ -102,7 +114,8 @@ def _check_documents(o: SparseOptions, query, cp_size: int) -> Documents:
     return documents
 
 
-def check_call(tensors, options: SparseOptions, check_ranks=None) -> SparseSetup:
+def check_call(tensors, options: SparseOptions, check_ranks=None,
+               topk_indices=None) -> SparseSetup:
     """:func:`check`, then the ranks' agreement on the call (``check_ranks`` as in
     laga_attention); raises this rank's error after its peers learnt of it."""
     cp_size = comm.check_group(options.cp_group)  # alone: no exchange over a non-group
@@ -110,7 +123,7 @@ def check_call(tensors, options: SparseOptions, check_ranks=None) -> SparseSetup
     try:
         if check_ranks is not None and not isinstance(check_ranks, bool):
             raise ValueError(f"check_ranks must be True, False or None, got {check_ranks!r}")
-        setup = check(*tensors, options)
+        setup = check(*tensors, options, topk_indices)
     except Exception as exc:  # noqa: BLE001 -- whatever failed, the peers must hear of it
         if cp_size == 1:
             raise
@@ -157,6 +170,7 @@ def agreed_values(setup: SparseSetup, tensors) -> Dict[str, int]:
               "loss_target": LOSS_TARGETS.index(o.loss_target),
               "indexer_loss_coeff": (0 if o.indexer_loss_coeff is None
                                      else handshake.float_bits(o.indexer_loss_coeff)),
+              "given_topk": setup.given_topk,  # given picks' k, 0: the indexer picks
               "local_len": setup.local_len, "micro_batch": setup.micro_batch,
               "layout": LAYOUTS.index(o.layout),
               "dtype": handshake.dtype_code(tensors[0].dtype),
@@ -171,7 +185,7 @@ def grad_pattern(tensors) -> int:
     whose keys need none would skip the backward reduce-scatter its peers wait in."""
     if not torch.is_grad_enabled():
         return 0
-    return sum(1 << i for i, t in enumerate(tensors) if t.requires_grad)
+    return sum(1 << i for i, t in enumerate(tensors) if t is not None and t.requires_grad)
 
 
 def _real(x) -> bool:
@@ -230,11 +244,44 @@ def _check_tensors(named: Dict[str, object]) -> None:
                          "values: materialize the model and run it on a real device")
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
-    gathered = [named[n] for n in ("kv_latent", "k_pos_emb", "index_key")]
-    if len({t.dtype for t in gathered}) != 1:
-        raise ValueError("kv_latent, k_pos_emb and index_key travel in one gather and must "
-                         f"share a dtype, got {gathered[0].dtype}, {gathered[1].dtype}, "
-                         f"{gathered[2].dtype}")
+    gathered = {n: named[n] for n in ("kv_latent", "k_pos_emb", "index_key") if n in named}
+    if len({t.dtype for t in gathered.values()}) != 1:
+        raise ValueError(f"{', '.join(gathered)} travel in one gather and must share a dtype, "
+                         f"got {', '.join(str(t.dtype) for t in gathered.values())}")
+
+
+def _check_given_picks(topk_indices, named: Dict[str, object], o: SparseOptions) -> None:
+    """A call with given picks runs no indexer: its index inputs and loss must be absent,
+    the picks an integer tensor (its shape is checked after the query's)."""
+    if not isinstance(topk_indices, torch.Tensor) or topk_indices.dim() != 3:
+        raise ValueError("topk_indices must be a [b, s, k] torch.Tensor (the topk_indices of "
+                         "an earlier call's SparseResult), got "
+                         + (f"shape {list(topk_indices.shape)}"
+                            if isinstance(topk_indices, torch.Tensor)
+                            else type(topk_indices).__name__))
+    if topk_indices.dtype not in PICK_DTYPES:
+        raise ValueError(f"topk_indices must be int32 or int64 (global key positions, -1: no "
+                         f"key), got {topk_indices.dtype}")
+    given = [name for name in INDEX_INPUTS if named[name] is not None]
+    if given:
+        raise ValueError(f"with topk_indices the call runs no indexer: pass None for "
+                         f"{', '.join(given)} (the picks are given)")
+    if o.indexer_loss_coeff is not None:
+        raise ValueError("with topk_indices the call runs no indexer, so it has no indexer "
+                         "loss: pass indexer_loss_coeff=None (the layer that computed the "
+                         "picks takes the loss)")
+
+
+def _check_picks_shape(topk_indices, query, index_topk: int) -> None:
+    s, b = query.shape[:2]
+    k = topk_indices.shape[-1]
+    if tuple(topk_indices.shape[:2]) != (b, s) or not 1 <= k <= index_topk:
+        raise ValueError(f"topk_indices must have shape [b, s, k] = [{b}, {s}, k] with "
+                         f"1 <= k <= index_topk={index_topk} (this rank's queries, query "
+                         f"{list(query.shape)}), got {list(topk_indices.shape)}")
+    if topk_indices.device != query.device:
+        raise ValueError(f"topk_indices must be on the query's device {query.device}, got "
+                         f"{topk_indices.device}")
 
 
 def _check_split(local_len: int, cp_size: int, layout: str) -> None:
@@ -246,16 +293,20 @@ def _check_split(local_len: int, cp_size: int, layout: str) -> None:
             "to a multiple of 2*CP or use layout='contiguous'")
 
 
-def _check_shapes(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key,
-                  index_weights, qk_head_dim, v_head_dim) -> None:
-    """Each input's shape against the query's (s, b, n) and the others' last dims."""
+def _check_shapes(query, kv_latent, k_pos_emb, kv_up_weight, *index_inputs, qk_head_dim,
+                  v_head_dim) -> None:
+    """Each input's shape against the query's (s, b, n) and the others' last dims
+    (``index_inputs``: index_query, index_key, index_weights, or none: given picks)."""
     s, b, n, d_q = query.shape
     d_c, d_r = kv_latent.shape[-1], k_pos_emb.shape[-1]
     expect = {"kv_latent": (kv_latent, (s, b, d_c)), "k_pos_emb": (k_pos_emb, (s, b, d_r)),
-              "index_key": (index_key, (s, b, index_key.shape[-1])),
-              "index_query": (index_query, (s, b, index_query.shape[2], index_key.shape[-1])),
-              "index_weights": (index_weights, (s, b, index_query.shape[2])),
               "kv_up_weight": (kv_up_weight, (n * (qk_head_dim + v_head_dim), d_c))}
+    if index_inputs:
+        index_query, index_key, index_weights = index_inputs
+        expect.update({
+            "index_key": (index_key, (s, b, index_key.shape[-1])),
+            "index_query": (index_query, (s, b, index_query.shape[2], index_key.shape[-1])),
+            "index_weights": (index_weights, (s, b, index_query.shape[2]))})
     for name, (tensor, shape) in expect.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} must have shape {list(shape)} (query {list(query.shape)}), "

@@ -9,6 +9,10 @@ DeepSeek-V3.2's dims), and one all-gather of that concatenation serves the index
 scores and top-k, the sparse attention and the indexer's KL loss; its backward is one
 reduce-scatter. Queries, the index queries and the index weights stay local.
 
+A layer that reuses an earlier layer's picks (GLM-5.2's shared top-k: ``topk_indices``,
+the picks an earlier call returned) runs no indexer and no loss, so it gathers
+``[kv_latent | k_pos_emb]`` only (576 values per token at those dims).
+
 Each stage (the indexer's top-k, the attention, the indexer's loss) runs on the kernel
 its argument names (``sparse/registry.py``): "torch", the math of ``sparse/torch_stages.py``
 (the attention over the picked keys gathered per query, in the inputs' dtype; the indexer
@@ -27,6 +31,7 @@ from .. import comm, layout as layouts
 from ..vocab.documents import doc_pieces, document_of
 from ..vocab.segments import Segment
 from .checks import SparseOptions, check_call
+from .indexer import TopK
 from .stage import Chunk, SparseCall
 
 
@@ -43,7 +48,8 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
                           indexer_kernel: str = "torch", attention_kernel: str = "torch",
                           loss_kernel: str = "torch", loss_tp_group=None,
                           loss_target: str = "picks",
-                          check_ranks: Optional[bool] = None, cu_seqlens=None) -> SparseResult:
+                          check_ranks: Optional[bool] = None, cu_seqlens=None,
+                          topk_indices: Optional[torch.Tensor] = None) -> SparseResult:
     """Sparse MLA of this rank's queries over the whole sequence, one gather per call.
 
     Local tensors (s = this rank's tokens, rope applied at their global positions):
@@ -72,6 +78,11 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
     its attention and its loss's target read only keys of its own document at positions
     <= its own; the boundaries are part of the ranks' agreement. Not with
     ``loss_target="all_keys"`` (refused by name).
+    ``topk_indices``: given picks, [b, s, k] int32/int64 global key positions (-1: no key;
+    an earlier call's ``SparseResult.topk_indices`` over the same tokens, ``k <=
+    index_topk``): the call runs no indexer and no loss (``index_query``, ``index_key``,
+    ``index_weights`` and ``indexer_loss_coeff`` must be None), gathers no index key, and
+    returns these picks; the ranks agree on whether picks are given and on their k.
     """
     tensors = (query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key,
                index_weights)
@@ -81,7 +92,7 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
                       indexer_loss_coeff=indexer_loss_coeff, indexer_kernel=indexer_kernel,
                       attention_kernel=attention_kernel, loss_kernel=loss_kernel,
                       loss_tp_group=loss_tp_group, loss_target=loss_target,
-                      cu_seqlens=cu_seqlens), check_ranks)
+                      cu_seqlens=cu_seqlens), check_ranks, topk_indices)
     stages, s = setup.stages, setup.local_len
     size, rank = setup.cp_size, setup.cp_rank
     latent, k_pe, keys = _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout)
@@ -89,7 +100,10 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
     call = SparseCall(latent, k_pe, keys, layouts.positions(layout, size, rank, s).to(query.device),
                       chunks, softmax_scale, qk_head_dim, v_head_dim,
                       _query_starts(chunks, setup.documents, query.device))
-    picks = stages.indexer.topk(call, index_query, index_weights, index_topk)
+    if topk_indices is not None:  # another layer's picks: no indexer, no scores, no loss
+        picks = TopK(topk_indices, None)
+    else:
+        picks = stages.indexer.topk(call, index_query, index_weights, index_topk)
     attended = stages.attention.attend(call, query, kv_up_weight, picks,
                                        None if setup.all_keys else stages.keep)
     loss = None
@@ -122,13 +136,16 @@ def _query_starts(chunks: List[Chunk], documents, device) -> Optional[torch.Tens
 
 
 def _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout):
-    """Every position's (kv_latent, k_pos_emb, index_key), [S, b, *] in position order."""
-    widths = [kv_latent.shape[-1], k_pos_emb.shape[-1], index_key.shape[-1]]
-    packed = torch.cat([kv_latent, k_pos_emb, index_key], dim=-1)
+    """Every position's (kv_latent, k_pos_emb, index_key), [S, b, *] in position order;
+    index_key None (given picks): it is not gathered, and comes back None."""
+    local = [t for t in (kv_latent, k_pos_emb, index_key) if t is not None]
+    widths = [t.shape[-1] for t in local]
+    packed = torch.cat(local, dim=-1)
     gathered = comm.gather_seq(packed, cp_group, tag="sparse_latent")
     size = comm.group_size(cp_group)
     if not layouts.is_identity(layout, size):
         order = layouts.to_position_order(layout, size, kv_latent.shape[0])
         gathered = gathered.index_select(0, order.to(gathered.device))
-    return torch.split(gathered, widths, dim=-1)
+    parts = torch.split(gathered, widths, dim=-1)
+    return parts if index_key is not None else (*parts, None)
 

@@ -43,17 +43,17 @@ class SparseStages(NamedTuple):
 
 
 def sparse_stages(*, indexer_kernel: str, attention_kernel: str, loss_kernel: str,
-                  dims: SparseDims, with_loss: bool) -> SparseStages:
-    """The three stages' kernels, after checking each can run (ValueError naming the
-    argument: an unknown name, a missing torch_npu, dims the fused op does not take).
-    Runs no collective."""
+                  dims: SparseDims, with_loss: bool, with_indexer: bool = True) -> SparseStages:
+    """The three stages' kernels, after checking each that runs can (ValueError naming the
+    argument: an unknown name, a missing torch_npu, dims the fused op does not take); the
+    indexer runs unless the picks are given (``with_indexer``). Runs no collective."""
     chosen = {"indexer": ("indexer_kernel", indexer_kernel),
               "attention": ("attention_kernel", attention_kernel),
               "loss": ("loss_kernel", loss_kernel)}
     kernels = {}
     for stage, (argument, name) in chosen.items():
         kernels[stage] = sparse_kernel(name, argument)
-        if stage != "loss" or with_loss:
+        if {"indexer": with_indexer, "loss": with_loss}.get(stage, True):
             kernels[stage].check(stage, argument, dims)
     return SparseStages(kernels["indexer"], kernels["attention"], kernels["loss"],
                         kernels["loss"].loss_reads if with_loss else None)

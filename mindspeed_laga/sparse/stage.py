@@ -37,7 +37,7 @@ class SparseCall(NamedTuple):
     """The gathered keys (position order) and what every stage reads besides its inputs."""
     latent: torch.Tensor     # [S, b, d_c]
     k_pe: torch.Tensor       # [S, b, d_r]
-    index_key: torch.Tensor  # [S, b, D]
+    index_key: Optional[torch.Tensor]  # [S, b, D]; None with given picks (no indexer)
     query_pos: torch.Tensor  # [s] global positions of this rank's queries
     chunks: List[Chunk]
     softmax_scale: float

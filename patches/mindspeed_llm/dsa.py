@@ -12,6 +12,11 @@ the host's ulysses gathers of q, k and the hidden states). The core
 once and returns the attention output, the picks and the indexer's KL loss, which goes to
 the host's own loss tracker and loss auto-scaler exactly as the host's forward hands it.
 
+GLM-5.2's index share: a Compute layer whose picks later layers reuse stores LAGA's
+picks in the host's holder with the host's store function; a Share layer (no indexer)
+loads them with the host's load function and calls the core with them given
+(``topk_indices``): it gathers ``[kv_latent | k_pos_emb]`` only and has no indexer loss.
+
 Each stage runs on the kernel the host's flags pick for it (:func:`dsa_kernels`): the
 indexer's top-k on ``npu_lightning_indexer`` under ``--use-fused-lightning-indexer``, the
 attention on ``npu_sparse_flash_attention`` under ``--use-sparse-flash-attn``, the indexer
@@ -38,41 +43,79 @@ from .fb_overlap import hook_a2a, launch_a2a
 
 
 def is_dsa(module) -> bool:
-    """The module runs the DSA indexer (a layer that reuses another layer's picks, GLM-5.2's
-    index share, is refused before training: features/laga_checks.py)."""
-    return type(getattr(module, "dsa_indexer", None)).__name__ == "DSAIndexer"
+    """The module runs sparse MLA: its own DSA indexer, or (GLM-5.2's index share) the
+    picks of an earlier layer, its indexer then an ``IdentityOp`` (``_skip_dsa_topk``)."""
+    return (type(getattr(module, "dsa_indexer", None)).__name__ == "DSAIndexer"
+            or bool(getattr(module, "_skip_dsa_topk", False)))
 
 
 def laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
-                       inputs, kv_up_weight, softmax_scale, check_ranks=None, cu_seqlens=None):
+                       inputs, kv_up_weight, softmax_scale, check_ranks=None, carriers=(),
+                       cu_seqlens=None):
     """Sparse MLA with LAGA as the core; returns ``linear_proj``'s (output, bias).
 
     ``check_ranks``: the core's (True on the module's first call, None after: the ranks
     agree once per micro-batch, patches/common.py).
     ``inputs``: the module's MLA inputs built with :func:`dsa_rope` (forward.py's
     ``MlaInputs``: ``query``, ``kv_latent``, ``k_pos_emb``, and the query latents
-    ``q_compressed`` / ``q_normed`` the indexer reads). ``cu_seqlens``: the global document
-    boundaries under --reset-attention-mask (forward.py's ``document_boundaries``), or None."""
+    ``q_compressed`` / ``q_normed`` the indexer reads).
+    ``carriers``: (packed_seq_params, attention_mask) of the layer's call, which with the
+    rope and the config carry the host's holder of shared picks (:func:`_share_holder`).
+    ``cu_seqlens``: the global document boundaries under --reset-attention-mask
+    (forward.py's ``document_boundaries``), or None."""
     args = megatron_args
     host = sys.modules[type(self).__module__]
     query, kv_latent, k_pos_emb = inputs.query, inputs.kv_latent, inputs.k_pos_emb
-    rope = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-    x, qr = _whole_sequence(self, hidden_states.detach(), _index_latent(self, inputs).detach())
-    index_query, index_key, index_weights = index_inputs(self.dsa_indexer, x, qr, rope, args)
-    training = self.training and torch.is_grad_enabled()
+    holder = _share_holder(self, host, carriers, rotary_pos_emb)
+    shared = bool(getattr(self, "_skip_dsa_topk", False))
+    index = (None,) * 3 if shared else _index_inputs(self, hidden_states, inputs,
+                                                     rotary_pos_emb, args)
+    training = self.training and torch.is_grad_enabled() and not shared
     launch_a2a(self)
     result = sparse_laga_attention(
-        query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key.to(kv_latent.dtype),
-        index_weights, index_topk=args.index_topk, softmax_scale=softmax_scale,
-        qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim, cp_group=cp_group,
-        layout=laga_settings(args).layout,
+        query, kv_latent, k_pos_emb, kv_up_weight, *index, index_topk=args.index_topk,
+        softmax_scale=softmax_scale, qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim,
+        cp_group=cp_group, layout=laga_settings(args).layout,
         indexer_loss_coeff=args.indexer_loss_coeff if training else None,
-        check_ranks=check_ranks, cu_seqlens=cu_seqlens, **dsa_kernels(self, args))
+        check_ranks=check_ranks, cu_seqlens=cu_seqlens,
+        topk_indices=_load_picks(self, host, holder, query) if shared else None,
+        **dsa_kernels(self, args))
+    if holder is not None and not shared:  # a Compute layer whose picks later layers reuse
+        host.store_dsa_index_share_topk(
+            holder, source_layer=self._dsa_global_layer_number, topk_indices=result.topk_indices,
+            seq_len=query.shape[0], batch_size=query.shape[1])
     core_out = result.output
     if result.indexer_loss is not None:
         core_out = _attach_loss(self, host, args, core_out, result.indexer_loss)
     hook_a2a(self, core_out)
     return self.linear_proj(core_out)
+
+
+def _index_inputs(self, hidden_states, inputs, rotary_pos_emb, args):
+    """(index_query, index_key, index_weights) of a layer that runs its own indexer."""
+    rope = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+    x, qr = _whole_sequence(self, hidden_states.detach(), _index_latent(self, inputs).detach())
+    index_query, index_key, index_weights = index_inputs(self.dsa_indexer, x, qr, rope, args)
+    return index_query, index_key.to(inputs.kv_latent.dtype), index_weights
+
+
+def _share_holder(self, host, carriers, rotary_pos_emb):
+    """The host's per-forward holder of shared picks, as its forward finds it (None: the
+    layer neither shares nor is shared from). LAGA's picks, global key positions of this
+    rank's queries, go in and out of it under the host's key (the Compute layer's global
+    layer number) through the host's own store and load functions."""
+    if not getattr(self, "_dsa_index_share", False):
+        return None
+    packed_seq_params, attention_mask = carriers or (None, None)
+    return host.get_dsa_index_share_holder(packed_seq_params, attention_mask, self.config,
+                                           rotary_pos_emb=rotary_pos_emb)
+
+
+def _load_picks(self, host, holder, query):
+    """A Share layer's picks: its Compute layer's, for this rank's queries."""
+    return host.load_dsa_index_share_topk(
+        holder, current_layer=self._dsa_global_layer_number, source_layer=self._dsa_source_layer,
+        seq_len=query.shape[0], batch_size=query.shape[1])
 
 
 def dsa_kernels(module, args) -> dict:

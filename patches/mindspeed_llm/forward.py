@@ -111,7 +111,7 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
     check_mindspeed_llm_module(self, release)
     if is_dsa(self):  # sparse MLA: one gather of latent, rope key and index key (dsa.py)
         return _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
-                              release, packed_seq_params)
+                              release, carriers=(packed_seq_params, attention_mask))
     settings = laga_settings(megatron_args)
     check_ranks = agree_per_micro_batch(self, cp_group)
     # (a LoRA-wrapped module it cannot read raises here, on every CP rank on the first call)
@@ -148,13 +148,16 @@ def laga_self_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_
 
 
 def _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args, release,
-                   packed_seq_params=None):
+                   carriers=(None, None)):
     """The DSA path, one way: MindSpeed-LLM's inputs built here (this adapter's query /
     latent / rope-key builder with the host's DSA rope), then patches/mindspeed_llm/dsa.py
     runs LAGA's sparse call and the host's loss bookkeeping. The host's DSA forward
     ignores the layer's attention mask (its picks are causal by position), and so does
     this path; under --reset-attention-mask the document boundaries are the dense path's
-    (:func:`document_boundaries`), and rope gets ``packed_seq_params`` as the host's."""
+    (:func:`document_boundaries`), and rope gets ``packed_seq_params`` as the host's.
+    ``carriers`` (packed_seq_params, attention_mask): the layer call's, which also carry
+    the host's holder of shared picks."""
+    packed_seq_params = carriers[0]
     check_ranks = agree_per_micro_batch(self, cp_group)
     kv_up_weight = check_weight_once(check_ranks, lambda: _kv_up_weight(self), cp_group)
     inputs = _mla_inputs(self, hidden_states, rotary_pos_emb, None, check_ranks,
@@ -164,7 +167,7 @@ def _dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
     cu_seqlens = _cu_seqlens(self, laga_settings(megatron_args), cp_group)
     return laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
                               inputs, kv_up_weight, softmax_scale(self, megatron_args),
-                              check_ranks, cu_seqlens=cu_seqlens)
+                              check_ranks, carriers, cu_seqlens=cu_seqlens)
 
 
 def _full_length(self, hidden_states, cp_group) -> int:

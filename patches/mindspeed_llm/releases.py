@@ -25,7 +25,7 @@ reported by that (:meth:`Release.found`: "matches 26.1.0's MLA facts"), never as
 release of the set: an unlisted newer pair with the same facts is the same case.
 
 What differs in the MLA forward LAGA reproduces is a field of :class:`Release`
-(``lora_scales``, ``rope_deinterleave``, ``documents_refused``); the forward
+(``lora_scales``, ``rope_deinterleave``, ``documents_refused``, ``index_share``); the forward
 itself (patches/mindspeed_llm/forward.py) is one for all releases.
 """
 from __future__ import annotations
@@ -106,6 +106,9 @@ class Release:
     # release (None: every one LAGA maps) and why not the others
     document_algos: Optional[Tuple[str, ...]] = None
     documents_refused: Optional[str] = None
+    # the DSA layers may reuse an earlier layer's top-k picks (--index-topk-freq,
+    # --index-skip-topk-offset, --index-topk-pattern: its module's _dsa_index_share)
+    index_share: bool = False
 
     def archives(self) -> Tuple[str, str]:
         """The names of its MindSpeed-LLM and MindSpeed source archives (the tests' host
@@ -142,10 +145,11 @@ ROWS = (
             llm_facts=defines("should_recompute_mla_up_proj", "_dsa_index_share",
                               "mla_scale_kv_lora", "get_mla_self_attn_submodules"),
             mindspeed_facts=has_files("auto_settings", "dist_checkpointing", "hccl_op_mode",
-                                      "distill")),
+                                      "distill"), index_share=True),
     Release("26.1.0", "ad615b3b", "26.1.0_core_r0.12.1", "57a33053", "9.1.0", "26.1.0",
             llm_facts=defines("_dsa_index_share", "mla_scale_kv_lora", "get_mla_self_attn_submodules"),
-            mindspeed_facts=has_files("auto_settings", "dist_checkpointing", "hccl_op_mode")),
+            mindspeed_facts=has_files("auto_settings", "dist_checkpointing", "hccl_op_mode"),
+            index_share=True),
     Release("26.0.0", "4a035628", "26.0.0_core_r0.12.1", "3c44c134", "9.0.0", "26.0.0",
             llm_facts=defines("mla_scale_kv_lora", "get_mla_self_attn_submodules"),
             mindspeed_facts=has_files("auto_settings", "dist_checkpointing")),

@@ -2,7 +2,8 @@
 DSA indexer, on the master sources (tests/support/dsa_real.py: CP 1, 2 and 4, ulysses'
 contiguous and kvallgather's zigzag split, float64; output, every grad, the top-k picks
 and the indexer loss against the host's own forward at CP 1; with packed documents at CP 2
-and 4 against the host's forward on each document alone)."""
+and 4 against the host's forward on each document alone; GLM-5.2's shared picks as a chain
+of Compute and Share layers)."""
 import os
 import subprocess
 import sys
@@ -22,5 +23,5 @@ def test_dsa_equals_the_hosts_forward_at_cp1(host_sources):
                           env=dict(os.environ, **host_sources), timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert "real DSA CustomMLASelfAttention: ok" in proc.stdout, proc.stdout[-4000:]
-    assert proc.stdout.count("max relative error") == 16, proc.stdout[-4000:]
+    assert proc.stdout.count("max relative error") == 19, proc.stdout[-4000:]
 

@@ -215,9 +215,6 @@ DSA_REJECTED = [
     (["--use-sparse-flash-attn"], "--enable-mla-absorb"),
     (["--kv-compress"], "--kv-compress"),
     (["--kv-compress", "--use-sparse-flash-attn", "--enable-mla-absorb"], "--kv-compress"),
-    (["--index-topk-freq", "2"], "--index-topk-freq 2"),
-    (["--index-topk-pattern", "CSCS"], "--index-topk-pattern"),
-    (["--index-share-for-mtp-iteration"], "--index-share-for-mtp-iteration"),
     # packed documents: the host's DSA runs them with its fused ops only
     (["--reset-attention-mask", "--micro-batch-size", "1"], "--use-fused-lightning-indexer-loss"),
     (["--reset-attention-mask", "--micro-batch-size", "1", "--use-fused-lightning-indexer"],
@@ -238,6 +235,9 @@ DSA_RUNS = [
     ["--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
      "--use-sparse-flash-attn", "--enable-mla-absorb", "--reset-attention-mask",
      "--micro-batch-size", "1"],
+    # GLM-5.2's shared picks (the host release is checked apart: test_index_share_...)
+    ["--index-topk-freq", "4", "--index-skip-topk-offset", "3", "--index-share-for-mtp-iteration"],
+    ["--index-topk-pattern", "CSCS"],
 ]
 
 
@@ -268,6 +268,27 @@ def test_dsa_refusals_name_the_flag(extra, needle):
     message = str(info.value)
     assert needle in message and "--enable-dsa-indexer" in message, message
     assert "--mla-latent-all-gather" in message
+
+
+SHARE = ["--index-topk-freq", "4", "--index-skip-topk-offset", "3"]
+
+
+@pytest.mark.parametrize("release", ["master", "26.1.0", "26.0.0", "2.3.0"])
+def test_index_share_runs_where_the_host_has_it_and_is_refused_by_name_elsewhere(release):
+    from mindspeed_laga.features.dsa_checks import check_index_share
+    from mindspeed_laga.patches.mindspeed_llm.releases import BY_NAME
+    args = validate(VALID + DSA + SHARE + ["--index-topk-pattern", "CSCS"])
+    if BY_NAME[release].index_share:
+        check_index_share(args, BY_NAME[release])
+        return
+    with pytest.raises(ValueError) as info:
+        check_index_share(args, BY_NAME[release])
+    message = str(info.value)
+    for flag in ("--index-topk-freq", "--index-skip-topk-offset", "--index-topk-pattern",
+                 release, "--mla-latent-all-gather"):
+        assert flag in message, message
+    # the host's defaults set nothing
+    check_index_share(validate(VALID + DSA), BY_NAME[release])
 
 
 @pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])

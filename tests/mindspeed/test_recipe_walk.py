@@ -4,7 +4,8 @@ with a reason docs/INTEGRATION.md lists ("Every MindSpeed-LLM MLA recipe with CP
 
 The walk finds the recipes itself (each script that sets ``--multi-latent-attention`` and,
 as its own bash expands it, ``--context-parallel-size`` > 1), so a recipe the host adds
-fails here until it has a row in EXPECTED. Each recipe runs as shipped, at its own CP size
+fails here until it has a row in EXPECTED (GLM-5.2's recipes, shipped at CP 1, are walked
+at CP 2 and 4: RESIZED). Each recipe runs as shipped, at its own CP size
 and algorithm, through Megatron core_v0.12.1's ``parse_args``, MindSpeed-LLM's argument
 pipeline and validation (LAGAFeature last in its features list), as
 tests/mindspeed/test_stock_recipe.py runs the DeepSeek-V3 4k recipes; the only changes:
@@ -80,6 +81,13 @@ EXPECTED = {
     LONGCAT + "_8p_perf/pretrain_longcat_flash_2.4b_128k_fp8_A5_ptd.sh": OK,
 }
 
+# recipes shipped at CP 1 whose model LAGA is meant to run under CP (GLM-5.2's shared
+# picks): walked as shipped but for --context-parallel-size, at each size here
+RESIZED = {"examples/mcore/glm52/pretrain_glm52_744b_4k_A3_ptd.sh": (2, 4),
+           "tests/poc/glm52/pretrain_glm52_32B_4k_A5_ptd.sh": (2, 4)}
+EXPECTED.update({f"{recipe} at CP {cp}": OK for recipe, sizes in RESIZED.items()
+                 for cp in sizes})
+
 
 def _entry(text: str):
     return next((entry for entry in ENTRIES if entry in text), None)
@@ -100,8 +108,11 @@ def cp_recipes(llm_src: Path, dummies: Path = Path("/dummy")) -> dict:
         if "--multi-latent-attention" not in text or entry is None:
             continue
         argv, world = recipe_argv(script, dummies=dummies, entry=entry)
+        recipe = str(script.relative_to(llm_src))
         if int(_value(argv, "--context-parallel-size")) > 1:
-            found[str(script.relative_to(llm_src))] = (argv, world)
+            found[recipe] = (argv, world)
+        for cp in RESIZED.get(recipe, ()):  # the last --context-parallel-size wins
+            found[f"{recipe} at CP {cp}"] = (argv + ["--context-parallel-size", str(cp)], world)
     return found
 
 

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 from support.mindspeed_llm_real import (BATCH, MODEL, SEED, SEQ, _assemble,  # noqa: E402
-                                        _build, _rope_table, prepare)
+                                        _rope_table, build_layers, prepare)
 from support.mindspeed_llm_standin import forward_backward  # noqa: E402
 
 # float32 where the host forces it (indexer scores, its loss, complex rope, the index key's
@@ -77,9 +77,19 @@ CASES = {
     # GLM-5's: sparse flash attention in the absorbed path, the torch indexer and loss
     "dsa-sparse-flash-ulysses": ["--context-parallel-algo", "ulysses_cp_algo"] + FUSED_DIMS
     + ABSORBED,
+    # GLM-5.2's: its fused set with shared picks (a chain of layers, CHAINS)
+    "dsa-share-glm52": ["--context-parallel-algo", "kvallgather_cp_algo", "--num-layers", "4",
+                        "--index-topk-freq", "4", "--index-skip-topk-offset", "3"]
+    + FUSED_DIMS + ABSORBED + FUSED_INDEXER,
 }
+# the cases run as a chain of layers (each one's output the next one's hidden states), by
+# global layer number: under GLM-5.2's freq 4, offset 3, layer L reuses the picks of
+# L - (max(L - 3, 0) % 4): 2 computes alone, 3 computes and stores, 4 loads 3's (its MTP
+# layer, global layer 1 at PP 1, computes its own, as 2 does)
+CHAINS = {"dsa-share-glm52": (2, 3, 4)}
 # run at CP 4 too (the contiguous split's chunking is CP 2's; zigzag's differs with CP)
-CP4_CASES = ("dsa-kvallgather", "dsa-ulysses-mmsplit", "dsa-fused-kvallgather")
+CP4_CASES = ("dsa-kvallgather", "dsa-ulysses-mmsplit", "dsa-fused-kvallgather",
+             "dsa-share-glm52")
 # run at TP 2 with sequence parallelism too (the host's own CP 1 at TP 2 as reference)
 TP_CASES = ("dsa-fused-kvallgather",)
 
@@ -135,14 +145,18 @@ def _picks_of_laga(recorded):
     return core
 
 
-def _run(module, forward, inputs, cp_size, host_forward=False):
-    """forward_backward plus the picks and the tracked indexer loss."""
+def _run(module, forward, inputs, cp_size, layers, host_forward=False):
+    """forward_backward plus the picks (of each indexer call, or each core call) and the
+    tracked indexer loss of each of ``layers`` (0: a layer that tracks none)."""
     from mindspeed_llm.tasks.models.transformer import dsa_indexer
     from mindspeed_laga.patches.mindspeed_llm import dsa
 
     dsa_indexer.DSAIndexerLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0 / cp_size)
     dsa_indexer.DSAIndexerLossLoggingHelper.tracker.clear()
     picks = []
+    # a fresh rope tensor: it carries the host's holder of shared picks, which must not
+    # leak from one run into the next
+    inputs = (inputs[0], inputs[1].clone(), inputs[2])
     if host_forward:  # both host paths pick through forward_with_scores
         scores = dsa_indexer.DSAIndexer.forward_with_scores
 
@@ -163,10 +177,18 @@ def _run(module, forward, inputs, cp_size, host_forward=False):
             res = forward_backward(module, forward, *inputs)
         finally:
             dsa.sparse_laga_attention = core
-    (topk,) = picks
-    loss = dsa_indexer.DSAIndexerLossLoggingHelper.tracker["values"][0].item()
+    tracked = dsa_indexer.DSAIndexerLossLoggingHelper.tracker["values"]
+    loss = tracked[[layer - 1 for layer in layers]].double()
     partition = {n: None for n, _ in module.named_parameters()}
-    return dict(res, topk=topk, loss=loss, partition=partition)
+    return dict(res, topk=picks, loss=loss, partition=partition)
+
+
+def _through(layers, call, hidden, rope):
+    """The layers one after the other: each one's output the next one's hidden states."""
+    for layer in layers:
+        hidden, bias = call(layer, hidden, rope)
+        assert bias is None
+    return hidden, None
 
 
 def worker(rank, world_size, runs):
@@ -231,22 +253,30 @@ def _case(name, extra, tp_size, cp_size):
     plain = mla.MlaDotProductAttention
     if "--enable-mla-absorb" in extra:  # the absorbed path attends through the patched class
         mla.MlaDotProductAttention = _mla_attention_on_custom()
+    layer_numbers = CHAINS.get(name, (1,))
     try:
-        args, module = _build(MODEL + DSA + extra, tp_size, cp_size, sequence_parallel)
+        args, modules = build_layers(MODEL + DSA + extra, tp_size, cp_size, sequence_parallel,
+                                     layer_numbers)
     finally:
         mla.MlaDotProductAttention = plain
+    module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
     # MindSpeed's attention_mask_on_cpu (its CP feature's flag): the flash-attention path's
     # causal mask built on the CPU, not on "npu"
     args.attention_mask_on_cpu = True
     try:
         module.double()
-        module.dsa_indexer.k_norm.float()  # the host's float32 LayerNorm
+        for layer in modules:
+            if hasattr(layer.dsa_indexer, "k_norm"):  # a Share layer has no indexer
+                layer.dsa_indexer.k_norm.float()  # the host's float32 LayerNorm
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         cp_rank = parallel_state.get_context_parallel_rank()
         cp_group = parallel_state.get_context_parallel_group()
         layout = laga_settings(args).layout
         res = dict(layout=layout, tp_rank=tp_rank, cp_rank=cp_rank, tp_size=tp_size,
-                   sequence_parallel=sequence_parallel, ulysses_degree=1)
+                   sequence_parallel=sequence_parallel, ulysses_degree=1,
+                   # each layer's source of picks (itself: it computes them)
+                   sources=[getattr(m, "_dsa_source_layer", None) or n
+                            for m, n in zip(modules, layer_numbers)])
         # the host's sparse flash attention at CP 1 passes one actual length whatever the
         # batch (its recipes run micro-batch 1), which the op takes for batch 1 only
         batch = 1 if "--use-sparse-flash-attn" in extra else BATCH
@@ -260,15 +290,16 @@ def _case(name, extra, tp_size, cp_size):
 
         rope = local(_rope_table(SEQ, args.qk_pos_emb_head_dim), split_tp=False)
         inputs = (local(hidden), rope, local(grad_out))
+        def run(call, size, host_forward=False):
+            return _run(module, lambda h, r: _through(modules, call, h, r), inputs, size,
+                        layer_numbers, host_forward)
+
         if cp_size == 1:
-            res["original"] = _run(module, lambda h, r: module(h, None, rotary_pos_emb=r),
-                                   inputs, 1, host_forward=True)
-            res["laga"] = _run(module, lambda h, r: laga_self_attention(
-                module, h, r, cp_group, args), inputs, 1)
+            res["original"] = run(lambda m, h, r: m(h, None, rotary_pos_emb=r), 1, True)
+            res["laga"] = run(lambda m, h, r: laga_self_attention(m, h, r, cp_group, args), 1)
         else:
-            patched = laga_mla_forward_wrapper(type(module).forward)
-            res["laga"] = _run(module, lambda h, r: patched(module, h, None, rotary_pos_emb=r),
-                               inputs, cp_size)
+            patched = laga_mla_forward_wrapper(type(modules[0]).forward)
+            res["laga"] = run(lambda m, h, r: patched(m, h, None, rotary_pos_emb=r), cp_size)
         return res
     finally:
         parallel_state.destroy_model_parallel()
@@ -286,16 +317,21 @@ def _compare(label, per_rank, name, ref):
     got = _assemble(per_rank, name, "laga")
     first = [r[name] for r in per_rank if r[name]["tp_rank"] == 0]
     runs = [r["laga"] for r in sorted(first, key=lambda r: r["cp_rank"])]
-    picks = layouts.unshard([r["topk"] for r in runs], first[0]["layout"], dim=1)
-    # as sets: the host's torch.topk orders tied scores (an index head's relu of zero
-    # leaves whole rows of them) as it likes, LAGA by position
-    assert torch.equal(picks.sort(-1).values, ref["topk"].long().sort(-1).values), \
-        f"{label}: top-k picks differ"
+    assert len(runs[0]["topk"]) == len(ref["topk"]), label  # one core call per layer
+    for layer, want in enumerate(ref["topk"]):
+        picks = layouts.unshard([r["topk"][layer] for r in runs], first[0]["layout"], dim=1)
+        # as sets: the host's torch.topk orders tied scores (an index head's relu of zero
+        # leaves whole rows of them) as it likes, LAGA by position
+        assert torch.equal(picks.sort(-1).values, want.long().sort(-1).values), \
+            f"{label}: top-k picks of layer {layer} differ"
     loss = sum(r[name]["laga"]["loss"] for r in per_rank) / len(per_rank)
-    assert ref["loss"] > 0 and abs(loss - ref["loss"]) <= LOSS_TOLERANCE * ref["loss"], \
+    computing = ref["loss"] != 0  # a Share layer tracks no indexer loss, on either side
+    assert computing.any() and (ref["loss"][computing] > 0).all(), (label, ref["loss"])
+    assert torch.equal(loss[~computing], ref["loss"][~computing]), (label, loss, ref["loss"])
+    assert ((loss - ref["loss"]).abs() <= LOSS_TOLERANCE * ref["loss"]).all(), \
         (label, loss, ref["loss"])
     assert got["param_grads"].keys() == ref["param_grads"].keys(), label
-    assert any(k.startswith("dsa_indexer.") for k in ref["param_grads"]), label
+    assert any("dsa_indexer." in k for k in ref["param_grads"]), label
     errors = {"output": got["output"], "hidden_grad": got["hidden_grad"],
               **got["param_grads"]}
     want = {"output": ref["output"], "hidden_grad": ref["hidden_grad"], **ref["param_grads"]}
@@ -303,7 +339,8 @@ def _compare(label, per_rank, name, ref):
                 for k, g in errors.items()}
     bf16 = {k for k in relative if k.startswith(BF16_KEY_GRADS)} if bf16_key_grads else set()
     worst = max(v for k, v in relative.items() if k not in bf16)
-    print(f"{label}: max relative error {worst:.2e}, loss {loss:.6f} vs {ref['loss']:.6f}"
+    shown = ", ".join(f"{g:.6f} vs {w:.6f}" for g, w in zip(loss.tolist(), ref["loss"].tolist()))
+    print(f"{label}: max relative error {worst:.2e}, loss {shown}"
           + (f"; bf16 key grads {max(relative[k] for k in bf16):.2e}" if bf16 else ""))
     assert worst <= TOLERANCE, (label, sorted(relative.items(), key=lambda kv: -kv[1])[:4])
     assert all(relative[k] <= BF16_TOLERANCE for k in bf16), (label, relative)
@@ -312,7 +349,11 @@ def _compare(label, per_rank, name, ref):
 def _reference(per_rank, name):
     """The host's forward at CP 1, assembled over its TP ranks, its picks and loss."""
     ref = _assemble(per_rank, name, "original")
-    ref["topk"] = per_rank[0][name]["original"]["topk"]
+    case = per_rank[0][name]
+    # the host's indexer runs in its Compute layers only: each layer's picks are its
+    # source's (the indexer calls come in layer order)
+    computed = dict(zip(sorted(set(case["sources"])), case["original"]["topk"]))
+    ref["topk"] = [computed[source] for source in case["sources"]]
     ref["loss"] = sum(r[name]["original"]["loss"] for r in per_rank) / len(per_rank)
     return ref
 

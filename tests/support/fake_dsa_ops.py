@@ -443,10 +443,11 @@ def _kl_sequence(q, qr, k, kr, qi, ki, w, idx, smax, ssum, scale, visible):
     scores = torch.einsum("qhd,qkd->qhk", qi, ki[safe])
     logits = (torch.relu(scores) * w.unsqueeze(-1)).sum(1).masked_fill(~keep, float("-inf"))
     log_y = torch.log_softmax(logits, -1)
-    rows = keep.any(-1)
+    # a row with no pick adds 0: summed whole, no boolean index (a host read the real op
+    # does not make)
     terms = torch.where(keep & (target > 0), target * (torch.log(target.clamp_min(1e-38)) - log_y),
                         torch.zeros_like(target))
-    return terms[rows].sum()
+    return terms.sum()
 
 
 def npu_sparse_lightning_indexer_grad_kl_loss(query, key, query_index, key_index, weights, sparse_indices,

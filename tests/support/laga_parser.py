@@ -47,6 +47,7 @@ def upstream_flags(parser):
                  "--kv-compress", "--index-share-for-mtp-iteration", "--sequence-parallel"):
         add(flag, action="store_true")
     add("--index-topk-freq", type=int, default=1)
+    add("--index-skip-topk-offset", type=int, default=2)
     add("--index-topk-pattern", type=str, default=None)
 
 

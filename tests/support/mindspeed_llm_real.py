@@ -340,6 +340,13 @@ def check_pipeline(release) -> None:
 # --- 2. numerics ----------------------------------------------------------------------------
 
 def _build(argv, tp_size, cp_size, sequence_parallel):
+    args, (module,) = build_layers(argv, tp_size, cp_size, sequence_parallel, (1,))
+    return args, module
+
+
+def build_layers(argv, tp_size, cp_size, sequence_parallel, layer_numbers):
+    """The args and one module per (1-based) layer number, each initialized from its own
+    seed (SEED + layer number - 1: layer 1 is the one ``_build`` builds)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.training.arguments import core_transformer_config_from_args
@@ -361,16 +368,20 @@ def _build(argv, tp_size, cp_size, sequence_parallel):
     config = core_transformer_config_from_args(args)
     config.context_parallel_size = 1  # what code sees while MindSpeed's CP attention is built: the patch must not depend on the config
     submodules = _submodules(mla, args)
-    torch.manual_seed(SEED)  # with CPU initialization every TP rank slices the same master weights
-    module = mla.CustomMLASelfAttention(config, submodules, layer_number=1,
-                                        attn_mask_type=AttnMaskType.causal)
-    # 2.2.0's MlaDotProductAttention sizes the output of its local (CPU) path for all
-    # heads, not this TP rank's (on NPU its flash path runs instead): the CPU reference
-    # at TP > 1 needs the per-rank size
-    per_rank = module.num_attention_heads_per_partition * args.v_head_dim
-    if getattr(module.core_attention, "hidden_size_per_partition", per_rank) != per_rank:
-        module.core_attention.hidden_size_per_partition = per_rank
-    return args, module
+    modules = []
+    for layer_number in layer_numbers:
+        # with CPU initialization every TP rank slices the same master weights
+        torch.manual_seed(SEED + layer_number - 1)
+        module = mla.CustomMLASelfAttention(config, submodules, layer_number=layer_number,
+                                            attn_mask_type=AttnMaskType.causal)
+        # 2.2.0's MlaDotProductAttention sizes the output of its local (CPU) path for all
+        # heads, not this TP rank's (on NPU its flash path runs instead): the CPU reference
+        # at TP > 1 needs the per-rank size
+        per_rank = module.num_attention_heads_per_partition * args.v_head_dim
+        if getattr(module.core_attention, "hidden_size_per_partition", per_rank) != per_rank:
+            module.core_attention.hidden_size_per_partition = per_rank
+        modules.append(module)
+    return args, modules
 
 
 def _submodules(mla, args):

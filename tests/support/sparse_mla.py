@@ -74,9 +74,12 @@ def document_starts(total, documents=None):
     return [max(b for b in bounds[:-1] if b <= i) for i in range(total)]
 
 
-def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False, documents=None):
+def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False, documents=None,
+              picks=None):
     """Output, picks, loss and grads (of output . grad_out + loss) of the whole sequence.
     ``documents``: the packed documents' boundaries: a query sees only its document's keys.
+    ``picks``: given [b, S, k] picks (a layer reusing another's): no indexer, no loss (0),
+    no grad to the index inputs.
     ``eps``: added to both distributions in the KL loss, as the DSA reference does (0: the
     exact KL, as the fused loss op computes it). ``all_keys``: the loss's target from each
     head's unmasked softmax over every key, read at the picks (an empty one: the last
@@ -87,11 +90,14 @@ def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False, 
     d_n = w.shape[0] // n - (x["grad_out"].shape[-1] // n)
     d_v = x["grad_out"].shape[-1] // n
     starts = document_starts(total, documents)
-    causal = torch.tensor([[starts[i] <= j <= i for j in range(total)] for i in range(total)])
-    logits = torch.einsum("sbhd,tbd->bhst", iq.float(), ik.float()).relu()
-    scores = (logits * iw.permute(1, 2, 0)[..., None]).sum(1)
-    scores = scores.masked_fill(~causal, float("-inf"))
-    picks = _reference_topk(scores.detach(), topk, starts)
+    given = picks is not None
+    if not given:
+        causal = torch.tensor([[starts[i] <= j <= i for j in range(total)]
+                               for i in range(total)])
+        logits = torch.einsum("sbhd,tbd->bhst", iq.float(), ik.float()).relu()
+        scores = (logits * iw.permute(1, 2, 0)[..., None]).sum(1)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        picks = _reference_topk(scores.detach(), topk, starts)
     valid = picks >= 0
     picked = torch.zeros(b, total, total, dtype=torch.bool)
     for bi in range(b):
@@ -104,6 +110,10 @@ def reference(x, topk=TOPK, scale=SCALE, coeff=COEFF, eps=1e-8, all_keys=False, 
     att = torch.einsum("sbnd,tbnd->bnst", q, key) * scale
     probs = att.masked_fill(~picked[:, None], float("-inf")).softmax(-1)
     out = torch.einsum("bnst,tbnv->sbnv", probs, value).reshape(total, b, n * d_v)
+    if given:
+        ((out * x["grad_out"]).sum()).backward()
+        return dict(output=out.detach(), topk_indices=picks, loss=torch.zeros(()),
+                    grads={k: v.grad for k, v in inputs.items()})
     if all_keys:
         dist = att.detach().softmax(-1, dtype=torch.float32).sum(1)
         read = torch.where(valid, picks, torch.full_like(picks, total - 1))

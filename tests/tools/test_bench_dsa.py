@@ -10,23 +10,31 @@ from support.cli_runs import assert_one_line_error, run_cli
 
 
 @pytest.mark.timeout(300)
-def test_the_counter_sees_one_gather_of_704_values_equal_to_the_model(capsys):
-    code, out, err = run_cli(capsys, "bench", "--dsa", "deepseek-v3.2", "--cp", "2", "--seq-lens", "64",
+def test_the_counter_sees_one_gather_of_704_values_or_576_reusing_picks_equal_to_the_model(capsys):
+    """GLM-5.2 (DeepSeek-V3.2's gathered dims, its layers sharing picks): a computing layer
+    gathers [kv_latent | k_pos_emb | index_key], 704 values a token, one reusing its picks
+    [kv_latent | k_pos_emb], 576, each equal to the model; the layer mix follows."""
+    code, out, err = run_cli(capsys, "bench", "--dsa", "glm-5.2", "--cp", "2", "--seq-lens", "64",
                              "--repeat", "1", "--warmup", "0", "--heads", "2", "--index-topk", "8",
                              "--json", "-")
     assert code == 0, err
-    (row,) = json.loads(out)["rows"]
+    doc = json.loads(out)
+    computing, reusing = doc["rows"]
+    assert (computing["layer"], reusing["layer"]) == ("computing", "reusing")
     tokens, fp32 = 64 // 2, 4
-    for direction in ("forward", "backward"):
-        got = row[direction]
-        assert got["collectives"] == 1
-        assert got["values_per_token"] == 512 + 64 + 128 == 704
-        # a ring all-gather (reduce-scatter) at P = 2: the one other rank's shard
-        assert got["wire_bytes"] == (2 - 1) * tokens * 704 * fp32 == got["model_wire_bytes"]
-        assert got["counter_equals_model"]
-    host = row["host_model"]["host kvallgather"]["forward"]
+    for row, width in ((computing, 512 + 64 + 128), (reusing, 512 + 64)):
+        for direction in ("forward", "backward"):
+            got = row[direction]
+            assert (got["collectives"], got["values_per_token"]) == (1, width), got
+            # a ring all-gather (reduce-scatter) at P = 2: the one other rank's shard
+            assert got["wire_bytes"] == (2 - 1) * tokens * width * fp32 == got["model_wire_bytes"]
+            assert got["counter_equals_model"]
+    assert width == 576 and computing["forward"]["values_per_token"] == 704
+    host = computing["host_model"]["host kvallgather"]["forward"]
     assert (host["collectives"], host["values_per_token"]) == (7, 1920)
+    assert (doc["layer_mix"]["computing"], doc["layer_mix"]["reusing"]) == (21, 57)
     assert "yes" in err and "host ulysses" in err  # the table goes to stderr with --json -
+    assert "57 reuse them" in " ".join(err.split())
 
 
 @pytest.mark.parametrize("argv, word", [

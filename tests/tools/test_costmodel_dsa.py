@@ -95,3 +95,21 @@ def test_plan_dsa_refuses_what_it_does_not_model(capsys, argv, word):
 def test_an_unknown_dsa_model_is_one_error_line(capsys):
     code, _, err = run_cli(capsys, "plan", "--dsa", "deepseek-v3")
     assert_one_line_error("plan", code, err, "--dsa")
+
+
+def test_glm52_layer_mix(capsys):
+    """GLM-5.2's 78 layers at --index-topk-freq 4 --index-skip-topk-offset 3: layer L takes
+    the picks of L - (max(L - 3, 0) % 4), so 1, 2, 3 and 7, 11, ..., 75 compute them (21),
+    the other 57 reuse them and gather no index key."""
+    code, out, _ = run_cli(capsys, "plan", "--dsa", "glm-5.2", "--json")
+    assert code == 0
+    mix = json.loads(out)["dsa"]["layer_mix"]
+    computing = [1, 2, 3] + list(range(7, 79, 4))
+    assert (mix["computing"], mix["reusing"]) == (len(computing), 78 - len(computing)) == (21, 57)
+    assert mix["values_per_token"] == {"computing": 512 + 64 + 128, "reusing": 512 + 64}
+    assert mix["mean_values_per_token"] == (21 * 704 + 57 * 576) / 78
+    code, out, _ = run_cli(capsys, "plan", "--dsa", "glm-5.2")
+    assert "21 compute their picks and gather 704 values/token, 57 reuse them and gather 576" \
+        in " ".join(out.split())
+    code, out, _ = run_cli(capsys, "plan", "--dsa", "glm-5", "--json")
+    assert "layer_mix" not in json.loads(out)["dsa"]  # GLM-5 runs every layer's indexer

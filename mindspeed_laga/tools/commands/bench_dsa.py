@@ -21,7 +21,7 @@ import time
 from ..costmodel import dsa
 from ..costmodel.config import DTYPE_BYTES
 from .bench_fit import available_bytes, refuse_past
-from .output import check_output_path
+from .output import check_output_path, mix_line
 
 LAYOUTS = ("zigzag", "contiguous")
 # The bench flags (argparse dests) --dsa takes; every other bench flag given is refused.
@@ -94,8 +94,11 @@ def check_fits(seq_lens, cp: int, batch: int, index_heads: int, available=None) 
                 f"{longest} keys, {index_heads} index heads: S x S pairs in all, whatever --cp")
 
 
-def worker(rank, world_size, widths, shape, seq_len, layout, topk, dtype, repeat, warmup):
-    """One rank: seeded local inputs, ``warmup + repeat`` calls; the last call's records."""
+def worker(rank, world_size, widths, shape, seq_len, layout, topk, dtype, repeat, warmup,
+           reusing=False):
+    """One rank: seeded local inputs, ``warmup + repeat`` calls; the last call's records.
+    ``reusing``: the calls take the picks of one earlier call as given (a layer reusing
+    another's, GLM-5.2): no index inputs, no loss."""
     import torch
     import torch.distributed as dist
     from ... import count_bytes, sparse_laga_attention
@@ -110,15 +113,22 @@ def worker(rank, world_size, widths, shape, seq_len, layout, topk, dtype, repeat
     x = [randn(s, b, n, shape.qk_head_dim + d_r), randn(s, b, d_c), randn(s, b, d_r),
          randn(n * (shape.qk_head_dim + shape.v_head_dim), d_c), randn(s, b, index_heads, index_dim),
          randn(s, b, index_dim), randn(s, b, index_heads)]
+    options = dict(index_topk=topk, softmax_scale=(shape.qk_head_dim + d_r) ** -0.5,
+                   qk_head_dim=shape.qk_head_dim, v_head_dim=shape.v_head_dim,
+                   cp_group=dist.group.WORLD, layout=layout)
+    picks = None
+    if reusing:  # the computing layer's picks, outside the timed and counted calls
+        with torch.no_grad():
+            picks = sparse_laga_attention(*x, **options).topk_indices
+        x = x[:4] + [None] * 3
     seconds, records = [], []
     for i in range(warmup + repeat):
         start = time.perf_counter()
         with count_bytes() as counter:
-            got = sparse_laga_attention(*x, index_topk=topk, softmax_scale=(shape.qk_head_dim + d_r) ** -0.5,
-                                        qk_head_dim=shape.qk_head_dim, v_head_dim=shape.v_head_dim,
-                                        cp_group=dist.group.WORLD, layout=layout,
-                                        indexer_loss_coeff=1.0)
-            (got.output.float().sum() + got.indexer_loss).backward()
+            got = sparse_laga_attention(*x, **options, topk_indices=picks,
+                                        indexer_loss_coeff=None if reusing else 1.0)
+            loss = got.output.float().sum()
+            (loss if reusing else loss + got.indexer_loss).backward()
         if i >= warmup:
             seconds.append(time.perf_counter() - start)
         records = [(r.kind, r.direction, r.payload, r.wire) for r in counter.records]
@@ -133,15 +143,19 @@ def measured(records, direction: str) -> dict:
             "wire_bytes": sum(r[3] for r in own)}
 
 
-def make_row(per_rank, dims, index, seq_len, cp, batch, elem) -> dict:
+def make_row(per_rank, dims, index, seq_len, cp, batch, elem, reusing=False) -> dict:
+    """One length's measured collectives beside the model's: LAGA's computing layer, or
+    (``reusing``) its layer with given picks."""
     table = dsa.dsa_table(dims, index, seq_len, cp, batch, elem)["paths"]
     tokens = seq_len // cp * batch
+    laga = dsa.path_row(dsa.laga_reusing(dims), tokens, cp, elem) if reusing else table["laga"]
     row = {"seq_len": seq_len, "ms": 1e3 * max(r["seconds"] for r in per_rank),
+           "layer": "reusing" if reusing else "computing",
            "host_model": {name: {d: {k: p[d][k] for k in HOST_KEYS} for d in ("forward", "backward")}
                           for name, p in table.items() if name != "laga"}}
     for d in ("forward", "backward"):
         got = measured(per_rank[0]["records"], d)
-        model = table["laga"][d]
+        model = laga[d]
         same = (got["wire_bytes"], got["collectives"]) == (model["received_bytes"], model["collectives"])
         row[d] = {**got, "values_per_token": got["payload_bytes"] // (tokens * elem),
                   "model_values_per_token": model["values_per_token"],
@@ -166,13 +180,19 @@ def run(args, seq_lens, shape) -> int:
          f"{index.head_dim}; n={shape.heads}, d_n={shape.qk_head_dim}, d_v={shape.v_head_dim}, "
          f"b={shape.batch}, top-k {args.index_topk}; {args.warmup} warm-up + {args.repeat} timed", out)
     widths = (dims.kv_lora_rank, dims.rope_dim, index.heads, index.head_dim)
+    share = dsa.DSA_SHARES.get(args.dsa)
     rows = []
-    for s in seq_lens:
-        per_rank = run_on_ranks(worker, args.cp, widths, shape, s, layout, args.index_topk, args.dtype,
-                                args.repeat, args.warmup, timeout_s=RUN_TIMEOUT_S)
-        rows.append(make_row(per_rank, dims, index, s, args.cp, shape.batch, elem))
+    for reusing in (False, True) if share else (False,):  # a sharing model: both layer kinds
+        for s in seq_lens:
+            per_rank = run_on_ranks(worker, args.cp, widths, shape, s, layout, args.index_topk,
+                                    args.dtype, args.repeat, args.warmup, reusing,
+                                    timeout_s=RUN_TIMEOUT_S)
+            rows.append(make_row(per_rank, dims, index, s, args.cp, shape.batch, elem, reusing))
     print_rows(rows, out)
     doc = {"dsa": args.dsa, "cp_size": args.cp, "layout": layout, "dtype": args.dtype, "rows": rows}
+    if share:
+        doc["layer_mix"] = dsa.layer_mix(dims, index, share)
+        print_mix(doc["layer_mix"], out)
     if args.json and args.json != "-":
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
@@ -183,12 +203,12 @@ def run(args, seq_lens, shape) -> int:
 
 
 def print_rows(rows, out) -> None:
-    print(f"{'S':>8} {'coll fwd/bwd':>12} {'values/token':>12} {'wire fwd':>12} {'model fwd':>12} "
-          f"{'wire bwd':>12} {'model bwd':>12} {'= model':>8} {'ms':>8}", file=out)
+    print(f"{'layer':>9} {'S':>8} {'coll fwd/bwd':>12} {'values/token':>12} {'wire fwd':>12} "
+          f"{'model fwd':>12} {'wire bwd':>12} {'model bwd':>12} {'= model':>8} {'ms':>8}", file=out)
     for r in rows:
         f, b = r["forward"], r["backward"]
         same = "yes" if f["counter_equals_model"] and b["counter_equals_model"] else "NO"
-        print(f"{r['seq_len']:>8} {f['collectives']:>5} / {b['collectives']:<4} "
+        print(f"{r['layer']:>9} {r['seq_len']:>8} {f['collectives']:>5} / {b['collectives']:<4} "
               f"{f['values_per_token']:>12,} "
               f"{f['wire_bytes']:>12,} {f['model_wire_bytes']:>12,} {b['wire_bytes']:>12,} "
               f"{b['model_wire_bytes']:>12,} {same:>8} {r['ms']:>8.1f}", file=out)
@@ -198,6 +218,10 @@ def print_rows(rows, out) -> None:
              f"{f['values_per_token']:,} values/token, {f['received_bytes']:,} bytes received forward", out)
     _say("wire: bytes rank 0 sends (= receives) per layer, the byte counter's measure; model: "
          "costmodel/dsa.py's LAGA row; values/token: the forward payload per local token.", out)
+
+
+def print_mix(mix: dict, out) -> None:
+    _say(mix_line(mix), out)
 
 
 def _say(text: str, out) -> None:

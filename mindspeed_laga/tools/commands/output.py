@@ -1,5 +1,5 @@
 """What every subcommand prints alike: one-line errors, byte sizes, ratios, table
-cells, and output paths checked before any work starts."""
+cells, output paths checked before any work starts, and a sharing DSA model's layer mix."""
 from __future__ import annotations
 
 import argparse
@@ -114,3 +114,12 @@ def pad(header: str, fmt: str) -> str:
     """A column header padded to the width and alignment of its cell format."""
     width = int("".join(ch for ch in fmt.split(":")[1] if ch.isdigit() or ch == ".").split(".")[0] or 0)
     return header.ljust(width) if "<" in fmt else header.rjust(width)
+
+
+def mix_line(mix: dict) -> str:
+    """The model's layer mix in words (plan --dsa and bench --dsa say it alike)."""
+    widths = mix["values_per_token"]
+    return (f"layer mix (--index-topk-freq {mix['freq']} --index-skip-topk-offset "
+            f"{mix['offset']}, {mix['layers']} layers): {mix['computing']} compute their picks "
+            f"and gather {widths['computing']:,} values/token, {mix['reusing']} reuse them and "
+            f"gather {widths['reusing']:,}; {mix['mean_values_per_token']:,.1f} on average")

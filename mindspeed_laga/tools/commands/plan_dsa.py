@@ -17,7 +17,7 @@ from dataclasses import replace
 from ..costmodel import dsa
 from ..costmodel.config import DTYPE_BYTES
 from . import recommend_dsa
-from .output import fmt_bytes
+from .output import fmt_bytes, mix_line
 from .shapes import check_seq_len_bound
 
 # The plan flags (argparse dests) --dsa models; every other plan flag given is refused.
@@ -73,7 +73,8 @@ def table_from_args(args, dim_flags, dtypes, default_cp) -> dict:
     index = replace(index, **{k: v for k, v in (("heads", args.index_heads),
                                                 ("head_dim", args.index_head_dim)) if v is not None})
     cp = default_cp if args.cp is None else args.cp
-    table = dsa.dsa_table(dims, index, args.seq_len, cp, args.micro_batch, DTYPE_BYTES[dtypes[args.dtype]])
+    table = dsa.dsa_table(dims, index, args.seq_len, cp, args.micro_batch,
+                          DTYPE_BYTES[dtypes[args.dtype]], dsa.DSA_SHARES.get(args.dsa))
     table.update(model=args.dsa, dtype=dtypes[args.dtype], dims=vars(dims))
     table["recommendation"] = recommend_dsa.recommend(table, dims.heads, args.link_bandwidth)
     return table
@@ -123,6 +124,8 @@ def print_table(t: dict, terms: bool) -> None:
             f = row["forward"]
             print(f"forward, {name} / laga: {f['received_bytes'] / laga['received_bytes']:.2f}x the bytes, "
                   f"{f['collectives']} collectives instead of {laga['collectives']}")
+    if "layer_mix" in t:  # a model whose layers share picks
+        _say(mix_line(t["layer_mix"]))
     if terms:
         for name, row in t["paths"].items():
             for w in DIRECTIONS:

@@ -1,4 +1,4 @@
-"""Sparse MLA (DSA: DeepSeek-V3.2, GLM-5): what each CP path moves per token and layer.
+"""Sparse MLA (DSA: DeepSeek-V3.2, GLM-5, GLM-5.2): what each CP path moves per token and layer.
 
 DSA's attention is absorbed MQA over the latent, picked per query by a lightning
 indexer (index heads x index head dim, one shared index key per token). Three paths,
@@ -23,7 +23,9 @@ each a list of collectives with its per-token width, every width derived from th
   gathers reduce-scatter (the loss reaches the index projections through them), the
   four all-to-alls run again; the loss's gathers carry no grad (they are detached).
 - ``laga``: one all-gather of ``[kv_latent | k_pos_emb | index_key]`` serving the
-  indexer, the attention and the loss; backward, its reduce-scatter.
+  indexer, the attention and the loss; backward, its reduce-scatter. A layer that reuses
+  an earlier layer's picks (GLM-5.2's index share, :class:`IndexShare`) gathers
+  ``[kv_latent | k_pos_emb]`` only: :func:`layer_mix` counts the layers of each kind.
 
 Widths are values per token (TP 1: the head-split tensors hold every head). What a rank
 receives of a collective is the byte counter's ``wire`` (``comm.wire_bytes``): an
@@ -54,7 +56,40 @@ DSA_PRESETS: Dict[str, Tuple[ModelDims, IndexerDims]] = {
                                 hidden_size=7168, q_lora_rank=1536), IndexerDims(64, 128)),
     "glm-5": (ModelDims(heads=64, qk_head_dim=192, rope_dim=64, v_head_dim=256, kv_lora_rank=512,
                         hidden_size=6144, q_lora_rank=2048), IndexerDims(32, 128)),
+    # examples/mcore/glm52/: GLM-5's dims, its layers sharing picks (DSA_SHARES)
+    "glm-5.2": (ModelDims(heads=64, qk_head_dim=192, rope_dim=64, v_head_dim=256, kv_lora_rank=512,
+                          hidden_size=6144, q_lora_rank=2048), IndexerDims(32, 128)),
 }
+
+
+@dataclass(frozen=True)
+class IndexShare:
+    """Which layers run the indexer (MindSpeed-LLM's ``--index-topk-freq`` and
+    ``--index-skip-topk-offset``): global layer L takes the picks of
+    ``L - (max(L - offset, 0) % freq)``; the others reuse them."""
+    freq: int = 1
+    offset: int = 2
+    num_layers: int = 1
+
+    def computes(self, layer: int) -> bool:
+        return max(layer - self.offset, 0) % self.freq == 0
+
+
+# the presets whose layers share picks: GLM-5.2's recipe (78 layers, freq 4, offset 3)
+DSA_SHARES: Dict[str, IndexShare] = {"glm-5.2": IndexShare(freq=4, offset=3, num_layers=78)}
+
+
+def layer_mix(dims: ModelDims, index: IndexerDims, share: IndexShare) -> dict:
+    """How many layers compute their picks (gathering the index key too) and how many
+    reuse them, with each kind's LAGA gather width and the mean over the layers."""
+    computing = sum(share.computes(layer) for layer in range(1, share.num_layers + 1))
+    widths = {"computing": laga(dims, index).values("forward"),
+              "reusing": laga_reusing(dims).values("forward")}
+    reusing = share.num_layers - computing
+    mean = (computing * widths["computing"] + reusing * widths["reusing"]) / share.num_layers
+    return {"freq": share.freq, "offset": share.offset, "layers": share.num_layers,
+            "computing": computing, "reusing": reusing, "values_per_token": widths,
+            "mean_values_per_token": mean}
 
 
 def dsa_preset(name: str) -> Tuple[ModelDims, IndexerDims]:
@@ -112,6 +147,12 @@ def laga(dims: ModelDims, index: IndexerDims) -> DSAPath:
     return DSAPath("laga", (gather,), (_backward(gather),))
 
 
+def laga_reusing(dims: ModelDims) -> DSAPath:
+    """A layer with given picks: no indexer, no loss, no index key to gather."""
+    gather = Transfer(ALL_GATHER, "[kv_latent | k_pos_emb]", dims.kv_lora_rank + dims.rope_dim)
+    return DSAPath("laga, reusing picks", (gather,), (_backward(gather),))
+
+
 def _hidden(dims: ModelDims) -> int:
     if dims.hidden_size is None:
         raise ValueError("the host's ulysses DSA path gathers the hidden state: give --hidden-size")
@@ -132,17 +173,24 @@ def received_bytes(path: DSAPath, direction: str, tokens_per_rank: int, cp_size:
                for t in getattr(path, direction))
 
 
+def path_row(path: DSAPath, tokens_per_rank: int, cp_size: int, elem: int) -> dict:
+    """One path's collectives, values per token and bytes a rank receives, per direction."""
+    return {d: {"collectives": len(getattr(path, d)), "values_per_token": path.values(d),
+                "received_bytes": received_bytes(path, d, tokens_per_rank, cp_size, elem),
+                "transfers": [vars(t) for t in getattr(path, d)]}
+            for d in ("forward", "backward")}
+
+
 def dsa_table(dims: ModelDims, index: IndexerDims, seq_len: int, cp_size: int, micro_batch: int,
-              elem: int) -> dict:
-    """Every path's collectives, values per token and bytes per rank and layer (JSON-able)."""
+              elem: int, share: IndexShare = None) -> dict:
+    """Every path's collectives, values per token and bytes per rank and layer (JSON-able);
+    with ``share``, LAGA's mix of computing and reusing layers (``layer_mix``)."""
     if seq_len % cp_size:
         raise ValueError(f"--seq-len {seq_len} must be a multiple of --cp {cp_size}")
     tokens = seq_len // cp_size * micro_batch
-    rows = {}
-    for path in dsa_paths(dims, index):
-        rows[path.name] = {d: {"collectives": len(getattr(path, d)), "values_per_token": path.values(d),
-                               "received_bytes": received_bytes(path, d, tokens, cp_size, elem),
-                               "transfers": [vars(t) for t in getattr(path, d)]}
-                           for d in ("forward", "backward")}
-    return {"seq_len": seq_len, "cp_size": cp_size, "micro_batch": micro_batch, "elem_bytes": elem,
-            "index_heads": index.heads, "index_head_dim": index.head_dim, "paths": rows}
+    rows = {path.name: path_row(path, tokens, cp_size, elem) for path in dsa_paths(dims, index)}
+    table = {"seq_len": seq_len, "cp_size": cp_size, "micro_batch": micro_batch, "elem_bytes": elem,
+             "index_heads": index.heads, "index_head_dim": index.head_dim, "paths": rows}
+    if share is not None:
+        table["layer_mix"] = layer_mix(dims, index, share)
+    return table

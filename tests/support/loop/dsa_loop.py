@@ -1,6 +1,6 @@
 """MindSpeed-LLM's sparse MLA (DSA) recipes, scaled down for the real loop.
 
-Three recipes of the master sources, read as tests/support/recipes.py reads any script:
+Four recipes of the master sources, read as tests/support/recipes.py reads any script:
 
 - ``v32-16k``: DeepSeek-V3.2's 16K tune (``posttrain_gpt.py``: SFT with
   ``--is-instruction-dataset --prompt-type deepseek3 --no-pad-to-seq-lengths
@@ -11,7 +11,11 @@ Three recipes of the master sources, read as tests/support/recipes.py reads any 
   --use-fused-lightning-indexer-loss --use-sparse-flash-attn --enable-mla-absorb``, and
   ``--mla-mm-split``);
 - ``glm5``: GLM-5's 4k pretrain (``pretrain_gpt.py``: ``--enable-mla-absorb
-  --use-sparse-flash-attn --mla-mm-split``, the indexer and its loss non-fused).
+  --use-sparse-flash-attn --mla-mm-split``, the indexer and its loss non-fused);
+- ``glm52``: GLM-5.2's 4k pretrain (every fused op, the absorbed path, its shared
+  picks as shipped: ``--index-topk-freq 4 --index-skip-topk-offset 3``), 4 layers so
+  that one reuses another's picks; no MTP, as shipped (the script defines ``MTP_ARGS``
+  but leaves them off its command line).
 
 What changes from each recipe, and why:
 
@@ -78,6 +82,8 @@ EXTRA_DROPPED = {
     "--moe-router-load-balancing-type",
     # set per case (recipe())
     "--pad-to-multiple-of",
+    # GLM-5.2's pipeline split of its 78 layers (PP 1 here)
+    "--num-layer-list",
 }
 DEEPSEEK32 = Path("examples") / "mcore" / "deepseek32"
 
@@ -104,6 +110,11 @@ RECIPES = {
     "glm5": DsaRecipe(Path("examples") / "mcore" / "glm5" / "pretrain_glm5_744b_4k_A3_ptd.sh",
                       cp=2, algo="ulysses_cp_algo",
                       scaled={"--moe-router-num-groups": "1", "--moe-router-group-topk": "1"}),
+    # its shared picks as shipped (freq 4, offset 3): 4 layers, so layer 4 reuses layer 3's
+    # (layers 1 to 3 compute theirs); one dense layer, three MoE; no MTP, as shipped (the
+    # script defines MTP_ARGS but leaves them off its command line)
+    "glm52": DsaRecipe(Path("examples") / "mcore" / "glm52" / "pretrain_glm52_744b_4k_A3_ptd.sh",
+                       cp=2, algo="ulysses_cp_algo", scaled={"--num-layers": "4"}),
 }
 # the recipe's fused flags ``--non-fused`` leaves out (the cases run them all)
 NON_FUSED = {
@@ -111,6 +122,8 @@ NON_FUSED = {
     "v32-128k": ("--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
                  "--use-sparse-flash-attn", "--enable-mla-absorb"),
     "glm5": ("--use-sparse-flash-attn", "--enable-mla-absorb"),
+    "glm52": ("--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
+              "--use-sparse-flash-attn", "--enable-mla-absorb"),
 }
 # each recipe's fused ops (tests/support/fake_dsa_ops.py) as the cases run them
 FUSED_OPS = {
@@ -118,7 +131,13 @@ FUSED_OPS = {
     "v32-128k": ("npu_lightning_indexer", "npu_sparse_flash_attention",
                  "npu_sparse_lightning_indexer_grad_kl_loss"),
     "glm5": ("npu_sparse_flash_attention",),
+    # the indexer's ops run in the layers that compute their picks only (SHARING)
+    "glm52": ("npu_lightning_indexer", "npu_sparse_flash_attention",
+              "npu_sparse_lightning_indexer_grad_kl_loss"),
 }
+# the cases whose layers share picks: per model forward, how many MLA forwards run the
+# indexer (layers 1 to 3) of how many (4 layers)
+SHARING = {"glm52": (3, 4)}
 
 
 def stock(llm_src: Path, case: str) -> List[str]:

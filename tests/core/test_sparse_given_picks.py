@@ -1,0 +1,125 @@
+"""Sparse MLA with given picks (``topk_indices``: GLM-5.2's layers that reuse an earlier
+layer's top-k) under CP: a computing layer, then a reusing one over the same tokens.
+
+Both equal the float64 reference of tests/support/sparse_mla.py (the reusing one with the
+reference's picks given: no indexer, no loss, no index-input grads); the reusing layer
+returns the picks it was given; the byte counter sees [kv_latent | k_pos_emb | index_key]
+gathered for the computing layer and [kv_latent | k_pos_emb] for the reusing one (704 and
+576 values per token at GLM-5.2's dims), each reduce-scattered once backward; wrong picks
+are refused by name, and ranks that disagree on them raise together before any gather.
+"""
+import pytest
+import torch
+
+from mindspeed_laga import handshake
+from mindspeed_laga.sparse.form import sparse_laga_attention
+from mindspeed_laga.tools.spawn import run_on_ranks
+from support import sparse_given_picks as gp
+from support import sparse_mla as sm
+
+# GLM-5.2's gathered dims (kv_lora_rank 512, rope 64, index head dim 128), small otherwise
+GLM52 = dict(D_C=512, D_R=64, INDEX_DIM=128, S=16, B=1, HEADS=2, D_N=8, D_V=8, INDEX_HEADS=2)
+ATOL = {"index_query": 1e-6, "index_key": 1e-6, "index_weights": 1e-6}
+
+
+def _close(name, got, want):
+    scale = want.abs().max().item()
+    assert scale > 0, f"{name}: the reference is all zero"
+    assert (got - want).abs().max().item() <= ATOL.get(name, 1e-10) * max(1.0, scale), name
+
+
+def _assemble(per_rank, layer, layout):
+    runs = [ranks[0][layer] for ranks in per_rank]
+    seq = [r["output"] for r in runs]
+    grads = {k: sm.layouts.unshard([r["grads"][k] for r in runs], layout)
+             for k in runs[0]["grads"] if k != "kv_up_weight"}
+    grads["kv_up_weight"] = sum(r["grads"]["kv_up_weight"] for r in runs)
+    return dict(output=sm.layouts.unshard(seq, layout), grads=grads,
+                topk_indices=sm.layouts.unshard([r["topk_indices"] for r in runs], layout, dim=1),
+                loss=None if runs[0]["loss"] is None else sum(r["loss"] for r in runs) / len(runs))
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("cp_size,layout,dims", [(2, "contiguous", None), (4, "zigzag", GLM52)],
+                         ids=["cp2-contiguous", "cp4-zigzag-glm52-dims"])
+def test_reusing_layer_equals_the_reference(cp_size, layout, dims):
+    per_rank = run_on_ranks(gp.chain_worker, cp_size, layout, 0, dims, timeout_s=150)
+    computing = sm.reference(sm.full_inputs(0, dims=dims))
+    reusing = sm.reference(sm.full_inputs(1, dims=dims), picks=computing["topk_indices"])
+    for layer, want in ((0, computing), (1, reusing)):
+        got = _assemble(per_rank, layer, layout)
+        assert torch.equal(got["topk_indices"], computing["topk_indices"]), layer
+        _close("output", got["output"], want["output"])
+        assert got["grads"].keys() == {k for k, g in want["grads"].items() if g is not None}
+        for name, grad in got["grads"].items():
+            _close(name, grad, want["grads"][name])
+    assert _assemble(per_rank, 1, layout)["loss"] is None
+    loss = _assemble(per_rank, 0, layout)["loss"].item()
+    assert abs(loss - computing["loss"].item()) <= 1e-6 * abs(computing["loss"].item())
+    _check_bytes(per_rank, cp_size, dims or {})
+
+
+def _check_bytes(per_rank, cp_size, dims):
+    """The computing layer gathers d_c + d_r + D values per token, the reusing one d_c + d_r
+    (at GLM-5.2's dims: 704 and 576); each is reduce-scattered once backward."""
+    d = {**dict(S=sm.S, B=sm.B, D_C=sm.D_C, D_R=sm.D_R, INDEX_DIM=sm.INDEX_DIM), **dims}
+    tokens = d["S"] // cp_size * d["B"]
+    widths = (d["D_C"] + d["D_R"] + d["INDEX_DIM"], d["D_C"] + d["D_R"])
+    if dims == GLM52:
+        assert widths == (704, 576)
+    row = ("handshake", "forward", len(handshake.FIELDS) * 8)
+    for (layers, backward) in per_rank:
+        for layer, width in zip(layers, widths):
+            assert layer["records"] == [row, ("all_gather", "forward", width * tokens * 8)]
+        assert sorted(backward) == sorted(("reduce_scatter", "backward", w * tokens * 8)
+                                          for w in widths), backward
+
+
+def _args(x):
+    return [x[k] for k in sm.LOCAL[:3]] + [x["kv_up_weight"]]
+
+
+KW = dict(index_topk=sm.TOPK, softmax_scale=sm.SCALE, qk_head_dim=sm.D_N, v_head_dim=sm.D_V)
+
+
+def test_given_picks_are_checked_by_name():
+    x = sm.full_inputs(0)
+    picks = torch.zeros(sm.B, sm.S, sm.TOPK, dtype=torch.long)
+    none = [None] * 3
+    cases = [(picks.float(), "int32 or int64"), (picks[0], r"\[b, s, k\]"),
+             (picks[:, :-1], r"\[2, 16, k\]"), (torch.zeros(sm.B, sm.S, sm.TOPK + 1).long(),
+                                                "index_topk=5")]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match="topk_indices.*" + message):
+            sparse_laga_attention(*_args(x), *none, **KW, topk_indices=bad)
+    with pytest.raises(ValueError, match="pass None for index_query, index_key"):
+        sparse_laga_attention(*_args(x), *(x[k] for k in sm.LOCAL[3:]), **KW,
+                              topk_indices=picks)
+    with pytest.raises(ValueError, match="indexer_loss_coeff=None"):
+        sparse_laga_attention(*_args(x), *none, **KW, indexer_loss_coeff=sm.COEFF,
+                              topk_indices=picks)
+
+
+def disagreeing_worker(rank, world_size):
+    """Rank 0 gives picks, rank 1 runs the indexer: the message, and the data collectives."""
+    import torch.distributed as dist
+
+    from mindspeed_laga import count_bytes, layout as layouts
+    x = {k: layouts.shard(v, "contiguous", world_size, rank) if k != "kv_up_weight" else v
+         for k, v in sm.full_inputs(0).items()}
+    index = [None] * 3 if rank == 0 else [x[k] for k in sm.LOCAL[3:]]
+    picks = torch.zeros(sm.B, sm.S // world_size, sm.TOPK, dtype=torch.long)
+    with count_bytes() as counter:
+        try:
+            sparse_laga_attention(*_args(x), *index, **KW, cp_group=dist.group.WORLD,
+                                  layout="contiguous", topk_indices=picks if rank == 0 else None)
+            message = None
+        except ValueError as exc:
+            message = str(exc)
+    return message, [r.kind for r in counter.records if r.kind != "handshake"]
+
+
+@pytest.mark.timeout(200)
+def test_ranks_that_disagree_on_given_picks_raise_before_the_gather():
+    for message, data in run_on_ranks(disagreeing_worker, 2, timeout_s=120):
+        assert message is not None and "topk_indices" in message and data == [], message
