@@ -63,6 +63,7 @@ class SparseSetup(NamedTuple):
     with_loss: bool
     all_keys: bool  # the loss reads the all_keys target
     documents: Documents = None  # the checked global document boundaries, or None
+    given_topk: int = 0  # the k of the given picks (topk_indices); 0: the indexer picks
 
 
 def check(query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key, index_weights,
