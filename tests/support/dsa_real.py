@@ -429,7 +429,7 @@ def _packed_case(name, cp_size):
     plain = mla.MlaDotProductAttention
     mla.MlaDotProductAttention = _mla_attention_on_custom()
     try:
-        args, module = _build(MODEL + DSA + extra, 1, cp_size, False)
+        args, (module,) = build_layers(MODEL + DSA + extra, 1, cp_size, False, (1,))
     finally:
         mla.MlaDotProductAttention = plain
     args.attention_mask_on_cpu = True
@@ -441,7 +441,7 @@ def _packed_case(name, cp_size):
         layout = laga_settings(args).layout if cp_size > 1 else "contiguous"
         cp_rank = parallel_state.get_context_parallel_rank()
         res = dict(layout=layout, tp_rank=0, cp_rank=cp_rank, tp_size=1,
-                   sequence_parallel=False, ulysses_degree=1)
+                   sequence_parallel=False, ulysses_degree=1, sources=[1])  # one layer
         if cp_size == 1:
             res["original"] = _per_document(module, hidden, rope, grad_out)
             return res
@@ -456,7 +456,7 @@ def _packed_case(name, cp_size):
         try:
             res["laga"] = _run(module, lambda h, r: patched(module, h, None, rotary_pos_emb=r,
                                                             packed_seq_params=packed),
-                               (local(hidden), local(rope), local(grad_out)), cp_size)
+                               (local(hidden), local(rope), local(grad_out)), cp_size, (1,))
         finally:
             set_actual_seq_len(None)
         return res
@@ -473,15 +473,17 @@ def _per_document(module, hidden, rope, grad_out):
         rows = slice(start, end)
         share = (end - start) / SEQ
         run = _run(module, lambda h, r: module(h, None, rotary_pos_emb=r),
-                   (hidden[rows], rope[rows], grad_out[rows]), 1 / share, host_forward=True)
+                   (hidden[rows], rope[rows], grad_out[rows]), 1 / share, (1,),
+                   host_forward=True)
         runs.append(run)
-        topk = run["topk"].long()
+        (topk,) = run["topk"]  # the one layer's picks
+        topk = topk.long()
         picks.append(torch.where(topk >= 0, topk + start, topk))
         loss += share * run["loss"]
     grads = {k: sum(r["param_grads"][k] for r in runs) for k in runs[0]["param_grads"]}
     return dict(output=torch.cat([r["output"] for r in runs]),
                 hidden_grad=torch.cat([r["hidden_grad"] for r in runs]), param_grads=grads,
-                topk=torch.cat(picks, dim=1), loss=loss,
+                topk=[torch.cat(picks, dim=1)], loss=loss,
                 partition={n: None for n in runs[0]["partition"]})
 
 
