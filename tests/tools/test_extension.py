@@ -116,7 +116,9 @@ out = run("bench", "--cp", "2", "--seq-lens", "32", "--heads", "2", "--repeat", 
 assert "kvgather_own" in out, out
 out = run("bench", "--dsa", "deepseek-v3.2", "--cp", "2", "--seq-lens", "32", "--heads", "2",
           "--repeat", "1", "--warmup", "0", "--index-topk", "8", "--json", "")
-assert "top-k 8" in out and any(line.split()[:1] == ["32"] for line in out.splitlines()), out
+# a row per layer kind: the kind, then S
+assert "top-k 8" in out and any(line.split()[:2] == ["computing", "32"]
+                                for line in out.splitlines()), out
 # the new sparse kernel at every stage, the all_keys target its loss declares included
 import torch
 from support import sparse_kernels
