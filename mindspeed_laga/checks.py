@@ -230,7 +230,8 @@ def _takes_degree(cp_algo) -> bool:
     return known is not None and known.takes_ulysses_degree
 
 
-def _documents(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1, cp_group=None):
+def check_cu_seqlens(cu_seqlens, query, cp_size: int, layout: str, degree: int = 1,
+                     cp_group=None):
     """cu_seqlens -> a tuple of global document boundaries (or None), checked (a tensor is
     read once per micro-batch: agreement.memo)."""
     if cu_seqlens is None:
@@ -354,7 +355,8 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
         _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight)
         degree = _check_ulysses_group(o.cp_algo, o.ulysses_group, o.cp_group, cp_size, dims.heads)
         _check_split(dims, query.shape[0], cp_size, o.cp_algo, o.layout, degree)
-        documents = _documents(o.cu_seqlens, query, cp_size, o.layout, degree, o.cp_group)
+        documents = check_cu_seqlens(o.cu_seqlens, query, cp_size, o.layout, degree,
+                                     o.cp_group)
         kernel = kernels.resolve(o.kernel, query.device, query.dtype, o.blockwise, o.pad_v)
         check_empty_rows(o.empty_rows)
         check_key_padding(o.key_padding_mask, query, cp_size, documents)

@@ -18,7 +18,7 @@ import torch
 
 from .. import agreement, comm, handshake
 from ..agreement_row import documents_code
-from ..checks import _documents as check_cu_seqlens  # the dense forms' documents check
+from ..checks import check_cu_seqlens  # the dense forms' documents check
 from ..vocab.segments import Documents
 from .registry import SPARSE_KERNELS, SparseStages, kernel_index, sparse_stages
 from .stage import SparseDims

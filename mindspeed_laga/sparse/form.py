@@ -131,8 +131,9 @@ def _query_starts(chunks: List[Chunk], documents, device) -> Optional[torch.Tens
     """[s] each local query's document start (None without documents), in local order."""
     if documents is None:
         return None
-    starts = [chunk.key_start for chunk in chunks for _ in range(chunk.length)]
-    return torch.tensor(starts, dtype=torch.long).to(device)
+    starts = torch.tensor([chunk.key_start for chunk in chunks], dtype=torch.long)
+    lengths = torch.tensor([chunk.length for chunk in chunks], dtype=torch.long)
+    return torch.repeat_interleave(starts, lengths).to(device)  # one per chunk, not per row
 
 
 def _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout):

@@ -50,7 +50,7 @@ def is_dsa(module) -> bool:
 
 
 def laga_dsa_attention(self, hidden_states, rotary_pos_emb, cp_group, megatron_args,
-                       inputs, kv_up_weight, softmax_scale, check_ranks=None, carriers=(),
+                       inputs, kv_up_weight, softmax_scale, check_ranks=None, carriers=(None, None),
                        cu_seqlens=None):
     """Sparse MLA with LAGA as the core; returns ``linear_proj``'s (output, bias).
 
@@ -106,7 +106,7 @@ def _share_holder(self, host, carriers, rotary_pos_emb):
     layer number) through the host's own store and load functions."""
     if not getattr(self, "_dsa_index_share", False):
         return None
-    packed_seq_params, attention_mask = carriers or (None, None)
+    packed_seq_params, attention_mask = carriers
     return host.get_dsa_index_share_holder(packed_seq_params, attention_mask, self.config,
                                            rotary_pos_emb=rotary_pos_emb)
 
