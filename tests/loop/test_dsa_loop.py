@@ -3,8 +3,8 @@
 The four DSA recipes of the master sources, scaled down (tests/support/loop/dsa_loop.py
 says what changes from each and why): DeepSeek-V3.2's 16K tune (SFT, ``--no-pad-to-seq-lengths``,
 ``ulysses_cp_algo``) at CP 2, its 128K kvallgather tune at CP 4, GLM-5's pretrain
-(``ulysses_cp_algo``) at CP 2, GLM-5.2's 32B pretrain (every fused op, shared picks,
-``ulysses_cp_algo``) at CP 2. Each trains with ``--mla-latent-all-gather`` and must
+(``ulysses_cp_algo``) at CP 2, GLM-5.2's 744B pretrain (every fused op, shared picks,
+MTP on, ``ulysses_cp_algo``) at CP 2. Each trains with ``--mla-latent-all-gather`` and must
 equal the host's own CP 1 run of the same recipe without the flag, iteration by
 iteration: LM loss and grad norm at full precision within the loop tolerances
 (tests/support/loop/compare.py), the printed MTP and indexer losses.
@@ -15,7 +15,8 @@ the host's validation turns on ``--use-fused-lightning-indexer-loss``; 128K:
 --enable-mla-absorb --mla-mm-split``; GLM-5: ``--use-sparse-flash-attn --enable-mla-absorb
 --mla-mm-split``), the host's and LAGA's fused ops on their CPU stand-ins
 (tests/support/fake_dsa_ops.py), each op called on every MLA forward of both runs (in
-GLM-5.2's, whose layer 4 reuses layer 3's picks, the indexer's ops on layers 1 to 3 only).
+GLM-5.2's, whose layer 4 reuses layer 3's picks, the indexer's ops on layers 1 to 3 and the
+MTP layer only).
 
 The 16K tune's fused indexer hands its grads back in bfloat16 (the op's dtype: the host
 casts the indexer's inputs), and its index-key grad is a sum over the queries of a call:
@@ -30,8 +31,9 @@ Each rank counts its calls: LAGA's sparse attention ran on every MLA forward (la
 MTP's included, x micro-batches x iterations) and the host's core attention never.
 
 Measured (4 iterations): the 128K tune and GLM-5 within 8.6e-8 (losses), 4.9e-7 (grad
-norms) and 2.4e-6 (indexer losses) of their references, GLM-5.2 (shared picks) within
-8.6e-8, 4.4e-6 and 2.7e-6; the 16K tune's first step within
+norms) and 2.4e-6 (indexer losses) of their references, GLM-5.2 (shared picks, MTP on,
+SGD: dsa_loop says why) within 8.6e-8, 1.0e-7 and 4.2e-7 (its MTP losses equal to the
+printed digits); the 16K tune's first step within
 0 (loss) and 3.4e-7 (grad norm), its later ones as above. Mutants of LAGA's sparse MLA
 tried by hand, each failing every case: the index keys taken from the neighbouring
 rank's chunk (sparse/form.py's _gather_keys; from iteration 1: losses 3.6e-4 to 2.0e-2

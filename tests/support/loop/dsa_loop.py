@@ -14,8 +14,9 @@ Four recipes of the master sources, read as tests/support/recipes.py reads any s
   --use-sparse-flash-attn --mla-mm-split``, the indexer and its loss non-fused);
 - ``glm52``: GLM-5.2's 4k pretrain (every fused op, the absorbed path, its shared
   picks as shipped: ``--index-topk-freq 4 --index-skip-topk-offset 3``), 4 layers so
-  that one reuses another's picks; no MTP, as shipped (the script defines ``MTP_ARGS``
-  but leaves them off its command line).
+  that one reuses another's picks, and MTP on: the script defines ``MTP_ARGS`` (one MTP
+  layer, loss factor 0.3, memory-efficient logits) but leaves them off its command line;
+  the case adds them as a user turning MTP on would. Its optimizer is SGD (below).
 
 What changes from each recipe, and why:
 
@@ -40,7 +41,17 @@ What changes from each recipe, and why:
   CP-invariant (tune_data.check_labels): at 64 tokens for CP 2, and the 128K recipe at
   128 tokens for its CP 4 (zigzag chunks of 16 as CP 2's at 64). ``--pad-to-multiple-of``
   is the recipe's TP x CP at the case's sizes, in the reference too (so both pad alike);
-- GLM-5 pretrains on real_loop's random-token documents (NullTokenizer).
+- GLM-5 and GLM-5.2 pretrain on real_loop's random-token documents (NullTokenizer);
+- GLM-5.2 trains with SGD (``--optimizer sgd``, and so without the distributed optimizer,
+  which Megatron allows with Adam only): Adam turns the float32 rounding by which CP 2's
+  grads differ from CP 1's (5e-7 over the whole model at step 1, measured) into weight
+  differences of up to 1.7e-2 of the learning rate in elements whose grads are near
+  zero (``g / (|g| + eps)``), and the indexer's top-k is not continuous in its weights:
+  with MTP on, a pick whose score lay 1.8e-4 from the 16th one's flipped in the MTP
+  layer at iteration 2 (measured), and from there the runs parted by 2.5e-4 (indexer
+  loss) and 1.5e-5 (grad norm), past the loop's tolerances though nothing in LAGA
+  differs. Under SGD the same runs agree within 8.6e-8 (losses), 1.0e-7 (grad norms)
+  and 4.2e-7 (indexer losses) for all 4 iterations.
 
 ``python tests/support/loop/dsa_loop.py --cp 2 --laga [--non-fused] v32-16k`` runs one case
 and prints its losses (``--non-fused``: without the fused flags the case leaves out,
@@ -97,6 +108,8 @@ class DsaRecipe:
     sft: bool = False
     seq_length: int = real_loop.SEQ_LENGTH
     scaled: Dict[str, str] = field(default_factory=dict)  # over DSA_SCALED
+    script_vars: Tuple[str, ...] = ()  # variables the script defines but does not pass
+    added: Tuple[str, ...] = ()        # flags added after the recipe's (the reason: above)
 
 
 RECIPES = {
@@ -111,10 +124,11 @@ RECIPES = {
                       cp=2, algo="ulysses_cp_algo",
                       scaled={"--moe-router-num-groups": "1", "--moe-router-group-topk": "1"}),
     # its shared picks as shipped (freq 4, offset 3): 4 layers, so layer 4 reuses layer 3's
-    # (layers 1 to 3 compute theirs); one dense layer, three MoE; no MTP, as shipped (the
-    # script defines MTP_ARGS but leaves them off its command line)
+    # (layers 1 to 3 compute theirs); one dense layer, three MoE; MTP on with the script's
+    # own MTP_ARGS (its MTP layer computes its own picks); SGD (module docstring)
     "glm52": DsaRecipe(Path("examples") / "mcore" / "glm52" / "pretrain_glm52_744b_4k_A3_ptd.sh",
-                       cp=2, algo="ulysses_cp_algo", scaled={"--num-layers": "4"}),
+                       cp=2, algo="ulysses_cp_algo", scaled={"--num-layers": "4"},
+                       script_vars=("MTP_ARGS",), added=("--optimizer", "sgd")),
 }
 # the recipe's fused flags ``--non-fused`` leaves out (the cases run them all)
 NON_FUSED = {
@@ -136,8 +150,10 @@ FUSED_OPS = {
               "npu_sparse_lightning_indexer_grad_kl_loss"),
 }
 # the cases whose layers share picks: per model forward, how many MLA forwards run the
-# indexer (layers 1 to 3) of how many (4 layers)
-SHARING = {"glm52": (3, 4)}
+# indexer (layers 1 to 3 and the MTP layer) of how many (4 layers and the MTP layer)
+SHARING = {"glm52": (4, 5)}
+# flags a case leaves out besides EXTRA_DROPPED: SGD takes no distributed optimizer
+CASE_DROPPED = {"glm52": {"--use-distributed-optimizer"}}
 
 
 def stock(llm_src: Path, case: str) -> List[str]:
@@ -145,11 +161,23 @@ def stock(llm_src: Path, case: str) -> List[str]:
     from support.recipes import recipe_argv
 
     entry = RECIPES[case]
-    argv = recipe_argv(Path(llm_src) / entry.script, dummies=Path("/placeholder"),
-                       entry=entry.entry)[0]
-    dropped = families.DROPPED | EXTRA_DROPPED
+    script = Path(llm_src) / entry.script
+    argv = recipe_argv(script, dummies=Path("/placeholder"), entry=entry.entry)[0]
+    argv += [token for name in entry.script_vars for token in script_variable(script, name)]
+    dropped = families.DROPPED | EXTRA_DROPPED | CASE_DROPPED.get(case, set())
     return [token for flag, values in real_loop.flag_groups(argv) if flag not in dropped
             for token in (flag, *values)]
+
+
+def script_variable(script: Path, name: str) -> List[str]:
+    """The arguments a recipe script's ``NAME="..."`` holds (e.g. GLM-5.2's MTP_ARGS,
+    which it defines but leaves off its command line)."""
+    import re
+    import shlex
+
+    found = re.search(rf'^{name}="([^"]*)"', Path(script).read_text(), flags=re.M)
+    assert found, f"{script} defines no {name}"
+    return shlex.split(found.group(1).replace("\\\n", " "))
 
 
 def scaled_flags(entry: DsaRecipe, stock_argv: List[str], data: dict = None
@@ -176,7 +204,7 @@ def recipe(llm_src: Path, case: str, cp_size: int, laga: bool, data: dict,
     entry = RECIPES[case]
     stock_argv = stock(llm_src, case)
     scaled, added = scaled_flags(entry, stock_argv, data)
-    added += ["--moe-router-load-balancing-type", "none"]
+    added += ["--moe-router-load-balancing-type", "none", *entry.added]
     if entry.sft:
         added += ["--tokenizer-name-or-path", data["tokenizer"]]
         if "--no-pad-to-seq-lengths" in stock_argv:  # the recipe's TP x CP, here TP 1
