@@ -179,9 +179,25 @@ def dsa_rope(module, args):
         return None  # the module's apply_rotary_pos_emb, as without DSA
 
     def in_complex(t, freqs, config=None, cu_seqlens=None):
-        return host.apply_rotary_pos_emb_bshd_in_complex(t, freqs, rotary_interleaved=False)
+        return host.apply_rotary_pos_emb_bshd_in_complex(t, _rank_rows(freqs, t.shape[0]),
+                                                         rotary_interleaved=False)
 
     return in_complex
+
+
+def _rank_rows(freqs, tokens):
+    """The rope rows of this rank's tokens. With packed documents (THD) the layer's rope
+    covers the whole sequence, and the host's THD rope picks each rank's rows itself; its
+    DSA rope (in complex form, and the indexer's) takes the rows as given, which at CP 1
+    are the tokens' positions in the sequence. The host splits packed batches
+    contiguously, so this rank's tokens hold the positions of its chunk."""
+    if freqs.shape[0] == tokens:
+        return freqs
+    from megatron.core import parallel_state
+    if freqs.shape[0] != tokens * parallel_state.get_context_parallel_world_size():
+        return freqs  # not the whole sequence: the host's rope says what is wrong
+    rank = parallel_state.get_context_parallel_rank()
+    return freqs[rank * tokens:(rank + 1) * tokens]
 
 
 def index_inputs(indexer, x, qr, rope, args):
@@ -204,6 +220,7 @@ def index_inputs(indexer, x, qr, rope, args):
 
 
 def _index_rope(host, indexer, t, freqs, args):
+    freqs = _rank_rows(freqs, t.shape[0])
     if getattr(args, "apply_rope_no_in_complex", False):
         return host.apply_rotary_pos_emb(t, freqs, config=indexer.config)
     return host.apply_rotary_pos_emb_bshd_in_complex(t, freqs, rotary_interleaved=True)
