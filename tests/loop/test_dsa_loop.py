@@ -1,12 +1,14 @@
 """MindSpeed-LLM's sparse MLA (DSA) recipes through its own training loop, with LAGA.
 
-The four DSA recipes of the master sources, scaled down (tests/support/loop/dsa_loop.py
+Five DSA recipes of the master sources, scaled down (tests/support/loop/dsa_loop.py
 says what changes from each and why): DeepSeek-V3.2's 16K tune (SFT, ``--no-pad-to-seq-lengths``,
 ``ulysses_cp_algo``) at CP 2, its 128K kvallgather tune at CP 4, GLM-5's pretrain
 (``ulysses_cp_algo``) at CP 2, GLM-5.2's 744B pretrain (every fused op, shared picks,
-MTP on, ``ulysses_cp_algo``) at CP 2. Each trains with ``--mla-latent-all-gather`` and must
-equal the host's own CP 1 run of the same recipe without the flag, iteration by
-iteration: LM loss and grad norm at full precision within the loop tolerances
+MTP on, ``ulysses_cp_algo``) at CP 2, and V3.2's pretrain with packed documents
+(``--reset-attention-mask``, every fused op) at CP 2. Each trains with
+``--mla-latent-all-gather`` and must equal the host's own CP 1 run of the same recipe
+without the flag (the packed one, which the host cannot run: LAGA's run at CP 4),
+iteration by iteration: LM loss and grad norm at full precision within the loop tolerances
 (tests/support/loop/compare.py), the printed MTP and indexer losses.
 
 Each runs with its fused flags as shipped (16K: ``--use-fused-lightning-indexer``, with which
@@ -165,8 +167,12 @@ def assert_fused_ops_ran(run, case):
                 assert forwards * computing // layers <= counts.get(op, 0) < forwards, where
 
 
+HOST_REFERENCE = [case for case, entry in dsa_loop.RECIPES.items() if entry.reference_cp == 1]
+LAGA_REFERENCE = [case for case in dsa_loop.RECIPES if case not in HOST_REFERENCE]
+
+
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S)
-@pytest.mark.parametrize("case", list(dsa_loop.RECIPES))
+@pytest.mark.parametrize("case", HOST_REFERENCE)
 def test_dsa_recipe_equals_cp1(dsa_run, case):
     ref = dsa_run(f"{case}-cp1", case, 1, False)
     assert_host_ran(ref)
@@ -180,3 +186,20 @@ def test_dsa_recipe_equals_cp1(dsa_run, case):
     else:
         assert_same_training(run, ref)
         assert_same_indexer_loss(run, ref)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S)
+@pytest.mark.parametrize("case", LAGA_REFERENCE)
+def test_dsa_recipe_the_same_at_two_cp_sizes(dsa_run, case):
+    """A recipe the host cannot run (packed documents: dsa_loop's docstring says why): LAGA
+    at the case's CP equals LAGA at its reference CP, iteration by iteration."""
+    entry = dsa_loop.RECIPES[case]
+    ref = dsa_run(f"{case}-cp{entry.reference_cp}", case, entry.reference_cp, True)
+    run = dsa_run(f"{case}-laga", case, entry.cp, True)
+    assert max(run.series("lm loss")) - min(run.series("lm loss")) > 1e-3, run.series("lm loss")
+    for one in (ref, run):
+        assert_laga_on_every_mla(one, ref)
+        assert_fused_ops_ran(one, case)
+        assert_steady_state(one, real_loop.MICRO_BATCHES, real_loop.ITERATIONS, SPARSE)
+    assert_same_training(run, ref)
+    assert_same_indexer_loss(run, ref)

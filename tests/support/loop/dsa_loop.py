@@ -41,7 +41,20 @@ What changes from each recipe, and why:
   CP-invariant (tune_data.check_labels): at 64 tokens for CP 2, and the 128K recipe at
   128 tokens for its CP 4 (zigzag chunks of 16 as CP 2's at 64). ``--pad-to-multiple-of``
   is the recipe's TP x CP at the case's sizes, in the reference too (so both pad alike);
-- GLM-5 and GLM-5.2 pretrain on real_loop's random-token documents (NullTokenizer);
+- GLM-5, GLM-5.2 and V3.2's pretrain train on real_loop's random-token documents
+  (NullTokenizer);
+- ``v32-packed`` (V3.2's pretrain with ``--reset-attention-mask``, no MTP) has no host
+  reference: MindSpeed-LLM's packed DSA cannot run, at CP 1 or any CP. Its fused indexer
+  gets 4-D tensors with ``layout_query="TND"``, which the op takes 3-D; its sparse flash
+  attention gets 3-D ones with ``layout_query="BSND"``, which it takes 4-D; its fused
+  loss gets the documents' ends as BSND's per-sample lengths; and the indexer's TND picks,
+  which count from each query's document start, reach the other two ops unshifted, so
+  they would read the first document's keys. With MTP the indexer also gets every MTP
+  depth's ends as one list (``[20, 39, 64, 19, 38, 64]``), which the op rejects. So the
+  case compares LAGA at CP 2 with LAGA at CP 4: other tokens on each rank, other rope
+  rows, other document pieces per op call, the same model. (LAGA's core with documents is
+  checked against a float64 reference and the host's module per document:
+  docs/SPARSE_MLA.md.)
 - GLM-5.2 trains with SGD (``--optimizer sgd``, and so without the distributed optimizer,
   which Megatron allows with Adam only): Adam turns the float32 rounding by which CP 2's
   grads differ from CP 1's (5e-7 over the whole model at step 1, measured) into weight
@@ -110,6 +123,9 @@ class DsaRecipe:
     scaled: Dict[str, str] = field(default_factory=dict)  # over DSA_SCALED
     script_vars: Tuple[str, ...] = ()  # variables the script defines but does not pass
     added: Tuple[str, ...] = ()        # flags added after the recipe's (the reason: above)
+    # the CP of the run the case is compared with: 1, the host's own run without the flag;
+    # else LAGA's run at that CP (a case the host cannot run, see v32-packed)
+    reference_cp: int = 1
 
 
 RECIPES = {
@@ -126,6 +142,12 @@ RECIPES = {
     # its shared picks as shipped (freq 4, offset 3): 4 layers, so layer 4 reuses layer 3's
     # (layers 1 to 3 compute theirs); one dense layer, three MoE; MTP on with the script's
     # own MTP_ARGS (its MTP layer computes its own picks); SGD (module docstring)
+    # packed documents as a user adds them to the pretrain recipe (every fused op as
+    # shipped): --reset-attention-mask, which the host runs on its fused ops only; no MTP
+    # (CASE_DROPPED); against LAGA at CP 4, since the host's packed DSA cannot run
+    "v32-packed": DsaRecipe(DEEPSEEK32 / "pretrain_deepseek32_671b_4k_A3_ptd.sh", cp=2,
+                            algo="ulysses_cp_algo", added=("--reset-attention-mask",),
+                            reference_cp=4),
     "glm52": DsaRecipe(Path("examples") / "mcore" / "glm52" / "pretrain_glm52_744b_4k_A3_ptd.sh",
                        cp=2, algo="ulysses_cp_algo", scaled={"--num-layers": "4"},
                        script_vars=("MTP_ARGS",), added=("--optimizer", "sgd")),
@@ -136,6 +158,8 @@ NON_FUSED = {
     "v32-128k": ("--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
                  "--use-sparse-flash-attn", "--enable-mla-absorb"),
     "glm5": ("--use-sparse-flash-attn", "--enable-mla-absorb"),
+    "v32-packed": ("--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
+                   "--use-sparse-flash-attn", "--enable-mla-absorb"),
     "glm52": ("--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss",
               "--use-sparse-flash-attn", "--enable-mla-absorb"),
 }
@@ -145,6 +169,8 @@ FUSED_OPS = {
     "v32-128k": ("npu_lightning_indexer", "npu_sparse_flash_attention",
                  "npu_sparse_lightning_indexer_grad_kl_loss"),
     "glm5": ("npu_sparse_flash_attention",),
+    "v32-packed": ("npu_lightning_indexer", "npu_sparse_flash_attention",
+                   "npu_sparse_lightning_indexer_grad_kl_loss"),
     # the indexer's ops run in the layers that compute their picks only (SHARING)
     "glm52": ("npu_lightning_indexer", "npu_sparse_flash_attention",
               "npu_sparse_lightning_indexer_grad_kl_loss"),
@@ -152,8 +178,12 @@ FUSED_OPS = {
 # the cases whose layers share picks: per model forward, how many MLA forwards run the
 # indexer (layers 1 to 3 and the MTP layer) of how many (4 layers and the MTP layer)
 SHARING = {"glm52": (4, 5)}
-# flags a case leaves out besides EXTRA_DROPPED: SGD takes no distributed optimizer
-CASE_DROPPED = {"glm52": {"--use-distributed-optimizer"}}
+# flags a case leaves out besides EXTRA_DROPPED: SGD takes no distributed optimizer; the
+# host's packed DSA cannot run MTP (its fused indexer gets every MTP depth's document ends
+# as one list, e.g. [20, 39, 64, 19, 38, 64], which the op rejects as not cumulative)
+CASE_DROPPED = {"glm52": {"--use-distributed-optimizer"},
+                "v32-packed": {"--mtp-num-layers", "--mtp-loss-scaling-factor",
+                               "--mtp-mem-efficient-logits"}}
 
 
 def stock(llm_src: Path, case: str) -> List[str]:
