@@ -1,6 +1,6 @@
 """MindSpeed-LLM's sparse MLA (DSA) recipes, scaled down for the real loop.
 
-Four recipes of the master sources, read as tests/support/recipes.py reads any script:
+Five recipes of the master sources, read as tests/support/recipes.py reads any script:
 
 - ``v32-16k``: DeepSeek-V3.2's 16K tune (``posttrain_gpt.py``: SFT with
   ``--is-instruction-dataset --prompt-type deepseek3 --no-pad-to-seq-lengths
@@ -12,6 +12,9 @@ Four recipes of the master sources, read as tests/support/recipes.py reads any s
   ``--mla-mm-split``);
 - ``glm5``: GLM-5's 4k pretrain (``pretrain_gpt.py``: ``--enable-mla-absorb
   --use-sparse-flash-attn --mla-mm-split``, the indexer and its loss non-fused);
+- ``v32-packed``: DeepSeek-V3.2's 4k pretrain (every fused op, the absorbed path) with
+  packed documents, ``--reset-attention-mask`` added as a user packing the pretrain
+  data would;
 - ``glm52``: GLM-5.2's 4k pretrain (every fused op, the absorbed path, its shared
   picks as shipped: ``--index-topk-freq 4 --index-skip-topk-offset 3``), 4 layers so
   that one reuses another's picks, and MTP on: the script defines ``MTP_ARGS`` (one MTP
@@ -43,6 +46,38 @@ What changes from each recipe, and why:
   is the recipe's TP x CP at the case's sizes, in the reference too (so both pad alike);
 - GLM-5, GLM-5.2 and V3.2's pretrain train on real_loop's random-token documents
   (NullTokenizer);
+- ``v32-packed`` (V3.2's pretrain with ``--reset-attention-mask``) leaves MTP out
+  (CASE_DROPPED), and its host run takes tests/support/loop/host_packed_dsa.py's fixes:
+  as shipped, MindSpeed-LLM's packed DSA cannot run at any CP (that module says why);
+
+What changes from each recipe, and why:
+
+- the dimensions shrink to what the fused NPU ops still accept (their CPU stand-ins,
+  tests/support/fake_dsa_ops.py, check as the ops do): kv-lora-rank 512 and rope dim 64
+  (the sparse attention's latent), index-head-dim 128, 8 attention heads and 8 index
+  heads (the indexer loss's smallest counts); the rest as the other loop cases shrink
+  theirs (hidden 64, q-lora 32, nope and value dims 16, index top-k 16, below every
+  sequence), 2 layers (one dense, one MoE; the 128K recipe's one MoE layer as shipped),
+  MoE with 4 tiny experts, MTP as shipped; 4 iterations at the pretrain loop's learning
+  rate (3e-3: full fine-tuning, no LoRA);
+- TP 1, PP 1, EP 1, no sequence parallelism (one rank per CP slot keeps each run to 2
+  or 4 processes on a 2-core machine), no virtual pipeline, no recompute (it would only rerun the same forwards), fp32 (bf16 would hide
+  small differences), NPU-only fusions and overlaps off (real_loop.DROPPED,
+  families.DROPPED, EXTRA_DROPPED);
+- the router's CP-local balance terms (``--seq-aux``, ``seq_aux_loss``,
+  ``--moe-router-enable-expert-bias``, real_loop.HOST_CP_VARIANT) are left out, load
+  balancing ``none``: the host computes them on each CP rank's tokens, so it trains
+  another model at CP > 1 than at CP 1;
+- the tune recipes read tests/support/loop/tune_data.py's instruction data and tokenizer
+  (one build shared with the other fine-tune cases); its layout keeps the host's SFT
+  CP-invariant (tune_data.check_labels): at 64 tokens for CP 2, and the 128K recipe at
+  128 tokens for its CP 4 (zigzag chunks of 16 as CP 2's at 64). ``--pad-to-multiple-of``
+  is the recipe's TP x CP at the case's sizes, in the reference too (so both pad alike);
+- GLM-5, GLM-5.2 and V3.2's pretrain train on real_loop's random-token documents
+  (NullTokenizer);
+- ``v32-packed`` (V3.2's pretrain with ``--reset-attention-mask``) leaves MTP out
+  (CASE_DROPPED), and its host run takes tests/support/loop/host_packed_dsa.py's fixes:
+  as shipped, MindSpeed-LLM's packed DSA cannot run at any CP (that module says why);
 - ``v32-packed`` (V3.2's pretrain with ``--reset-attention-mask``, no MTP) has no host
   reference: MindSpeed-LLM's packed DSA cannot run, at CP 1 or any CP. Its fused indexer
   gets 4-D tensors with ``layout_query="TND"``, which the op takes 3-D; its sparse flash
@@ -123,9 +158,6 @@ class DsaRecipe:
     scaled: Dict[str, str] = field(default_factory=dict)  # over DSA_SCALED
     script_vars: Tuple[str, ...] = ()  # variables the script defines but does not pass
     added: Tuple[str, ...] = ()        # flags added after the recipe's (the reason: above)
-    # the CP of the run the case is compared with: 1, the host's own run without the flag;
-    # else LAGA's run at that CP (a case the host cannot run, see v32-packed)
-    reference_cp: int = 1
 
 
 RECIPES = {
@@ -144,10 +176,9 @@ RECIPES = {
     # own MTP_ARGS (its MTP layer computes its own picks); SGD (module docstring)
     # packed documents as a user adds them to the pretrain recipe (every fused op as
     # shipped): --reset-attention-mask, which the host runs on its fused ops only; no MTP
-    # (CASE_DROPPED); against LAGA at CP 4, since the host's packed DSA cannot run
+    # (CASE_DROPPED); the host's run with its fused calls fixed (host_packed_dsa.py)
     "v32-packed": DsaRecipe(DEEPSEEK32 / "pretrain_deepseek32_671b_4k_A3_ptd.sh", cp=2,
-                            algo="ulysses_cp_algo", added=("--reset-attention-mask",),
-                            reference_cp=4),
+                            algo="ulysses_cp_algo", added=("--reset-attention-mask",)),
     "glm52": DsaRecipe(Path("examples") / "mcore" / "glm52" / "pretrain_glm52_744b_4k_A3_ptd.sh",
                        cp=2, algo="ulysses_cp_algo", scaled={"--num-layers": "4"},
                        script_vars=("MTP_ARGS",), added=("--optimizer", "sgd")),
@@ -260,10 +291,12 @@ def run(ready: dict, workdir: Path, case: str, argv: List[str], timeout_s: float
     own order the 16K tune's losses part from LAGA's by 3e-5 at iteration 3, the host's
     CP 2 run staying with its CP 1 run; with the position order all three agree)."""
     from support.loop.bootstrap.loop_recorder import ORDERED_TOPK_ENV
+    from support.loop.host_packed_dsa import HOST_PACKED_DSA_ENV
+    env = {"FAKE_TORCH_NPU_WIDE_DTYPES": "1", ORDERED_TOPK_ENV: "1"}
+    if "--reset-attention-mask" in argv and real_loop.LAGA not in argv:  # the host's own run
+        env[HOST_PACKED_DSA_ENV] = "1"
     return real_loop.run_loop(ready["sources"], workdir, real_loop.ranks(argv), argv,
-                              timeout_s=timeout_s, script=RECIPES[case].entry,
-                              extra_env={"FAKE_TORCH_NPU_WIDE_DTYPES": "1",
-                                         ORDERED_TOPK_ENV: "1"})
+                              timeout_s=timeout_s, script=RECIPES[case].entry, extra_env=env)
 
 
 def main():

@@ -27,6 +27,7 @@ def start(folder):
     if tests not in sys.path:
         sys.path.insert(0, tests)
     from support import npu_host
+    from support.loop import host_packed_dsa
 
     torch_npu = npu_host.install()
     if os.environ.get(UNSPECIFIED_ROWS_ENV):  # e.g. "zero" (tests/support/fake_torch_npu.py)
@@ -34,6 +35,9 @@ def start(folder):
         fake_torch_npu.UNSPECIFIED_ROWS = os.environ[UNSPECIFIED_ROWS_ENV]
     if os.environ.get(ORDERED_TOPK_ENV):
         npu_host.install_position_ordered_topk()
+    if os.environ.get(host_packed_dsa.HOST_PACKED_DSA_ENV):  # the host's packed DSA calls
+        _after_import(host_packed_dsa.INDEXER_MODULE, host_packed_dsa.install_indexer)
+        _after_import(host_packed_dsa.ATTENTION_MODULE, host_packed_dsa.install_attention)
     _count_laga()
     _count_dsa_ops(torch_npu)
     steady = _count_steady_state()

@@ -17,6 +17,8 @@ In a torchrun rank (``RANK`` set) with ``LAGA_LOOP_RECORD`` naming a folder, bef
   counted per MLA layer call and iteration, inside the MLA module's call and LAGA's
   autograd backward functions (tests/support/host_syncs.py, collectives.py,
   laga_regions.py), into ``steady_state``;
+- in the host's own runs of packed DSA, its three fused calls are fixed
+  (tests/support/loop/host_packed_dsa.py says how and why);
 - the host's ``training_log`` is wrapped to keep each iteration's losses and grad norm
   at full precision.
 
