@@ -59,8 +59,8 @@ What changes from each recipe, and why:
   loss) and 1.5e-5 (grad norm), past the loop's tolerances though nothing in LAGA
   differs. Without MTP it happens too, depending on the machine: a CI run of the case
   before it had MTP, Adam as shipped, parted by 1.2e-4 in the loss at iteration 4 where
-  an earlier run had stayed within 8.6e-8. Under SGD the same runs agree within 8.6e-8 (losses), 1.0e-7 (grad norms)
-  and 4.2e-7 (indexer losses) for all 4 iterations.
+  an earlier run had stayed within 8.6e-8. Under SGD the same runs agree within 8.6e-8
+  (losses), 1.0e-7 (grad norms) and 4.2e-7 (indexer losses) for all 4 iterations.
 
 ``python tests/support/loop/dsa_loop.py --cp 2 --laga [--non-fused] v32-16k`` runs one case
 and prints its losses (``--non-fused``: without the fused flags the case leaves out,
