@@ -453,10 +453,11 @@ def _packed_case(name, cp_size):
         def local(t):
             return layouts.shard(t, layout, cp_size, cp_rank, dim=0)
 
-        try:
+        try:  # the whole sequence's rope, as every rank's layer gets it under
+            # --reset-attention-mask in MindSpeed-LLM's loop (all 64 rows at CP 2 there)
             res["laga"] = _run(module, lambda h, r: patched(module, h, None, rotary_pos_emb=r,
                                                             packed_seq_params=packed),
-                               (local(hidden), local(rope), local(grad_out)), cp_size, (1,))
+                               (local(hidden), rope, local(grad_out)), cp_size, (1,))
         finally:
             set_actual_seq_len(None)
         return res
