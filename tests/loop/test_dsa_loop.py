@@ -8,8 +8,9 @@ MTP on, ``ulysses_cp_algo``) at CP 2, and V3.2's pretrain with packed documents
 (``--reset-attention-mask``, every fused op) at CP 2. Each trains with
 ``--mla-latent-all-gather`` and must equal the host's own CP 1 run of the same recipe
 without the flag (the packed one with the host's fused calls fixed:
-tests/support/loop/host_packed_dsa.py), iteration by iteration: LM loss and grad norm at full precision within the loop tolerances
-(tests/support/loop/compare.py), the printed MTP and indexer losses.
+tests/support/loop/host_packed_dsa.py), iteration by iteration: LM loss and grad norm
+at full precision within the loop tolerances (tests/support/loop/compare.py), the
+printed MTP and indexer losses.
 
 Each runs with its fused flags as shipped (16K: ``--use-fused-lightning-indexer``, with which
 the host's validation turns on ``--use-fused-lightning-indexer-loss``; 128K:
@@ -37,8 +38,7 @@ norms) and 2.4e-6 (indexer losses) of their references, GLM-5.2 (shared picks, M
 SGD: dsa_loop says why) within 8.6e-8, 1.0e-7 and 4.2e-7 (its MTP losses equal to the
 printed digits), V3.2 with packed documents within 0, 3.1e-7 and 1.7e-6 (every rank
 taking the first chunk's rope rows moves its first loss by 4.0e-5); the 16K tune's first
-step within
-0 (loss) and 3.4e-7 (grad norm), its later ones as above. Mutants of LAGA's sparse MLA
+step within 0 (loss) and 3.4e-7 (grad norm), its later ones as above. Mutants of LAGA's sparse MLA
 tried by hand, each failing every case: the index keys taken from the neighbouring
 rank's chunk (sparse/form.py's _gather_keys; from iteration 1: losses 3.6e-4 to 2.0e-2
 off, the 16K tune's first indexer loss 1.3e-2) and the indexer loss's gradient dropped (grad norms
