@@ -43,7 +43,9 @@ tried by hand, each failing every case: the index keys taken from the neighbouri
 rank's chunk (sparse/form.py's _gather_keys; from iteration 1: losses 3.6e-4 to 2.0e-2
 off, the 16K tune's first indexer loss 1.3e-2) and the indexer loss's gradient dropped (grad norms
 1.8e-5 to 9e-5 off at iteration 1, 1e-2 to 2e-2 at iteration 2; indexer losses 4e-2 to
-4e-1 off from iteration 2: the 16K tune's 0.31 against its bound of 2e-2).
+4e-1 off from iteration 2: the 16K tune's 0.31 against its bound of 2e-2). On the GLM-5.2
+case with MTP and the packed one, the first mutant moves the first loss by 2.7e-4 and
+1.2e-5, the second the losses of iterations 3 and 2 by 4.7e-5 and 4.8e-6.
 
 The ranks order ``torch.topk``'s ties by position (dsa_loop.run): the indexer's scores tie
 at exactly 0, and with CPU's own order the host's 16K tune picks other keys than LAGA's
