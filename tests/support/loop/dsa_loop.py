@@ -48,7 +48,7 @@ What changes from each recipe, and why:
   (NullTokenizer);
 - ``v32-packed`` (V3.2's pretrain with ``--reset-attention-mask``) leaves MTP out
   (CASE_DROPPED), and its host run takes tests/support/loop/host_packed_dsa.py's fixes:
-  as shipped, MindSpeed-LLM's packed DSA cannot run at any CP (that module says why);
+  as shipped, MindSpeed-LLM's packed DSA cannot run at CP 1 (that module says why);
 - GLM-5.2 trains with SGD (``--optimizer sgd``, and so without the distributed optimizer,
   which Megatron allows with Adam only): Adam turns the float32 rounding by which CP 2's
   grads differ from CP 1's (5e-7 over the whole model at step 1, measured) into weight

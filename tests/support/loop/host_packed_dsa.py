@@ -1,7 +1,8 @@
 """The fixes the host's own packed-document DSA run needs before it can serve as the CP 1
 reference of LAGA's: MindSpeed-LLM (master) runs DSA under ``--reset-attention-mask`` on
 its fused ops only, and calls each of the three ops in a way the op rejects or misreads,
-so as shipped its packed DSA cannot run, at CP 1 or any CP, LAGA or not.
+so as shipped its packed DSA cannot run at CP 1, nor under ulysses at any CP (the same
+calls; its kvallgather functions were not tried), LAGA or not.
 
 - ``npu_lightning_indexer`` (``dsa_indexer.fused_lightning_indexer``) gets the 4-D BSND
   tensors ``[1, T, N, D]`` (weights ``[1, T, N]``) with ``layout_query="TND"``, and its
