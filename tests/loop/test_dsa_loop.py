@@ -186,4 +186,3 @@ def test_dsa_recipe_equals_cp1(dsa_run, case):
     else:
         assert_same_training(run, ref)
         assert_same_indexer_loss(run, ref)
-

@@ -69,6 +69,8 @@ NON_FUSED; ``--without FLAG`` leaves out any other).
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -194,9 +196,6 @@ def stock(llm_src: Path, case: str) -> List[str]:
 def script_variable(script: Path, name: str) -> List[str]:
     """The arguments a recipe script's ``NAME="..."`` holds (e.g. GLM-5.2's MTP_ARGS,
     which it defines but leaves off its command line)."""
-    import re
-    import shlex
-
     found = re.search(rf'^{name}="([^"]*)"', Path(script).read_text(), flags=re.M)
     assert found, f"{script} defines no {name}"
     return shlex.split(found.group(1).replace("\\\n", " "))
