@@ -178,3 +178,35 @@ def test_each_doc_is_under_its_line_budget(doc):
 def test_the_docs_together_are_under_their_line_budget():
     total = sum(len(d.read_text(encoding="utf-8").splitlines()) for d in (ROOT / "docs").glob("*.md"))
     assert total < MAX_LINES_ALL_DOCS, f"docs/*.md have {total} lines (fewer than {MAX_LINES_ALL_DOCS} wanted)"
+
+
+# ----------------------------------------------------------------- DESIGN.md's layout of the repository
+
+def layout_section(root: Path = ROOT) -> str:
+    text = (root / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    start = text.index("\n## Layout of the repository")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def unlisted(section: str, root: Path = ROOT):
+    """The package's top modules and every package folder the layout section does not name."""
+    out = []
+    for module in sorted((root / "mindspeed_laga").glob("*.py")):
+        if module.name != "__init__.py" and module.name not in section:
+            out.append(f"mindspeed_laga/{module.name}")
+    for top in _PACKAGES:
+        for init in sorted((root / top).rglob("__init__.py")):
+            folder = init.parent.relative_to(root / top).as_posix()
+            if folder != "." and f"{folder}/" not in section:
+                out.append(f"{top}/{folder}/")
+    return out
+
+
+def test_the_layout_of_the_repository_names_what_is_in_the_tree():
+    assert unlisted(layout_section()) == [], "docs/DESIGN.md's layout section does not name these"
+
+
+def test_the_layout_check_finds_a_module_left_out():
+    section = layout_section().replace("`skipped.py`", "").replace("`sparse/`", "")
+    assert unlisted(section) == ["mindspeed_laga/skipped.py", "mindspeed_laga/sparse/"]
