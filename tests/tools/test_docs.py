@@ -8,6 +8,8 @@
   ``module.name`` must name something the file defines.
 - Every dotted module in backquotes (``mindspeed_laga.x``, ``patches.x``, ``features.x``)
   resolves to a file, its trailing parts to names that file defines.
+- DESIGN.md's "Layout of the repository" names every top module of the package and every
+  package folder, so it lists what is in the tree now.
 
 Sections (anchors) are checked by tests/core/test_doc_citations.py. Host paths (the
 MindSpeed-LLM or Megatron tree: ``pretrain_gpt.py``, ``training/checkpointing.py``) do not
