@@ -206,10 +206,10 @@ def test_memory_table_fits_100_columns_for_any_number_of_kernels(capsys, monkeyp
     with more kernels of the same kinds (shown once each kind, the others named), in blocks
     that stay within 100 columns."""
     from mindspeed_laga.kernels.registry import KERNEL_NAMES, model_kind
-    from mindspeed_laga.tools.commands import plan
+    from mindspeed_laga.tools.commands import plan_args, plan_build
     extra = tuple(f"{k}_{i}" for i in range(copies) for k in KERNEL_NAMES)
-    monkeypatch.setattr(plan, "CPU_KERNELS", KERNEL_NAMES + extra)
-    monkeypatch.setattr(plan, "model_kind", lambda k, device: model_kind(k.split("_")[0], device))
+    monkeypatch.setattr(plan_args, "CPU_KERNELS", KERNEL_NAMES + extra)
+    monkeypatch.setattr(plan_build, "model_kind", lambda k, device: model_kind(k.split("_")[0], device))
     code, out, err = run_cli(capsys, "plan", "--kernel", "both", "--cp-algo", "allgather")
     assert code == 0, err
     wide = [line for line in out.splitlines() if len(line) > 100]

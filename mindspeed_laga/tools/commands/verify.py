@@ -15,7 +15,7 @@ from ..runspec import standard_runs
 from ...cp_algos import algo
 from ...kernels.registry import CPU_KERNELS, canonical
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, SEQUENCE_LAYOUTS
-from .bench import hybrid_worker, ulysses_degree_from_args
+from .bench_runs import hybrid_worker, ulysses_degree_from_args
 from ...vocab.segments import check_seq_len
 from .output import dtype_arg
 from .parsers import add_cp_algo_args, command_parser
