@@ -15,8 +15,13 @@ def test_doctor_refuses_one_path_for_json_and_markdown(capsys, tmp_path, monkeyp
     assert not (tmp_path / "report").exists()  # refused before anything ran or was written
 
 
-def test_verify_under_torchrun_is_refused_before_any_rank(capsys, monkeypatch):
-    monkeypatch.setenv("RANK", "1")
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_verify_under_torchrun_is_refused_before_any_rank_once_per_job(capsys, monkeypatch, rank):
+    """Every rank refuses (exit 2); only rank 0 prints the line, so a job prints it once."""
+    monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", "2")
     code, _, err = run_cli(capsys, "verify", "--cp", "2")
-    assert_one_line_error("verify", code, err, "without torchrun")
+    if rank == "0":
+        assert_one_line_error("verify", code, err, "without torchrun")
+    else:
+        assert code == 2 and err == ""

@@ -49,6 +49,7 @@ DEFAULT_CP = 4
 DEFAULT_DIR = "bench_out"
 DEFAULT_JSON = os.path.join(DEFAULT_DIR, "bench.json")
 DEFAULT_PLOT = os.path.join(DEFAULT_DIR, "bench.png")
+DEFAULT_DSA_JSON = os.path.join(DEFAULT_DIR, "bench_dsa.json")  # bench --dsa: not the dense bench's
 # How long spawned ranks may take for the whole benchmark before they count as hung: a
 # bench at model dims on CPU runs for many minutes, which is not a hang.
 RUN_TIMEOUT_S = 3600.0
@@ -87,8 +88,8 @@ def add_parser(sub):
     p.add_argument("--forms-only", action="store_true",
                    help="only explicit, absorbed and LAGA (no LAGA options)")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help=f"write every figure here (default {DEFAULT_JSON}, the folder made if "
-                        "needed; '-' = stdout only; '' = none)")
+                   help=f"write every figure here (default {DEFAULT_JSON}, with --dsa "
+                        f"{DEFAULT_DSA_JSON}, the folder made if needed; '-' = stdout only; '' = none)")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help=f"PNG plots (needs matplotlib: refused without it; default {DEFAULT_PLOT}, "
                         "skipped with a note at the start when matplotlib is missing; '' = none)")
@@ -183,9 +184,9 @@ def _run_dsa(args) -> int:
     if args.plot:
         raise ValueError(f"--plot {args.plot!r} draws the dense forms' panels; bench --dsa prints "
                          "its table and writes JSON only: drop --plot")
-    if args.json is None:  # the default file in the default folder, made when missing
-        args.json = DEFAULT_JSON
-        check_output_path("--json", DEFAULT_DIR if not os.path.isdir(DEFAULT_DIR) else DEFAULT_JSON)
+    if args.json is None:  # its own default file in the default folder, made when missing
+        args.json = DEFAULT_DSA_JSON
+        check_output_path("--json", DEFAULT_DIR if not os.path.isdir(DEFAULT_DIR) else DEFAULT_DSA_JSON)
         os.makedirs(DEFAULT_DIR, exist_ok=True)
     return bench_dsa.run(args, parse_seq_lens(args.seq_lens), shape_from_args(args, 1))
 

@@ -8,14 +8,23 @@ import os
 import sys
 from typing import Optional
 
+from ..torchrun_env import torchrun_rank
+
 GiB = 2 ** 30
 MiB = 2 ** 20
+
+
+def refuse(line: str) -> None:
+    """A refusal on stderr, once per job: under torchrun every rank refuses alike and only
+    rank 0 prints it."""
+    if torchrun_rank() == 0:
+        print(line, file=sys.stderr)
 
 
 def one_line_errors(parser: argparse.ArgumentParser, prog: str):
     """Argument errors as one line and exit 2 (argparse would add a usage block)."""
     def error(message):
-        print(f"mindspeed-laga {prog}: error: {message}", file=sys.stderr)
+        refuse(f"mindspeed-laga {prog}: error: {message}")
         sys.exit(2)
     parser.error = error
 

@@ -70,9 +70,10 @@ def add_parser(sub):
     p.add_argument("--kv-block-size", type=int, default=2048,
                    help="keys per rebuilt block for the blockwise LAGA rows (default 2048)")
     p.add_argument("--device-memory", type=finite_float, default=None, metavar="GiB",
-                   help="device memory for the fit check (with --num-layers)")
+                   help="device memory for the fit check (needs --num-layers)")
     p.add_argument("--num-layers", type=int, default=None,
-                   help="attention layers held by one device (fit check)")
+                   help="attention layers held by one device: the recommendation's figures per "
+                        "iteration (and, with --device-memory, the fit check)")
     p.add_argument("--link-bandwidth", type=finite_float, default=None, metavar="GB/s",
                    help="bytes per second a rank can send (default: 910B intra-node 196 and "
                         "cross-node 25, both shown)")

@@ -67,8 +67,9 @@ def check_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     check_seq_len_bound("--seq-len", args.seq_len)
     check_ulysses_degree(args)
-    if (args.device_memory is None) != (args.num_layers is None):
-        raise ValueError("--device-memory and --num-layers go together (the fit check needs both)")
+    if args.device_memory is not None and args.num_layers is None:
+        raise ValueError("--device-memory needs --num-layers (the fit check counts the layers "
+                         "one device holds)")
     if takes_ulysses_degree(args.cp_algo) and args.ulysses_degree is None:
         raise ValueError("--cp-algo hybrid needs --ulysses-degree U (the Ulysses group's size, a "
                          "divisor of --cp)")

@@ -29,6 +29,8 @@ def print_plan(plan: dict) -> None:
         lens = c["doc_lens"]
         shown = ",".join(map(str, lens)) if len(lens) <= 8 else f"{len(lens)} documents"
         print(f"documents: {shown} (a query sees only its own document)")
+    recommend.print_recommendation(plan["recommendation_rows"], _fmt_bytes, WIDTH)  # the answer first
+    print("\nthe tables behind it:")
     for algo, entry in plan["algos"].items():
         hybrid = f", U={entry['ulysses_degree']}" if takes_ulysses_degree(algo) else ""
         print(f"\ncp_algo={algo} (layout {entry['layout']}{hybrid})")
@@ -55,7 +57,6 @@ def print_plan(plan: dict) -> None:
         _say(f"CP={c['cp_size']}: the per-rank figures come from {sampled} of the {c['cp_size']} ranks "
              "(the first and last 8, where the causal split's extremes lie, and 16 evenly spaced, "
              "whose mean is the rank average)")
-    recommend.print_recommendation(plan["recommendation_rows"], _fmt_bytes, WIDTH)
 
 
 def _ranks_costed(plan: dict) -> int:
@@ -107,33 +108,25 @@ def _print_comm_flops(entry: dict, algo: str) -> None:
 MEMORY_COLUMNS = 36  # one kernel's saved, form/expl and peak columns in the memory table
 
 
-def _kernel_groups(per_kernel: Dict[str, dict]) -> Dict[str, List[str]]:
-    """{shown kernel: the kernels after it with the same figures (the same cost-model
-    kind)}: a kernel that differs in nothing gets no columns of its own."""
-    groups: Dict[str, List[str]] = {}
-    for k, rows in per_kernel.items():
-        same = next((g for g in groups if per_kernel[g] == rows), None)
-        groups.setdefault(k, []) if same is None else groups[same].append(k)
-    return groups
-
-
 def _print_memory(entry: dict, algo: str) -> None:
-    """Per kernel the memory columns, as many kernels a block as fit WIDTH (a block per
-    line of kernels: any number of registered kernels stays within the terminal)."""
-    groups = _kernel_groups(entry["kernels"])
-    shown = list(groups)
+    """Per kernel its own memory columns, headed by its name (kernels with the same figures
+    too: none is folded into another's column), as many kernels a block as fit WIDTH (any
+    number of registered kernels stays within the terminal)."""
+    shown = list(entry["kernels"])
     per_block = max(1, (WIDTH - 20) // MEMORY_COLUMNS)
     for start in range(0, len(shown), per_block):
         _print_memory_block(entry, algo, shown[start:start + per_block])
-    for k, same in groups.items():
-        if same:
-            _say(f"{', '.join(same)} = {k} in every memory column (the same cost-model kind)", "  ")
 
 
 def _print_memory_block(entry: dict, algo: str, kernels: List[str]) -> None:
     print()
-    print(f"{'memory':<20}" + "".join(f" {('saved ' + k)[:12]:>12} {'form/expl':>9} "
-                                      f"{('peak ' + k)[:12]:>12}" for k in kernels))
+    if all(len(k) <= 6 for k in kernels):  # "saved <kernel>" fits a cell
+        print(f"{'memory':<20}" + "".join(f" {'saved ' + k:>12} {'form/expl':>9} {'peak ' + k:>12}"
+                                          for k in kernels))
+    else:  # a row of kernel names over their columns
+        print(f"{'memory':<20}" + "".join(f" {k[:MEMORY_COLUMNS - 1]:^{MEMORY_COLUMNS - 1}}"
+                                          for k in kernels))
+        print(f"{'':<20}" + "".join(f" {'saved':>12} {'form/expl':>9} {'peak':>12}" for _ in kernels))
     print(f"{'':<20}" + "".join(f" {'(worst rank)':>12} {'':>9} {'(worst rank)':>12}" for _ in kernels))
     print("-" * (20 + MEMORY_COLUMNS * len(kernels)))
     cells = {}
