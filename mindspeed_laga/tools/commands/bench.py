@@ -32,14 +32,15 @@ from ...cp_algos import takes_ulysses_degree
 from ...kernels.registry import CPU_KERNELS, KERNEL_TYPES, KERNELS, canonical, device_of
 from ...vocab.names import LAYOUTS
 from . import bench_dsa
-from .output import check_output_path, dtype_arg
+from .output import check_output_path, claim_stdout, dtype_arg
 from .parsers import add_cp_algo_args, command_parser
 from .bench_fit import check_fits
 # what tests and verify ask bench for, kept where they were
 from .bench_print import (COLUMNS, hidden_share_text, overlap_text, peak_note,  # noqa: F401
                           print_document_trend, print_table)
 from .bench_rows import make_rows
-from .bench_runs import build_runs, hybrid_worker, parse_seq_lens, ulysses_degree_from_args  # noqa: F401
+from .bench_runs import (as_cases, build_runs, hybrid_worker, parse_seq_lens,  # noqa: F401
+                         plan_runs, ulysses_degree_from_args)
 from .plot import check_plot_path, matplotlib_missing, write_plot
 from .timing import speed_text, timing_conclusive  # noqa: F401  (tests ask bench for them)
 from .shapes import CPU_DEFAULT, add_shape_args, positive_int, shape_from_args
@@ -92,7 +93,8 @@ def add_parser(sub):
                         f"{DEFAULT_DSA_JSON}, the folder made if needed; '-' = stdout only; '' = none)")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help=f"PNG plots (needs matplotlib: refused without it; default {DEFAULT_PLOT}, "
-                        "skipped with a note at the start when matplotlib is missing; '' = none)")
+                        "skipped with a note at the start when matplotlib is missing; '-' = the PNG "
+                        "on stdout; '' = none)")
     p.add_argument("--backend", default=None,
                    help="torchrun only (refused without it): process-group backend (default nccl "
                         "on CUDA, hccl on NPU, gloo)")
@@ -119,16 +121,14 @@ def _run_torchrun(args, runs, repeat, warmup):
 
 
 def run(args) -> int:
-    from ..spawn import run_on_ranks
-    from ..measure import device_type as measure_device_type, worker
     cp_size = world_size(args.cp, args.backend, DEFAULT_CP)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if bench_dsa.wanted(args):
         args.cp = cp_size
         return _run_dsa(args)
-    out = sys.stderr if args.json == "-" else sys.stdout  # --json -: stdout is the JSON's
     plot_note = resolve_plot(args)
+    out = claim_stdout({"--json": args.json, "--plot": args.plot})  # "-": stdout is that report's
     if args.json is None:
         args.json = DEFAULT_JSON
     check_plot_path(args.plot)
@@ -138,10 +138,18 @@ def run(args) -> int:
         else:
             check_output_path(flag, path)
     torchrun = _torchrun()
-    device_type = measure_device_type(args.backend) if torchrun else "cpu"
+    if torchrun:  # the device type is torch's to say
+        from ..measure import device_type as measure_device_type
+        device_type = measure_device_type(args.backend)
+    else:
+        device_type = "cpu"
     check_kernel(args.kernel, device_type, torchrun)
-    runs, models = build_runs(args, cp_size, device_type)
-    check_fits(runs, models, int(os.environ.get("LOCAL_WORLD_SIZE", cp_size)) if torchrun else cp_size)
+    planned, models = plan_runs(args, cp_size, device_type)
+    check_fits(planned, models, int(os.environ.get("LOCAL_WORLD_SIZE", cp_size)) if torchrun else cp_size)
+    # every check passed without torch: now the runs, the ranks and torch
+    from ..spawn import run_on_ranks
+    from ..measure import worker
+    runs = as_cases(planned)
     where = f"torchrun, world size {cp_size}" if torchrun else f"{cp_size} spawned gloo CPU ranks"
     s = runs[0].shape
     if torchrun_rank() == 0:  # every torchrun rank runs this; one says what runs
@@ -246,6 +254,6 @@ def _write_outputs(args, rows, cp_size, where, out) -> None:
         print(f"JSON: {args.json}", file=out)
     if args.plot:
         written = write_plot(rows, args.plot, figure_title(args, rows, cp_size, where))
-        print(f"plot: {written}", file=out)
+        print(f"plot: {'stdout' if written == '-' else written}", file=out)
     if args.json == "-":
         print(json.dumps(doc, indent=1, default=str), flush=True)

@@ -183,7 +183,7 @@ def make_row(per_rank, dims, index, seq_len, cp, batch, elem, reusing=False) -> 
 
 
 def run(args, seq_lens, shape) -> int:
-    from ..spawn import run_on_ranks, under_torchrun
+    from ..torchrun_env import under_torchrun
     if under_torchrun():
         raise ValueError("bench --dsa spawns its own gloo ranks: run it without torchrun")
     check(args, seq_lens)
@@ -191,7 +191,8 @@ def run(args, seq_lens, shape) -> int:
     dims, index = dsa.dsa_preset(args.dsa)
     check_fits(seq_lens, args.cp, shape.batch, index.heads)
     widths = (dims.kv_lora_rank, dims.rope_dim, index.heads, index.head_dim)
-    check_kernel(args.sparse_kernel, widths, shape, args.index_topk)
+    check_kernel(args.sparse_kernel, widths, shape, args.index_topk)  # the registry imports torch
+    from ..spawn import run_on_ranks
     layout = args.layout or "zigzag"
     elem = DTYPE_BYTES[args.dtype]
     out = sys.stderr if args.json == "-" else sys.stdout

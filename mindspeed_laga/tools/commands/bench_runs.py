@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 from .. import costmodel as cm
 from ..runspec import RunSpec, standard_runs
 from ..torchrun_env import under_torchrun as _torchrun
+from ..mla_shape import MLAShape
 from ...cp_algos import algo, takes_ulysses_degree
+from ...kernels.registry import model_kind
+from ...vocab.dims import ModelDims
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT
 from .bench_fit import check_block_size
 from .shapes import shape_from_args
@@ -60,10 +63,10 @@ def variants_for(args, seq_len: int, cp_size: int) -> List[RunSpec]:
 
 def model_config(args, shape, cp_size: int, algo: str, kernel: str, device_type: str,
                  ulysses_degree: int = 1) -> cm.Config:
-    """The cost model's config of one bench run (measure.case_config's rules)."""
-    from ..measure import model_kernel, shape_dims
-    return cm.Config(shape_dims(shape), shape.seq_len, shape.batch, cp_size, 1, algo,
-                     DEFAULT_LAYOUT[algo], args.dtype, model_kernel(kernel, device_type), True,
+    """The cost model's config of one bench run (measure.case_config's rules), torch-free."""
+    return cm.Config(ModelDims(shape.heads, shape.qk_head_dim, shape.rope_dim, shape.v_head_dim,
+                               shape.kv_lora_rank), shape.seq_len, shape.batch, cp_size, 1, algo,
+                     DEFAULT_LAYOUT[algo], args.dtype, model_kind(kernel, device_type), True,
                      ulysses_degree=ulysses_degree)
 
 
@@ -83,10 +86,21 @@ def ulysses_degree_from_args(args, cp_size: int) -> int:
     return degree
 
 
-def build_runs(args, cp_size: int, device_type: str):
-    """Every (sequence length, documents, cp_algo, variant) run and its model (rank 0)."""
-    from ..cases import Case
-    from ..measure import case_config
+class PlannedRun(NamedTuple):
+    """One run as ``cases.Case`` takes it, planned without torch (Case imports it)."""
+    spec: RunSpec
+    cp_algo: str
+    layout: str
+    kernel: str
+    dtype: str
+    shape: MLAShape
+    cu_seqlens: Optional[tuple]
+    ulysses_degree: int
+
+
+def plan_runs(args, cp_size: int, device_type: str):
+    """Every (sequence length, documents, cp_algo, variant) run and its model (rank 0),
+    each checked, before torch is imported."""
     algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
     if (args.doc_lens or args.num_docs) and args.micro_batch != 1:
         raise ValueError(f"--doc-lens/--num-docs pack documents into one sequence: use "
@@ -103,15 +117,25 @@ def build_runs(args, cp_size: int, device_type: str):
                           layout=layout, doc_lens=doc_lens)
             variants = variants_for(args, seq_len, cp_size)
             cm.validate(cfg, variants)
-            bounds = cfg.documents
             for v in variants:
                 kernel = "auto" if v.recompute_kv else args.kernel
-                case = Case(spec=v, cp_algo=name, layout=layout, kernel=kernel, dtype=args.dtype,
-                            shape=shape, cu_seqlens=bounds,
-                            ulysses_degree=degree if algo(name).takes_ulysses_degree else 1)
-                runs.append(case)
-                models.append(_model(case_config(case, cp_size, device_type), v, cp_size))
+                runs.append(PlannedRun(v, name, layout, kernel, args.dtype, shape, cfg.documents,
+                                       degree if algo(name).takes_ulysses_degree else 1))
+                models.append(_model(replace(cfg, kernel=model_kind(kernel, device_type),
+                                             ulysses_degree=runs[-1].ulysses_degree), v, cp_size))
     return runs, models
+
+
+def as_cases(runs):
+    """The planned runs as ``cases.Case`` (imports torch)."""
+    from ..cases import Case
+    return [Case(**r._asdict()) for r in runs]
+
+
+def build_runs(args, cp_size: int, device_type: str):
+    """:func:`plan_runs` with the runs as ``cases.Case``."""
+    runs, models = plan_runs(args, cp_size, device_type)
+    return as_cases(runs), models
 
 
 def _model(cfg, spec: RunSpec, cp_size: int):

@@ -40,6 +40,19 @@ def finite_float(text: str) -> float:
     return value
 
 
+STDOUT = "-"  # a report option's path for standard output
+
+
+def claim_stdout(paths) -> object:
+    """The stream the command's own text goes to: stdout, or stderr when a report (``paths``:
+    {flag: path}) takes stdout with ``-``; ValueError when two reports claim it."""
+    claims = [flag for flag, path in paths.items() if path == STDOUT]
+    if len(claims) > 1:
+        raise ValueError(f"{' and '.join(f'{c} -' for c in claims)}: both name standard output, "
+                         "which holds one report; give one of them a file")
+    return sys.stderr if claims else sys.stdout
+
+
 def check_output_path(flag: str, path: Optional[str]) -> None:
     """ValueError naming ``flag`` unless ``path`` can be written: proven by writing, before
     anything runs (a permission bit says nothing about /proc or a full device)."""

@@ -126,6 +126,18 @@ def dsa_paths(dims: ModelDims, index: IndexerDims) -> List[DSAPath]:
     return [host_kvallgather(dims, index), host_ulysses(dims, index), laga(dims, index)]
 
 
+def reusing_paths(dims: ModelDims, index: IndexerDims) -> List[DSAPath]:
+    """Each path in a layer that reuses an earlier layer's picks: the host builds no indexer
+    there (an ``IdentityOp``, ``_skip_dsa_topk``), so neither the indexer's top-k nor its
+    loss runs: only the attention's collectives are left; LAGA's is :func:`laga_reusing`."""
+    def attention_only(path: DSAPath) -> DSAPath:
+        def keep(t):
+            return t.kind == ALL_TO_ALL or t.what.endswith("(attention)")
+        return DSAPath(path.name, tuple(filter(keep, path.forward)), tuple(filter(keep, path.backward)))
+    return [attention_only(host_kvallgather(dims, index)), attention_only(host_ulysses(dims, index)),
+            DSAPath("laga", laga_reusing(dims).forward, laga_reusing(dims).backward)]
+
+
 def received_bytes(path: DSAPath, direction: str, tokens_per_rank: int, cp_size: int, elem: int) -> int:
     """Bytes one rank receives (= sends) in ``direction`` for one layer."""
     return sum(wire_bytes(t.kind, tokens_per_rank * t.width * elem, cp_size)
@@ -152,4 +164,6 @@ def dsa_table(dims: ModelDims, index: IndexerDims, seq_len: int, cp_size: int, m
              "index_heads": index.heads, "index_head_dim": index.head_dim, "paths": rows}
     if share is not None:
         table["layer_mix"] = layer_mix(dims, index, share)
+        table["reusing_paths"] = {p.name: path_row(p, tokens, cp_size, elem)
+                                  for p in reusing_paths(dims, index)}
     return table
