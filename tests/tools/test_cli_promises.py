@@ -95,3 +95,12 @@ def test_the_recipe_variables_are_the_ones_the_recipes_read(capsys):
         for var, flag in (("LAGA_OVERLAP", "--mla-laga-overlap"), ("LAGA_TRIM", "--mla-laga-trim-causal-prefix"),
                           ("LAGA_RECOMPUTE", "--mla-laga-recompute-kv")):
             assert (env.get(var) == "1") == (flag in best["flags"]), (var, best)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2"])
+def test_plan_names_the_preset_its_dims_come_from(capsys, name):
+    from mindspeed_laga.tools.costmodel.presets import PRESETS
+    assert name in PRESETS
+    out = _plan(capsys, "--preset", name)
+    assert f"\ndims: preset {name}\n" in out
+    assert f"\ndims: preset {name} and the dim flags\n" in _plan(capsys, "--preset", name, "--heads", "8")

@@ -12,7 +12,7 @@ from ...kernels.registry import model_kind
 from ...vocab.names import CP_ALGOS, HYBRID
 from .output import GiB
 from . import recommend
-from .plan_args import (DEVICE_TYPE, at, base_config, cluster_from_args, kernels_from_args,
+from .plan_args import (DEVICE_TYPE, DIM_FLAGS, at, base_config, cluster_from_args, kernels_from_args,
                         machines_from_args, node_table_wanted, requested, table_configs)
 
 
@@ -48,6 +48,8 @@ def build_plan(args) -> dict:
             plan["algos"][cfg.cp_algo]["fit"] = fit_check(per_kernel, args.device_memory, args.num_layers)
     plan["time"] = times
     plan["cp_defaulted"] = args.cp_defaulted
+    plan["preset"] = args.preset
+    plan["dims_flagged"] = any(getattr(args, d.dest) is not None for d in DIM_FLAGS)
     if nodes is not None:
         plan["nodes"] = nodes
     plan["recommendation"] = recommend.as_json(rec)

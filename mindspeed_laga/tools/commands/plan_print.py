@@ -21,6 +21,8 @@ def print_plan(plan: dict) -> None:
     _say(f"plan: n={c['heads']} d_n={c['qk_head_dim']} d_r={c['qk_pos_emb_head_dim']} "
          f"d_v={c['v_head_dim']} d_c={c['kv_lora_rank']}, S={c['seq_len']}, b={c['micro_batch']}, "
          f"CP={c['cp_size']}, TP={c['tp_size']}, {c['dtype']}; per layer and per CP rank (model)")
+    if plan.get("preset"):
+        _say(f"dims: preset {plan['preset']}{' and the dim flags' if plan.get('dims_flagged') else ''}")
     if plan.get("cp_defaulted") and "nodes" in plan:
         per_node = plan["nodes"]["cluster"]["devices_per_node"]
         _say(f"CP={c['cp_size']}: the default with the node table, two nodes of {per_node}, so "

@@ -45,7 +45,7 @@ def _label(cfg: cm.Config) -> str:
 def training_flags(cfg: cm.Config, spec: RunSpec) -> str:
     """The pretrain script's flags for ``spec`` under ``cfg``'s algorithm."""
     if not cfg.algo.host_algo:
-        return f"none (no MindSpeed context-parallel algorithm runs {cfg.cp_algo})"
+        return f"none (no MindSpeed --context-parallel-algo runs {cfg.cp_algo})"
     flags = [f"--context-parallel-algo {cfg.algo.host_algo}"]
     if cfg.algo.takes_ulysses_degree:
         flags.append(f"--ulysses-degree-in-cp {cfg.ulysses_degree}")
