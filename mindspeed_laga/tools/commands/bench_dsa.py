@@ -20,11 +20,12 @@ import time
 
 from ..costmodel import dsa
 from ..costmodel.config import DTYPE_BYTES
+from ...vocab.names import SEQUENCE_LAYOUTS
 from .bench_fit import available_bytes, refuse_past
 from .output import check_output_path, mix_line
 from .typed import typed_outside
 
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = SEQUENCE_LAYOUTS  # one unbroken sequence: no documents here
 # The bench flags (argparse dests) --dsa takes; every other bench flag given is refused.
 TAKEN = ("dsa", "index_topk", "sparse_kernel", "cp", "seq_lens", "layout", "dtype", "repeat",
          "warmup", "json",

@@ -11,12 +11,12 @@ from ...cp_algos import algo, takes_ulysses_degree
 from ...kernels.registry import CPU_KERNELS
 from ...vocab.names import CP_ALGOS
 from ...vocab.dims import ModelDims
+from .output import DTYPE_SPELLINGS
 from .shapes import HEAD_DIMS, SizeFlag, check_seq_len_bound
 
 # plan models accelerator ranks: a kernel's cost-model kind there (torch SDPA: flash-style)
 DEVICE_TYPE = "accelerator"
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
+DTYPES = DTYPE_SPELLINGS  # every command's one dtype vocabulary
 # The dim flags: the head dims every command shares, with DeepSeek-V3's values, then the two
 # only plan models.
 DEEPSEEK_V3_NOTES = {"heads": "(DeepSeek-V3: 128)", "qk_head_dim": "(128)", "rope_dim": "(64)",
