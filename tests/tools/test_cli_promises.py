@@ -70,7 +70,9 @@ def test_plan_answers_first_and_num_layers_gives_the_per_iteration_figure(capsys
     out = _plan(capsys, "--num-layers", "61")
     assert out.index("recommendation (") < out.index("the tables behind it:") < out.index("\ncp_algo=")
     answer = " ".join(out[:out.index("the tables behind it:")].split())
-    best = json.loads(_plan(capsys, "--num-layers", "61", "--json"))["recommendation"]["best"]
+    rec = json.loads(_plan(capsys, "--num-layers", "61", "--json"))["recommendation"]
+    best = rec["best"]
+    assert rec["layers"] == 61
     assert f"per iteration (61 layers, fwd+bwd, one micro-batch): {61e3 * best['total_s']:.2f} ms" in answer
     assert f"flags: {best['flags']}" in answer
     assert best["recipe_env"] in answer

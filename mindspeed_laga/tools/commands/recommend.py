@@ -114,7 +114,7 @@ def as_json(rec: dict) -> dict:
                 "recipe_env": recipe_env(o["cfg"], o["spec"]),
                 **{k: o[k] for k in ("total_s", "compute_s", "comm_s", "hidden_s", "wire_bytes",
                                      "saved_bytes", "peak_bytes")}}
-    return {"basis": rec["basis"], "fits": rec["fits"],
+    return {"basis": rec["basis"], "fits": rec["fits"], "layers": rec["layers"],
             **{k: row(rec[k]) for k in ("best", "explicit", "host_best", "runner_up", "lean")}}
 
 
