@@ -386,3 +386,14 @@ def test_default_outputs_go_into_a_named_folder(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "bench_out" / "bench.json").exists()
     out = capsys.readouterr().out
     assert f"JSON: {bench.DEFAULT_JSON}" in out
+
+
+def test_plot_dash_is_the_png_on_stdout(capsysbinary, tmp_path, monkeypatch):
+    """``--plot -``: the PNG alone on stdout, no file named '-'."""
+    if plot_module.matplotlib_missing():
+        pytest.skip("matplotlib is not installed: --plot is refused without it")
+    monkeypatch.chdir(tmp_path)
+    plot_module.check_plot_path("-")
+    assert plot_module.write_plot(_rows(), "-") == "-"
+    assert capsysbinary.readouterr().out.startswith(b"\x89PNG\r\n\x1a\n")
+    assert not (tmp_path / "-").exists()
