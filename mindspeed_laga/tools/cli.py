@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
 from typing import List, Optional
 
 from .commands import SUBCOMMANDS
+from .commands.output import refuse
+from .commands.typed import subparser, typed_options
 
 
 class Terminated(BaseException):
@@ -19,10 +22,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mindspeed-laga",
         description="LAGA (Latent All-Gather Attention) for MLA under context parallelism.")
+    parser.add_argument("--version", action="version", version=f"mindspeed-laga {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in SUBCOMMANDS.items():
         module.add_parser(sub)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version, read without importing the package (or torch)."""
+    from importlib.metadata import PackageNotFoundError, version as installed
+    try:
+        return installed("mindspeed-laga")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 @contextlib.contextmanager
@@ -44,13 +57,22 @@ def sigterm_unwinds():
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     prog = f"mindspeed-laga {args.command}"
     try:
         with sigterm_unwinds():
-            return SUBCOMMANDS[args.command].run(args) or 0
+            own = argv[argv.index(args.command) + 1:]
+            args.typed = typed_options(subparser(parser, args.command), own)
+            code = SUBCOMMANDS[args.command].run(args) or 0
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+            return code
+    except BrokenPipeError:  # the reader stopped (`| head`): end quietly, as a killed writer
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ValueError, OSError) as exc:  # bad input, or an output that cannot be written
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        refuse(f"{prog}: error: {exc}")
         return 2
     except Terminated:
         print(f"{prog}: terminated (SIGTERM)", file=sys.stderr)

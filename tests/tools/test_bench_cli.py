@@ -9,6 +9,7 @@ import pytest
 
 from mindspeed_laga.tools import cli
 from mindspeed_laga.tools.commands import bench, plot as plot_module
+from mindspeed_laga.vocab.names import CP_ALGOS
 from support.cli_runs import assert_one_line_error, run_cli
 
 TINY = ["--cp", "2", "--seq-lens", "16,32", "--heads", "4", "--qk-head-dim", "8",
@@ -32,7 +33,7 @@ def test_bench_runs_and_json_carries_every_table_figure(tiny_bench):
     code, out, doc, _ = tiny_bench
     assert code == 0
     rows = doc["rows"]
-    assert {r["seq_len"] for r in rows} == {16, 32} and {r["cp_algo"] for r in rows} == {"allgather", "ulysses"}
+    assert {r["seq_len"] for r in rows} == {16, 32} and {r["cp_algo"] for r in rows} == set(CP_ALGOS)
     assert {"explicit", "absorbed", "laga"} <= {r["variant"] for r in rows}
     lines = out.splitlines()
     for r in rows:
@@ -385,3 +386,14 @@ def test_default_outputs_go_into_a_named_folder(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "bench_out" / "bench.json").exists()
     out = capsys.readouterr().out
     assert f"JSON: {bench.DEFAULT_JSON}" in out
+
+
+def test_plot_dash_is_the_png_on_stdout(capsysbinary, tmp_path, monkeypatch):
+    """``--plot -``: the PNG alone on stdout, no file named '-'."""
+    if plot_module.matplotlib_missing():
+        pytest.skip("matplotlib is not installed: --plot is refused without it")
+    monkeypatch.chdir(tmp_path)
+    plot_module.check_plot_path("-")
+    assert plot_module.write_plot(_rows(), "-") == "-"
+    assert capsysbinary.readouterr().out.startswith(b"\x89PNG\r\n\x1a\n")
+    assert not (tmp_path / "-").exists()

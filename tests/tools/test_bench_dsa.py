@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from mindspeed_laga.sparse.registry import SPARSE_KERNELS
 from support.cli_runs import assert_one_line_error, run_cli
 
 
@@ -50,22 +51,27 @@ def test_bad_input_is_one_line_error(capsys, argv, word):
 
 @pytest.mark.timeout(300)
 def test_reruns_write_into_the_default_folder(capsys, tmp_path, monkeypatch):
+    """bench --dsa writes its own file, bench_dsa.json: a dense bench's bench.json stays."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bench_out").mkdir()  # what a plain bench leaves behind
+    (tmp_path / "bench_out" / "bench.json").write_text("{}")
     for _ in range(2):
         code, out, err = run_cli(capsys, "bench", "--dsa", "deepseek-v3.2", "--cp", "2", "--seq-lens", "32",
                                  "--repeat", "1", "--warmup", "0", "--heads", "2", "--index-topk", "4")
         assert code == 0, err
-        assert "JSON: bench_out/bench.json" in out
-    assert json.loads((tmp_path / "bench_out" / "bench.json").read_text())["dsa"] == "deepseek-v3.2"
+        assert "JSON: bench_out/bench_dsa.json" in out
+    assert json.loads((tmp_path / "bench_out" / "bench_dsa.json").read_text())["dsa"] == "deepseek-v3.2"
+    assert (tmp_path / "bench_out" / "bench.json").read_text() == "{}"
 
 
+# the dense dims at their defaults too: typed is refused, whatever the value
 DENSE_ONLY = [("--kernel", "eager"), ("--cp-algo", "allgather"), ("--forms-only",),
               ("--kv-lora-rank", "32"), ("--qk-pos-emb-head-dim", "4"), ("--ulysses-degree", "2"),
+              ("--kv-lora-rank", "64"), ("--qk-pos-emb-head-dim", "8"), ("--kernel", "sdpa"),
               ("--kv-block-size", "16"), ("--doc-lens", "32,32")]
 
 
-@pytest.mark.parametrize("argv", DENSE_ONLY, ids=[a[0] for a in DENSE_ONLY])
+@pytest.mark.parametrize("argv", DENSE_ONLY, ids=[" ".join(a) for a in DENSE_ONLY])
 def test_dense_only_flags_are_refused_by_name(capsys, argv):
     code, _, err = run_cli(capsys, "bench", "--dsa", "deepseek-v3.2", "--cp", "2", "--json", "",
                            "--seq-lens", "64", *argv)
@@ -88,3 +94,32 @@ def test_the_fit_check_counts_the_indexer_scores_of_every_rank():
     bench_dsa.check_fits([256], 2, 1, 32, available=need)  # fits exactly
     with pytest.raises(ValueError, match="--seq-lens: S=256"):
         bench_dsa.check_fits([128, 256], 2, 1, 32, available=need - 1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kernel", SPARSE_KERNELS)
+def test_every_registered_sparse_kernel_runs_or_is_refused_by_name(capsys, kernel):
+    """--sparse-kernel takes each name of the registry: it runs every stage (the JSON says
+    which) or, where it cannot run here, is refused in one line before any rank starts."""
+    from mindspeed_laga.sparse.registry import sparse_kernel
+    from mindspeed_laga.sparse.stage import STAGES, SparseDims
+    try:
+        for stage in STAGES:
+            sparse_kernel(kernel).check(stage, "kernel", SparseDims(512, 64, 128, 2, 2, 64, 4))
+        runs = True
+    except ValueError:
+        runs = False
+    code, out, err = run_cli(capsys, "bench", "--dsa", "deepseek-v3.2", "--cp", "2", "--seq-lens", "32",
+                             "--repeat", "1", "--warmup", "0", "--heads", "2", "--index-topk", "4",
+                             "--sparse-kernel", kernel, "--json", "-")
+    if runs:
+        assert code == 0, err
+        assert json.loads(out)["sparse_kernel"] == kernel
+    else:
+        assert_one_line_error("bench", code, err, f"--sparse-kernel='{kernel}'")
+
+
+def test_an_unregistered_sparse_kernel_is_refused_naming_the_registered_ones(capsys):
+    code, _, err = run_cli(capsys, "bench", "--dsa", "glm-5", "--cp", "2", "--seq-lens", "32",
+                           "--sparse-kernel", "nope", "--json", "")
+    assert_one_line_error("bench", code, err, f"use one of {SPARSE_KERNELS}")

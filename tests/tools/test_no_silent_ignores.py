@@ -121,3 +121,47 @@ def test_bench_header_once_under_torchrun(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("bench: torchrun, world size 2") == 1, proc.stdout
+
+
+# What the user typed, not what differs from a default: each a one-line refusal.
+TYPED = [
+    (["plan", "--seq-len", "4096", "--seq-len", "8192"], "--seq-len is given 2 times"),
+    (["bench", "--seq-len", "128", "--seq-lens", "256"], "--seq-len and --seq-lens name one option"),
+    (["plan", "--dsa", "glm-5", "--preset", "deepseek-v3"], "drop --preset"),  # = its default
+    (["bench", "--dsa", "glm-5", "--kv-lora-rank", "64"], "drop --kv-lora-rank"),  # = its default
+    (["bench", "--dsa", "glm-5", "--qk-pos-emb-head-dim", "8"], "drop --qk-pos-emb-head-dim"),
+    (["plan", "--preset", "deepseek-v3.2"], "use --dsa deepseek-v3.2"),
+    (["plan", "--preset", "glm-5.2"], "use --dsa glm-5.2"),
+]
+
+
+@pytest.mark.parametrize("argv, words", TYPED, ids=[" ".join(a) for a, _ in TYPED])
+def test_what_the_user_typed_is_refused_in_one_line(capsys, argv, words):
+    code, out, err = run_cli(capsys, *argv)
+    assert_one_line_error(argv[0], code, err, words)
+    assert out == ""
+
+
+# Refusals bench and verify can make from the values alone: before torch is imported.
+BEFORE_TORCH = [
+    ["bench", "--warmup", "-1"], ["bench", "--kernel", "npu"], ["bench", "--seq-lens", "10000000"],
+    ["bench", "--seq-lens", "100", "--cp", "3"], ["bench", "--json", "-", "--plot", "-"],
+    ["bench", "--dsa", "glm-5", "--seq-lens", "65536", "--cp", "2"],
+    ["verify", "--seq-len", "1000000000000"], ["verify", "--seq-len", "4000000"],
+    ["verify", "--cp", "3"], ["verify", "--cp-algo", "ulysses", "--heads", "5"],
+]
+
+
+def test_refusals_come_before_torch_is_imported():
+    """Each is refused with one line, exit 2, and torch was never imported (seconds saved)."""
+    code = ("import sys\nfrom mindspeed_laga.tools import cli\n"
+            f"codes = [cli.main(argv) for argv in {BEFORE_TORCH!r}]\n"
+            "print('codes', codes, 'torch imported:', 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip() == f"codes {[2] * len(BEFORE_TORCH)} torch imported: False", \
+        proc.stdout[-500:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == len(BEFORE_TORCH) and all(": error: " in ln for ln in lines), lines
+    verify_fit = [ln for ln in lines if ln.startswith("mindspeed-laga verify: error: --seq-len")]
+    assert any("S=4000000 needs about" in ln for ln in verify_fit), lines
+    assert any("3,037,000,499" in ln for ln in verify_fit), lines

@@ -162,3 +162,23 @@ def test_the_placements_walked_give_every_ranks_answer(monkeypatch):
             assert walked == every, (p, dpn, tp, algo, u)
             compared += 1
     assert compared > 100
+
+
+def test_glm_5_2s_recommendation_is_made_on_its_layer_mix(capsys):
+    """GLM-5.2: 21 of 78 layers compute their picks; the rest reuse them and, on every path,
+    run no indexer and no loss (the host builds none there). The recommendation compares the
+    mean layer of that mix, not a computing layer."""
+    code, out, err = run_cli(capsys, "plan", "--dsa", "glm-5.2", "--seq-len", "131072", "--cp", "16",
+                             "--json")
+    assert code == 0, err
+    t = json.loads(out)["dsa"]
+    mix = t["layer_mix"]
+    assert (mix["computing"], mix["reusing"], mix["layers"]) == (21, 57, 78)
+    host = t["reusing_paths"]["host kvallgather"]["forward"]
+    assert (host["collectives"], host["values_per_token"]) == (3, 512 + 512 + 64)  # K, V, k_rope
+    assert t["reusing_paths"]["laga"]["forward"]["values_per_token"] == 512 + 64
+    for name, rec in t["recommendation"]["paths"].items():
+        computing, reusing = (sum(rows[name][d]["received_bytes"] for d in ("forward", "backward"))
+                              for rows in (t["paths"], t["reusing_paths"]))
+        assert rec["received_bytes"] == (21 * computing + 57 * reusing) / 78, name
+    assert "21 of 78 layers" in t["recommendation"]["basis"]

@@ -96,18 +96,66 @@ def test_cp_1_says_it_once(capsys):
     assert "CP=1 exchanges nothing" in out
 
 
-@pytest.mark.parametrize("name", list(ALGOS))
-def test_every_algorithm_names_the_host_algorithm_that_runs_it(name):
-    """plan's training flag is the algorithm's own ``host_algo``, and MindSpeed-LLM's flag map
-    (features/laga_args.py) takes that value back to an algorithm that names the same one."""
+def _laga_flags(name):
     from mindspeed_laga.tools.commands.recommend import training_flags
     from mindspeed_laga.tools.runspec import standard_runs
     from mindspeed_laga.tools import costmodel as cm
+    cfg = cm.Config(cm.preset("deepseek-v3"), 4096, cp_size=4, cp_algo=name,
+                    ulysses_degree=2 if ALGOS[name].takes_ulysses_degree else 1)
+    return training_flags(cfg, next(v for v in standard_runs(1024) if v.form == "laga"))
+
+
+@pytest.mark.parametrize("name", list(ALGOS))
+def test_every_algorithm_names_the_host_algorithm_that_runs_it(name):
+    """plan's training flag is the algorithm's own ``host_algo``, and MindSpeed-LLM's flag map
+    (features/laga_args.py) takes that value back to an algorithm that names the same one;
+    ``host_algo=""`` (no host counterpart) gets no training flags at all."""
     from mindspeed_laga.features.laga_args import CP_ALGO_MAP
     a = ALGOS[name]
-    assert a.host_algo, f"{name} names no MindSpeed --context-parallel-algo"
-    cfg = cm.Config(cm.preset("deepseek-v3"), 4096, cp_size=4, cp_algo=name,
-                    ulysses_degree=2 if a.takes_ulysses_degree else 1)
-    laga = next(v for v in standard_runs(1024) if v.form == "laga")
-    assert training_flags(cfg, laga).startswith(f"--context-parallel-algo {a.host_algo} ")
+    if not a.host_algo:
+        assert _laga_flags(name).startswith("none (") and "--mla" not in _laga_flags(name)
+        return
+    assert _laga_flags(name).startswith(f"--context-parallel-algo {a.host_algo} ")
     assert ALGOS[CP_ALGO_MAP[a.host_algo][0]].host_algo == a.host_algo
+
+
+def _own_gather(monkeypatch):
+    """allgather again under a new name, with no host counterpart (``host_algo = ""``)."""
+    from mindspeed_laga import cp_algos
+    own = type("OwnGather", (cp_algos.AllGather,), {"name": "own_gather", "host_algo": ""})()
+    monkeypatch.setitem(cp_algos.ALGOS, own.name, own)
+    return own
+
+
+def test_an_algorithm_with_no_host_counterpart_gets_no_training_flags(monkeypatch):
+    """``host_algo = ""``: no MindSpeed flag and no recipe variables, where allgather (the
+    same algorithm with its host counterpart) gets both."""
+    from mindspeed_laga.tools.commands import recommend
+    from mindspeed_laga.tools.runspec import standard_runs
+    from mindspeed_laga.tools import costmodel as cm
+    _own_gather(monkeypatch)
+    laga = next(v for v in standard_runs(1024) if v.form == "laga")
+    cfg = cm.Config(cm.preset("deepseek-v3"), 4096, cp_size=4, cp_algo="own_gather")
+    flags = recommend.training_flags(cfg, laga)
+    assert flags.startswith("none (") and "--mla" not in flags, flags  # no flag to pass
+    assert recommend.recipe_env(cfg, laga) is None
+    host = cm.Config(cm.preset("deepseek-v3"), 4096, cp_size=4, cp_algo="allgather")
+    assert "--mla-latent-all-gather" in recommend.training_flags(host, laga)
+    assert recommend.recipe_env(host, laga).startswith("CP=4 CP_TYPE=kvallgather_cp_algo ")
+
+
+def test_an_exact_tie_is_called_a_tie(monkeypatch):
+    """Two algorithms with the same figures: the recommendation's why says a tie, not that
+    one has less communication."""
+    from dataclasses import replace
+    from mindspeed_laga.tools.commands import recommend
+    from mindspeed_laga.tools.runspec import standard_runs
+    from mindspeed_laga.tools import costmodel as cm
+    _own_gather(monkeypatch)
+    base = cm.Config(cm.preset("deepseek-v3"), 16384, cp_size=8)
+    machine = cm.MACHINES["910b-intra-node"]
+    rec = recommend.recommend([replace(base, cp_algo=a) for a in ("allgather", "own_gather")],
+                              standard_runs(2048), lambda c, s: cm.estimate_seconds(c, s, machine), "x")
+    assert rec["best"]["total_s"] == rec["runner_up"]["total_s"]
+    why = recommend._why_algo(rec["best"], rec["runner_up"])
+    assert "a tie" in why and "less co" not in why, why

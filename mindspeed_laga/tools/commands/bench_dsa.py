@@ -20,12 +20,15 @@ import time
 
 from ..costmodel import dsa
 from ..costmodel.config import DTYPE_BYTES
+from ...vocab.names import SEQUENCE_LAYOUTS
 from .bench_fit import available_bytes, refuse_past
 from .output import check_output_path, mix_line
+from .typed import typed_outside
 
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = SEQUENCE_LAYOUTS  # one unbroken sequence: no documents here
 # The bench flags (argparse dests) --dsa takes; every other bench flag given is refused.
-TAKEN = ("dsa", "index_topk", "cp", "seq_lens", "layout", "dtype", "repeat", "warmup", "json",
+TAKEN = ("dsa", "index_topk", "sparse_kernel", "cp", "seq_lens", "layout", "dtype", "repeat",
+         "warmup", "json",
          "plot", "heads", "qk_head_dim", "v_head_dim", "micro_batch")
 # Host bytes a rank's torch sparse path holds at its peak per (query, key) pair: two float32
 # [b, H, s, S] copies of the indexer's scores (8 B per index head) and about 22 B of the
@@ -43,10 +46,14 @@ def add_args(p) -> None:
                    help="measure LAGA's sparse MLA instead, with MODEL's gather widths "
                         f"({', '.join(sorted(dsa.DSA_PRESETS))}); layout zigzag or contiguous; "
                         "it takes --cp, --seq-lens, --layout, --dtype, --repeat, --warmup, --json, "
-                        "--heads, --qk-head-dim, --v-head-dim, --micro-batch and --index-topk and "
+                        "--heads, --qk-head-dim, --v-head-dim, --micro-batch, --index-topk and "
+                        "--sparse-kernel and "
                         "refuses every other bench flag")
     g.add_argument("--index-topk", type=int, default=64,
                    help="keys each query picks (--dsa; default 64)")
+    g.add_argument("--sparse-kernel", default="torch", metavar="KERNEL",
+                   help="the sparse stage kernel every stage runs (--dsa; default torch): a name "
+                        "of sparse/registry.py's SPARSE_KERNELS, checked before any rank starts")
     # every other flag of bench's, with its real name and its parsed default: given, refused
     p.set_defaults(dsa_not_taken=tuple((a.dest, a.option_strings[0], _parsed_default(a))
                                        for a in p._actions
@@ -64,8 +71,7 @@ def wanted(args) -> bool:
 
 
 def check(args, seq_lens) -> None:
-    given = [flag for dest, flag, default in getattr(args, "dsa_not_taken", ())
-             if getattr(args, dest, default) != default]
+    given = typed_outside(args, getattr(args, "dsa_not_taken", ()))
     if given:
         taken = ", ".join("--" + d.replace("_", "-") for d in TAKEN if d not in ("dsa", "plot"))
         raise ValueError(f"bench --dsa takes {taken} only; drop {', '.join(given)} (dense-bench "
@@ -94,8 +100,20 @@ def check_fits(seq_lens, cp: int, batch: int, index_heads: int, available=None) 
                 f"{longest} keys, {index_heads} index heads: S x S pairs in all, whatever --cp")
 
 
+def check_kernel(name: str, widths, shape, topk: int) -> None:
+    """--sparse-kernel: a registered sparse stage kernel that runs every stage at these
+    dims here (ValueError naming the flag and the fix, before any rank starts)."""
+    from ...sparse.registry import sparse_kernel
+    from ...sparse.stage import STAGES, SparseDims
+    kernel = sparse_kernel(name, "--sparse-kernel")
+    d_c, d_r, index_heads, index_dim = widths
+    dims = SparseDims(d_c, d_r, index_dim, shape.heads, shape.heads, index_heads, topk)
+    for stage in STAGES:
+        kernel.check(stage, "--sparse-kernel", dims)
+
+
 def worker(rank, world_size, widths, shape, seq_len, layout, topk, dtype, repeat, warmup,
-           reusing=False):
+           reusing=False, kernel="torch"):
     """One rank: seeded local inputs, ``warmup + repeat`` calls; the last call's records.
     ``reusing``: the calls take the picks of one earlier call as given (a layer reusing
     another's, GLM-5.2): no index inputs, no loss."""
@@ -115,7 +133,8 @@ def worker(rank, world_size, widths, shape, seq_len, layout, topk, dtype, repeat
          randn(s, b, index_dim), randn(s, b, index_heads)]
     options = dict(index_topk=topk, softmax_scale=(shape.qk_head_dim + d_r) ** -0.5,
                    qk_head_dim=shape.qk_head_dim, v_head_dim=shape.v_head_dim,
-                   cp_group=dist.group.WORLD, layout=layout)
+                   cp_group=dist.group.WORLD, layout=layout, indexer_kernel=kernel,
+                   attention_kernel=kernel, loss_kernel=kernel)
     picks = None
     if reusing:  # the computing layer's picks, outside the timed and counted calls
         with torch.no_grad():
@@ -165,31 +184,35 @@ def make_row(per_rank, dims, index, seq_len, cp, batch, elem, reusing=False) -> 
 
 
 def run(args, seq_lens, shape) -> int:
-    from ..spawn import run_on_ranks, under_torchrun
+    from ..torchrun_env import under_torchrun
     if under_torchrun():
         raise ValueError("bench --dsa spawns its own gloo ranks: run it without torchrun")
     check(args, seq_lens)
     check_output_path("--json", args.json)
     dims, index = dsa.dsa_preset(args.dsa)
     check_fits(seq_lens, args.cp, shape.batch, index.heads)
+    widths = (dims.kv_lora_rank, dims.rope_dim, index.heads, index.head_dim)
+    check_kernel(args.sparse_kernel, widths, shape, args.index_topk)  # the registry imports torch
+    from ..spawn import run_on_ranks
     layout = args.layout or "zigzag"
     elem = DTYPE_BYTES[args.dtype]
     out = sys.stderr if args.json == "-" else sys.stdout
     _say(f"bench --dsa {args.dsa}: {args.cp} spawned gloo CPU ranks, layout {layout}, {args.dtype}; "
          f"gather widths d_c={dims.kv_lora_rank}, d_r={dims.rope_dim}, index {index.heads} x "
          f"{index.head_dim}; n={shape.heads}, d_n={shape.qk_head_dim}, d_v={shape.v_head_dim}, "
-         f"b={shape.batch}, top-k {args.index_topk}; {args.warmup} warm-up + {args.repeat} timed", out)
-    widths = (dims.kv_lora_rank, dims.rope_dim, index.heads, index.head_dim)
+         f"b={shape.batch}, top-k {args.index_topk}, sparse kernel {args.sparse_kernel}; "
+         f"{args.warmup} warm-up + {args.repeat} timed", out)
     share = dsa.DSA_SHARES.get(args.dsa)
     rows = []
     for reusing in (False, True) if share else (False,):  # a sharing model: both layer kinds
         for s in seq_lens:
             per_rank = run_on_ranks(worker, args.cp, widths, shape, s, layout, args.index_topk,
                                     args.dtype, args.repeat, args.warmup, reusing,
-                                    timeout_s=RUN_TIMEOUT_S)
+                                    args.sparse_kernel, timeout_s=RUN_TIMEOUT_S)
             rows.append(make_row(per_rank, dims, index, s, args.cp, shape.batch, elem, reusing))
     print_rows(rows, out)
-    doc = {"dsa": args.dsa, "cp_size": args.cp, "layout": layout, "dtype": args.dtype, "rows": rows}
+    doc = {"dsa": args.dsa, "cp_size": args.cp, "layout": layout, "dtype": args.dtype,
+           "sparse_kernel": args.sparse_kernel, "rows": rows}
     if share:
         doc["layer_mix"] = dsa.layer_mix(dims, index, share)
         print_mix(doc["layer_mix"], out)

@@ -41,9 +41,11 @@ def run_bytes(shape, peak_bytes: int, local_ranks: int) -> int:
     return max(ranks, reference)
 
 
-def check_fits(runs, models, local_ranks: int, available: Optional[int] = None) -> None:
-    """ValueError naming --seq-lens when the largest run needs more host memory than is
-    available (``available``: bytes, default this host's MemAvailable)."""
+def check_fits(runs, models, local_ranks: int, available: Optional[int] = None,
+               flag: str = "--seq-lens") -> None:
+    """ValueError naming ``flag`` (bench's --seq-lens, verify's --seq-len) when the largest
+    run needs more host memory than is available (``available``: bytes, default this host's
+    MemAvailable)."""
     available = available_bytes() if available is None else available
     if available is None or not runs:
         return
@@ -51,17 +53,18 @@ def check_fits(runs, models, local_ranks: int, available: Optional[int] = None) 
                      key=lambda pair: pair[0])
     refuse_past(need, available, case.shape.seq_len,
                 f"float64 inputs on {local_ranks} rank(s), the float64 reference's S x S scores",
-                "fewer --heads")
+                "fewer --heads", flag)
 
 
 def refuse_past(need: int, available: Optional[int], seq_len: int, what: str,
-                fix: Optional[str] = None) -> None:
-    """The cap every bench applies: ValueError naming --seq-lens when ``need`` bytes (for
-    ``what``) exceed ``available`` (None: unknown, nothing refused)."""
+                fix: Optional[str] = None, flag: str = "--seq-lens") -> None:
+    """The cap every bench (and verify) applies: ValueError naming ``flag`` when ``need``
+    bytes (for ``what``) exceed ``available`` (None: unknown, nothing refused)."""
     if available is not None and need > available:
-        raise ValueError(f"--seq-lens: S={seq_len} needs about {need / GiB:,.1f} GiB of host "
-                         f"memory ({what}), {available / GiB:,.1f} GiB available; use shorter "
-                         f"--seq-lens{' or ' + fix if fix else ''}")
+        shorter = "a shorter --seq-len" if flag == "--seq-len" else "shorter --seq-lens"
+        raise ValueError(f"{flag}: S={seq_len} needs about {need / GiB:,.1f} GiB of host "
+                         f"memory ({what}), {available / GiB:,.1f} GiB available; use "
+                         f"{shorter}{' or ' + fix if fix else ''}")
 
 
 def check_block_size(kv_block_size: Optional[int], seq_lens: Sequence[int]) -> None:

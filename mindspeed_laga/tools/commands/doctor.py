@@ -28,7 +28,7 @@ from ...kernels.registry import KERNEL_TYPES
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, LAYOUTS
 from ...vocab.segments import check_seq_len
 from . import doctor_report
-from .output import check_output_path
+from .output import check_output_path, claim_stdout
 from .parsers import command_parser
 from .shapes import CPU_DEFAULT, positive_int
 from .verify import TOLERANCE
@@ -67,7 +67,7 @@ def add_parser(sub):
                         "report on stderr)")
     p.add_argument("--markdown", default=None, metavar="PATH",
                    help="write the report as Markdown (attach it to an issue on the project's "
-                        "issue tracker)")
+                        "issue tracker; '-': the Markdown alone on stdout, the report on stderr)")
     p.add_argument("--backend", default=None,
                    help="torchrun only (refused without it): process-group backend (default hccl "
                         "on NPU, nccl on CUDA, gloo)")
@@ -87,11 +87,11 @@ def check_distinct_outputs(json_path, markdown_path) -> None:
 def resolve(args):
     """Check every argument and output path before anything runs; fill defaults."""
     args.cp_size = world_size(args.cp, args.backend, DEFAULT_CP)
-    # --json -: stdout carries the JSON alone, the report goes to stderr
-    args.text_out = sys.stderr if args.json == "-" else sys.stdout
+    # --json - or --markdown -: stdout carries that report alone, the text goes to stderr
+    args.text_out = claim_stdout({"--json": args.json, "--markdown": args.markdown})
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-    check_output_path("--json", args.json if args.json != "-" else None)
+    check_output_path("--json", args.json)
     check_output_path("--markdown", args.markdown)
     check_distinct_outputs(args.json, args.markdown)
     args.torchrun = _torchrun()
@@ -369,7 +369,9 @@ def _write(args, doc) -> None:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)
         print(f"JSON: {args.json}", file=args.text_out)
-    if args.markdown:
+    if args.markdown == "-":
+        print(doctor_report.markdown(doc), end="", flush=True)
+    elif args.markdown:
         with open(args.markdown, "w") as f:
             f.write(doctor_report.markdown(doc))
         print(f"Markdown: {args.markdown} (attach it to an issue on the project's issue tracker)",

@@ -8,14 +8,23 @@ import os
 import sys
 from typing import Optional
 
+from ..torchrun_env import torchrun_rank
+
 GiB = 2 ** 30
 MiB = 2 ** 20
+
+
+def refuse(line: str) -> None:
+    """A refusal on stderr, once per job: under torchrun every rank refuses alike and only
+    rank 0 prints it."""
+    if torchrun_rank() == 0:
+        print(line, file=sys.stderr)
 
 
 def one_line_errors(parser: argparse.ArgumentParser, prog: str):
     """Argument errors as one line and exit 2 (argparse would add a usage block)."""
     def error(message):
-        print(f"mindspeed-laga {prog}: error: {message}", file=sys.stderr)
+        refuse(f"mindspeed-laga {prog}: error: {message}")
         sys.exit(2)
     parser.error = error
 
@@ -29,6 +38,19 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
+
+
+STDOUT = "-"  # a report option's path for standard output
+
+
+def claim_stdout(paths) -> object:
+    """The stream the command's own text goes to: stdout, or stderr when a report (``paths``:
+    {flag: path}) takes stdout with ``-``; ValueError when two reports claim it."""
+    claims = [flag for flag, path in paths.items() if path == STDOUT]
+    if len(claims) > 1:
+        raise ValueError(f"{' and '.join(f'{c} -' for c in claims)}: both name standard output, "
+                         "which holds one report; give one of them a file")
+    return sys.stderr if claims else sys.stdout
 
 
 def check_output_path(flag: str, path: Optional[str]) -> None:

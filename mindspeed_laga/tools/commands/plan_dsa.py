@@ -19,6 +19,7 @@ from ..costmodel.config import DTYPE_BYTES
 from . import recommend_dsa
 from .output import fmt_bytes, mix_line
 from .shapes import check_seq_len_bound
+from .typed import typed_outside
 
 # The plan flags (argparse dests) --dsa models; every other plan flag given is refused.
 MODELLED = ("dsa", "index_heads", "index_head_dim", "seq_len", "micro_batch", "cp", "tp", "dtype",
@@ -81,11 +82,10 @@ def table_from_args(args, dim_flags, dtypes, default_cp) -> dict:
 
 
 def _check(args) -> None:
-    given = [flag for dest, flag, default in getattr(args, "dsa_unmodelled", ())
-             if getattr(args, dest, default) != default]
+    given = typed_outside(args, getattr(args, "dsa_unmodelled", ()))
     if given:
         raise ValueError(f"plan --dsa models {modelled_flags()} only; drop {', '.join(given)} "
-                         "(dense-plan flags)")
+                         f"(dense-plan flags; --dsa {args.dsa} names the model and its dims)")
     if args.tp != 1:
         raise ValueError(f"--dsa models TP 1 (every head on the rank); drop --tp {args.tp}")
     for flag in ("seq_len", "micro_batch", "cp", "index_heads", "index_head_dim", "link_bandwidth"):

@@ -21,6 +21,7 @@ and the cross-node part (ring and CP groups, hatched).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from .output import MiB
@@ -79,7 +80,7 @@ def matplotlib_missing() -> bool:
 
 def check_plot_path(path: Optional[str]) -> None:
     """ValueError naming --plot when matplotlib cannot write ``path``'s format (before the run)."""
-    if not path:
+    if not path or path == "-":  # "-": PNG on stdout
         return
     try:
         import matplotlib
@@ -126,7 +127,10 @@ def write_plot(rows: List[dict], path: str, title: Optional[str] = None) -> Opti
     except ImportError:
         return None
     fig = build_figure(rows, title)
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": the legend is never cut off
+    target = sys.stdout.buffer if path == "-" else path  # "-": the PNG on stdout
+    fig.savefig(target, dpi=110, bbox_inches="tight", format="png" if path == "-" else None)
+    if path == "-":
+        sys.stdout.buffer.flush()
     plt.close(fig)
     return path
 

@@ -23,6 +23,9 @@ OPTION_FLAGS = {"trim_causal_prefix": "--mla-laga-trim-causal-prefix",
                 "kv_block_size": "--mla-laga-kv-block-size {}",
                 "overlap": "--mla-laga-overlap"}
 LAGA_FLAG = "--mla-latent-all-gather"
+# The same choices as the variables the recipes read (scripts/deepseek3_common.sh).
+OPTION_ENV = {"trim_causal_prefix": "LAGA_TRIM", "recompute_kv": "LAGA_RECOMPUTE",
+              "kv_block_size": "LAGA_BLOCK", "overlap": "LAGA_OVERLAP"}
 
 
 def validate(cfg: cm.Config) -> None:
@@ -42,7 +45,7 @@ def _label(cfg: cm.Config) -> str:
 def training_flags(cfg: cm.Config, spec: RunSpec) -> str:
     """The pretrain script's flags for ``spec`` under ``cfg``'s algorithm."""
     if not cfg.algo.host_algo:
-        return f"(no MindSpeed --context-parallel-algo runs {cfg.cp_algo})"
+        return f"none (no MindSpeed --context-parallel-algo runs {cfg.cp_algo})"
     flags = [f"--context-parallel-algo {cfg.algo.host_algo}"]
     if cfg.algo.takes_ulysses_degree:
         flags.append(f"--ulysses-degree-in-cp {cfg.ulysses_degree}")
@@ -50,6 +53,20 @@ def training_flags(cfg: cm.Config, spec: RunSpec) -> str:
         flags.append(LAGA_FLAG)
         flags += [OPTION_FLAGS[k].format(v) for k, v in spec.option_items()]
     return " ".join(flags)
+
+
+def recipe_env(cfg: cm.Config, spec: RunSpec) -> Optional[str]:
+    """The same choice as the recipes' environment variables (``CP=16 CP_TYPE=... LAGA=1
+    ...``), None for an algorithm no MindSpeed --context-parallel-algo runs."""
+    if not cfg.algo.host_algo:
+        return None
+    env = [f"CP={cfg.cp_size}", f"CP_TYPE={cfg.algo.host_algo}"]
+    if cfg.algo.takes_ulysses_degree:
+        env.append(f"ULYSSES_DEGREE={cfg.ulysses_degree}")
+    env += [f"SEQ_LEN={cfg.seq_len}", f"LAGA={int(spec.form == 'laga')}"]
+    if spec.form == "laga":
+        env += [f"{OPTION_ENV[k]}={int(v) if isinstance(v, bool) else v}" for k, v in spec.option_items()]
+    return " ".join(env)
 
 
 def _option(cfg: cm.Config, spec: RunSpec, timer: Callable) -> dict:
@@ -94,9 +111,10 @@ def as_json(rec: dict) -> dict:
             return None
         return {"cp_algo": o["cfg"].cp_algo, "ulysses_degree": o["cfg"].ulysses_degree,
                 "variant": o["spec"].name, "flags": training_flags(o["cfg"], o["spec"]),
+                "recipe_env": recipe_env(o["cfg"], o["spec"]),
                 **{k: o[k] for k in ("total_s", "compute_s", "comm_s", "hidden_s", "wire_bytes",
                                      "saved_bytes", "peak_bytes")}}
-    return {"basis": rec["basis"], "fits": rec["fits"],
+    return {"basis": rec["basis"], "fits": rec["fits"], "layers": rec["layers"],
             **{k: row(rec[k]) for k in ("best", "explicit", "host_best", "runner_up", "lean")}}
 
 
@@ -132,8 +150,12 @@ def _why_algo(best: dict, other: Optional[dict]) -> Optional[str]:
     if other is None:
         return None
     b, o = best, other
-    decides = ("less communication" if (o["comm_s"] - o["hidden_s"]) - (b["comm_s"] - b["hidden_s"])
-               >= o["compute_s"] - b["compute_s"] else "less compute on its worst rank")
+    comm_gain = (o["comm_s"] - o["hidden_s"]) - (b["comm_s"] - b["hidden_s"])
+    compute_gain = o["compute_s"] - b["compute_s"]
+    if _order(o)[0] == _order(b)[0]:  # the same time: neither decides
+        decides = "a tie, the same time; the one with fewer options, then the first listed, is shown"
+    else:
+        decides = "less communication" if comm_gain >= compute_gain else "less compute on its worst rank"
     return (f"{_label(b['cfg'])} over {_label(o['cfg'])} ({o['spec'].name}, {_ms(o['total_s'])}): "
             f"{decides} ({_split(b)}; {_label(o['cfg'])}: {_split(o)})")
 
@@ -155,6 +177,15 @@ def _why_variant(best: dict, explicit: dict, limited: bool) -> str:
     return "; ".join(parts)
 
 
+def _per_iteration(rec: dict, b: dict, ex: dict, fmt_bytes: Callable) -> str:
+    """The per-layer figures times the layers one device holds (--num-layers)."""
+    n = rec["layers"]
+    return (f"per iteration ({n} layers, fwd+bwd, one micro-batch): {_ms(n * b['total_s'])}, "
+            f"{fmt_bytes(n * b['wire_bytes'])} sent, {fmt_bytes(n * b['saved_bytes'])} of "
+            f"saved activations (explicit: {_ms(n * ex['total_s'])}, "
+            f"{fmt_bytes(n * ex['wire_bytes'])}, {fmt_bytes(n * ex['saved_bytes'])})")
+
+
 def print_recommendation(rec: dict, fmt_bytes: Callable, width: int) -> None:
     b, ex, host = rec["best"], rec["explicit"], rec["host_best"]
 
@@ -167,6 +198,11 @@ def print_recommendation(rec: dict, fmt_bytes: Callable, width: int) -> None:
         return
     say(f"recommendation ({rec['basis']}): {b['spec'].name} with cp_algo={_label(b['cfg'])}", "")
     say(f"flags: {training_flags(b['cfg'], b['spec'])}", "  ")
+    env = recipe_env(b["cfg"], b["spec"])
+    if env:
+        say(f"recipe variables (scripts/pretrain_deepseek3_laga.sh reads them): {env}", "  ")
+    if rec["layers"]:
+        say(_per_iteration(rec, b, ex, fmt_bytes), "  ")
     if b["spec"].form == "laga":
         dt = ex["total_s"] - b["total_s"]
         say(f"against the host's explicit path ({_label(ex['cfg'])}): time {_ms(b['total_s'])} vs "

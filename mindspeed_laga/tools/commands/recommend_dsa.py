@@ -58,8 +58,12 @@ def recommend(table: dict, heads: int, link_gbps: Optional[float] = None) -> dic
     cp = table["cp_size"]
     machine = link_for(cp, link_gbps)
     rows: Dict[str, dict] = {}
+    mix = table.get("layer_mix")
     for name, row in table["paths"].items():
         received = sum(row[d]["received_bytes"] for d in ("forward", "backward"))
+        if mix:  # the mean layer of the model's mix of computing and reusing layers
+            reuse = sum(table["reusing_paths"][name][d]["received_bytes"] for d in ("forward", "backward"))
+            received = (mix["computing"] * received + mix["reusing"] * reuse) / mix["layers"]
         rows[name] = {"path": name, "flags": PATH_FLAGS[name], "received_bytes": received,
                       "collectives": sum(row[d]["collectives"] for d in ("forward", "backward")),
                       "values_per_token": row["forward"]["values_per_token"],
@@ -73,7 +77,11 @@ def recommend(table: dict, heads: int, link_gbps: Optional[float] = None) -> dic
     hosts = [r for n, r in rows.items() if n != "laga" and "refused" not in r]
     host = min(hosts, key=lambda r: r["comm_s"])
     best = rows["laga"] if cp > 1 and rows["laga"]["comm_s"] <= host["comm_s"] else host
-    return {"cp_size": cp, "basis": link_basis(cp, machine), "link_gbps": machine.link_gbps,
+    basis = link_basis(cp, machine)
+    if mix:
+        basis += (f"; on the layer mix, {mix['computing']} of {mix['layers']} layers computing "
+                  "their picks, the rest reusing them: the mean layer")
+    return {"cp_size": cp, "basis": basis, "link_gbps": machine.link_gbps,
             "best": best, "host_best": host, "paths": rows}
 
 

@@ -9,17 +9,22 @@ own ranks, so under torchrun it is refused (every torchrun rank would spawn a fu
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import List
+
 from ..rank_cap import check_spawnable
 from ..torchrun_env import under_torchrun
 from ..runspec import standard_runs
 from ...cp_algos import algo
 from ...kernels.registry import CPU_KERNELS, canonical
 from ...vocab.names import CP_ALGOS, DEFAULT_LAYOUT, SEQUENCE_LAYOUTS
-from .bench import hybrid_worker, ulysses_degree_from_args
+from .bench_fit import check_fits
+from .bench_runs import (PlannedRun, _model, as_cases, hybrid_worker, model_config,
+                         ulysses_degree_from_args)
 from ...vocab.segments import check_seq_len
 from .output import dtype_arg
 from .parsers import add_cp_algo_args, command_parser
-from .shapes import add_shape_args, positive_int, shape_from_args
+from .shapes import add_shape_args, check_seq_len_bound, positive_int, shape_from_args
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
 
@@ -39,31 +44,49 @@ def add_parser(sub):
     add_shape_args(p)
 
 
-def cases_from_args(args):
-    from .. import equivalence as eq
+def planned_from_args(args) -> List[PlannedRun]:
+    """The runs verify makes (the three forms under each algorithm), planned without torch."""
     shape = shape_from_args(args)
     algos = CP_ALGOS if args.cp_algo == "both" else (args.cp_algo,)
     degree = ulysses_degree_from_args(args, args.cp)
-    return [eq.Case(spec=v, cp_algo=a, layout=args.layout or DEFAULT_LAYOUT[a], kernel=args.kernel,
-                    dtype=args.dtype, shape=shape, ulysses_degree=degree if algo(a).takes_ulysses_degree else 1)
+    return [PlannedRun(v, a, args.layout or DEFAULT_LAYOUT[a], args.kernel, args.dtype, shape, None,
+                       degree if algo(a).takes_ulysses_degree else 1)
             for a in algos for v in standard_runs(forms_only=True)]
 
 
+def cases_from_args(args):
+    return as_cases(planned_from_args(args))
+
+
+def check_runs(args, runs: List[PlannedRun]) -> None:
+    """Every refusal verify can make without torch: the length, the split, the heads, and
+    bench's fit check (the ranks' float64 inputs and peaks, the reference's S x S scores)."""
+    check_seq_len_bound("--seq-len", args.seq_len)
+    degree = runs[0].ulysses_degree
+    for layout in dict.fromkeys(r.layout for r in runs):
+        check_seq_len(args.seq_len, layout, args.cp, ulysses_degree=degree)
+    if not all(algo(r.cp_algo).heads_divide(args.heads, args.cp, r.ulysses_degree) for r in runs):
+        split = f"--ulysses-degree {degree}" if degree > 1 else f"--cp {args.cp}"
+        raise ValueError(f"--heads {args.heads} is not divisible by {split} (ulysses splits heads)")
+    models = [_model(replace(model_config(args, r.shape, args.cp, r.cp_algo, r.kernel, "cpu",
+                                          r.ulysses_degree), layout=r.layout), r.spec, args.cp)
+              for r in runs]
+    check_fits(runs, models, args.cp, flag="--seq-len")
+
+
 def run(args) -> int:
-    from .. import equivalence as eq
-    from ..measure import worker
-    from ..spawn import run_on_ranks
     if under_torchrun():
         raise ValueError("verify spawns its own --cp gloo ranks: run `mindspeed-laga verify` "
                          "without torchrun (under torchrun every rank would run the whole check)")
     check_spawnable(args.cp)
-    cases = cases_from_args(args)
+    planned = planned_from_args(args)
+    check_runs(args, planned)
+    # every check passed without torch: now the ranks
+    from .. import equivalence as eq
+    from ..measure import worker
+    from ..spawn import run_on_ranks
+    cases = as_cases(planned)
     degree = cases[0].ulysses_degree
-    for layout in dict.fromkeys(c.layout for c in cases):
-        check_seq_len(args.seq_len, layout, args.cp, ulysses_degree=degree)
-    if not all(algo(c.cp_algo).heads_divide(args.heads, args.cp, c.ulysses_degree) for c in cases):
-        split = f"--ulysses-degree {degree}" if degree > 1 else f"--cp {args.cp}"
-        raise ValueError(f"--heads {args.heads} is not divisible by {split} (ulysses splits heads)")
     s = cases[0].shape
     hybrid = f" (hybrid U={degree})" if degree > 1 else ""
     print(f"verify: CP={args.cp} gloo ranks{hybrid}, S={s.seq_len}, b={s.batch}, n={s.heads}, "

@@ -12,6 +12,7 @@ from ...vocab.names import ATTN_CP_ALGOS, LAYOUTS
 from ...vocab.segments import Documents, check_seq_len
 from ...vocab.dims import MLADims, ModelDims
 from ...vocab.documents import check_documents
+from .presets import PRESETS, preset  # noqa: F401  (the registry is presets.py; asked here too)
 
 # The cost model's kernel kinds: what a kernel keeps for backward and whether it
 # recomputes the scores. Not the core's KERNELS (what a caller may ask for).
@@ -30,28 +31,6 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 HALF = ("bfloat16", "float16")
 NPU_MASK_BYTES = 2048 * 2048  # the compressed causal mask (bool), cached and shared
 INDEX_BYTES = 8               # int64 position-order index
-
-# name -> (heads, qk_head_dim, rope_dim, v_head_dim, kv_lora_rank, hidden_size, q_lora_rank),
-# ModelDims' field order; q_lora_rank None: the query is projected straight from the hidden
-_PRESET_DIMS = {
-    # config.json of deepseek-ai/DeepSeek-V3 (and the MLA flags of scripts/pretrain_deepseek3_laga.sh)
-    "deepseek-v3": (128, 128, 64, 128, 512, 7168, 1536),
-    # config.json of deepseek-ai/DeepSeek-V2-Lite
-    "deepseek-v2-lite": (16, 128, 64, 128, 512, 2048, None),
-    # the other MLA families' MindSpeed-LLM pretrain recipes (examples/mcore/<family>/)
-    "kimi-k2": (64, 128, 64, 128, 512, 7168, 1536),
-    "longcat-flash": (64, 128, 64, 128, 512, 6144, 1536),
-    "plm": (16, 128, 64, 128, 512, 2048, None),
-    "minicpm3": (40, 64, 32, 64, 256, 2560, 768),
-}
-PRESETS = {name: ModelDims(*dims) for name, dims in _PRESET_DIMS.items()}
-
-
-def preset(name: str) -> ModelDims:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; use one of {sorted(PRESETS)} or give the dims")
-    return PRESETS[name]
-
 
 def model_kernel_kind(kernel: str, qk_dim: int, v_dim: int, documents: bool = False) -> str:
     """The kind a kernel runs as: ``sdpa`` on CPU runs the flash op for any head dims

@@ -38,45 +38,10 @@ from typing import Dict, List, Tuple
 
 from ...vocab.dims import ModelDims
 from .comm import wire_bytes
+from .model_dims import IndexerDims, IndexShare  # noqa: F401
+from .presets import DSA_PRESETS, DSA_SHARES, dsa_preset  # noqa: F401  (the one registry)
 
 ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = "all_gather", "reduce_scatter", "all_to_all"
-
-
-@dataclass(frozen=True)
-class IndexerDims:
-    """The lightning indexer's sizes: ``--index-n-heads`` and ``--index-head-dim``."""
-    heads: int = 64
-    head_dim: int = 128
-
-
-# The DSA models' MLA and indexer dims, from MindSpeed-LLM's own recipes
-# (examples/mcore/deepseek32/, examples/mcore/glm5/).
-DSA_PRESETS: Dict[str, Tuple[ModelDims, IndexerDims]] = {
-    "deepseek-v3.2": (ModelDims(heads=128, qk_head_dim=128, rope_dim=64, v_head_dim=128, kv_lora_rank=512,
-                                hidden_size=7168, q_lora_rank=1536), IndexerDims(64, 128)),
-    "glm-5": (ModelDims(heads=64, qk_head_dim=192, rope_dim=64, v_head_dim=256, kv_lora_rank=512,
-                        hidden_size=6144, q_lora_rank=2048), IndexerDims(32, 128)),
-    # examples/mcore/glm52/: GLM-5's dims, its layers sharing picks (DSA_SHARES)
-    "glm-5.2": (ModelDims(heads=64, qk_head_dim=192, rope_dim=64, v_head_dim=256, kv_lora_rank=512,
-                          hidden_size=6144, q_lora_rank=2048), IndexerDims(32, 128)),
-}
-
-
-@dataclass(frozen=True)
-class IndexShare:
-    """Which layers run the indexer (MindSpeed-LLM's ``--index-topk-freq`` and
-    ``--index-skip-topk-offset``): global layer L takes the picks of
-    ``L - (max(L - offset, 0) % freq)``; the others reuse them."""
-    freq: int = 1
-    offset: int = 2
-    num_layers: int = 1
-
-    def computes(self, layer: int) -> bool:
-        return max(layer - self.offset, 0) % self.freq == 0
-
-
-# the presets whose layers share picks: GLM-5.2's recipe (78 layers, freq 4, offset 3)
-DSA_SHARES: Dict[str, IndexShare] = {"glm-5.2": IndexShare(freq=4, offset=3, num_layers=78)}
 
 
 def layer_mix(dims: ModelDims, index: IndexerDims, share: IndexShare) -> dict:
@@ -90,12 +55,6 @@ def layer_mix(dims: ModelDims, index: IndexerDims, share: IndexShare) -> dict:
     return {"freq": share.freq, "offset": share.offset, "layers": share.num_layers,
             "computing": computing, "reusing": reusing, "values_per_token": widths,
             "mean_values_per_token": mean}
-
-
-def dsa_preset(name: str) -> Tuple[ModelDims, IndexerDims]:
-    if name not in DSA_PRESETS:
-        raise ValueError(f"unknown DSA model {name!r}; use one of {sorted(DSA_PRESETS)}")
-    return DSA_PRESETS[name]
 
 
 @dataclass(frozen=True)
@@ -167,6 +126,18 @@ def dsa_paths(dims: ModelDims, index: IndexerDims) -> List[DSAPath]:
     return [host_kvallgather(dims, index), host_ulysses(dims, index), laga(dims, index)]
 
 
+def reusing_paths(dims: ModelDims, index: IndexerDims) -> List[DSAPath]:
+    """Each path in a layer that reuses an earlier layer's picks: the host builds no indexer
+    there (an ``IdentityOp``, ``_skip_dsa_topk``), so neither the indexer's top-k nor its
+    loss runs: only the attention's collectives are left; LAGA's is :func:`laga_reusing`."""
+    def attention_only(path: DSAPath) -> DSAPath:
+        def keep(t):
+            return t.kind == ALL_TO_ALL or t.what.endswith("(attention)")
+        return DSAPath(path.name, tuple(filter(keep, path.forward)), tuple(filter(keep, path.backward)))
+    return [attention_only(host_kvallgather(dims, index)), attention_only(host_ulysses(dims, index)),
+            DSAPath("laga", laga_reusing(dims).forward, laga_reusing(dims).backward)]
+
+
 def received_bytes(path: DSAPath, direction: str, tokens_per_rank: int, cp_size: int, elem: int) -> int:
     """Bytes one rank receives (= sends) in ``direction`` for one layer."""
     return sum(wire_bytes(t.kind, tokens_per_rank * t.width * elem, cp_size)
@@ -193,4 +164,6 @@ def dsa_table(dims: ModelDims, index: IndexerDims, seq_len: int, cp_size: int, m
              "index_heads": index.heads, "index_head_dim": index.head_dim, "paths": rows}
     if share is not None:
         table["layer_mix"] = layer_mix(dims, index, share)
+        table["reusing_paths"] = {p.name: path_row(p, tokens, cp_size, elem)
+                                  for p in reusing_paths(dims, index)}
     return table
