@@ -4,7 +4,7 @@
 ``loss_kernel``); any combination runs. Adding a kernel: a ``SparseKernel`` subclass
 (``sparse/stage.py``) in its own ``sparse/<name>_stages.py`` that declares its own
 ``name`` (a subclass does not take its parent's) and the host flag selecting it per stage
-(``host_flags``), and its class in ``KERNEL_TYPES``. Tests and tools enumerate
+(``host_flags``), its import and one entry in ``_REGISTERED``. Tests and tools enumerate
 ``SPARSE_KERNELS``; the host adapters map flags through :func:`host_kernels`.
 """
 from __future__ import annotations
@@ -15,7 +15,11 @@ from .npu_stages import SparseNpu
 from .stage import STAGES, LossReads, SparseDims, SparseKernel
 from .torch_stages import SparseTorch
 
-KERNEL_TYPES: Sequence[Type[SparseKernel]] = (SparseTorch, SparseNpu)
+_REGISTERED = (
+    SparseTorch,
+    SparseNpu,
+)
+KERNEL_TYPES: Sequence[Type[SparseKernel]] = _REGISTERED
 
 
 def _by_name(types) -> Dict[str, Type[SparseKernel]]:

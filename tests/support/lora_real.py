@@ -197,7 +197,7 @@ def check_refusals() -> None:
             print(f"{flag}: refused: {exc}")
         else:
             raise AssertionError(f"{flag} was not refused on {release.name}")
-    print(f"release: {release.name}\nrefusals: ok")
+    print(f"facts: {release.facts()}\nrefusals: ok")
 
 
 if __name__ == "__main__":
