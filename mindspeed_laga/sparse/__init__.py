@@ -12,7 +12,8 @@
 - ``op_calls.py``: the fused ops' calls per run of queries (BSND, or TND with documents).
 
 Imports go one way: form -> checks -> registry -> kernels -> op_calls / stage / indexer /
-absorbed; no kernel imports another kernel or the form. Importing this package imports no torch; its names below do.
+absorbed; no kernel imports another kernel or the form. Importing this package imports no
+torch; its names below do.
 """
 from ..lazy import lazy
 

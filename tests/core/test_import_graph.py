@@ -116,8 +116,8 @@ def _kernel_modules() -> Set[str]:
 
 
 def _flat(modules) -> List[str]:
-    return sorted(n.rsplit(".", 1)[1] for n, p in modules.items()
-                  if n.count(".") == 1 and p.parent == PACKAGE and not n.rsplit(".", 1)[1].startswith("_"))
+    names = {n.rsplit(".", 1)[1]: p for n, p in modules.items() if n.count(".") == 1}
+    return sorted(n for n, p in names.items() if p.parent == PACKAGE and not n.startswith("_"))
 
 
 MODULES = _modules(ROOT)

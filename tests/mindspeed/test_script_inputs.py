@@ -111,6 +111,6 @@ def test_lora_targets_are_module_names(value):
 
 
 def test_lora_targets_reach_the_launch_one_name_an_argument():
-    args = flags(launched(run("tune_deepseek3_laga.sh", LORA_TARGETS="linear_qkv linear_kv_up_proj"),
-                          "tune_deepseek3_laga.sh"))
+    name = "tune_deepseek3_laga.sh"
+    args = flags(launched(run(name, LORA_TARGETS="linear_qkv linear_kv_up_proj"), name))
     assert args["--lora-target-modules"] == [["linear_qkv", "linear_kv_up_proj"]]

@@ -144,7 +144,8 @@ from mindspeed_laga.sparse.registry import SPARSE_KERNELS
 from mindspeed_laga.tools import cli
 from support import variants
 assert all(m.__file__.startswith(copy) for m in (releases, registry, cli)), releases.__file__
-assert set(new) <= set(releases.BY_NAME) | set(registry.KERNEL_NAMES) | set(ALGOS) | set(SPARSE_KERNELS)
+registered = set(releases.BY_NAME) | set(registry.KERNEL_NAMES) | set(ALGOS) | set(SPARSE_KERNELS)
+assert set(new) <= registered
 
 
 def run(*argv):
@@ -162,7 +163,8 @@ plans = [run("plan", "--kernel", "tiled", "--cp-algo", "kvgather", *small),
 assert "cp_algo=kvgather " in plans[0] and "tiled" in plans[0], plans[0]
 # no host counterpart: plan names no --context-parallel-algo for it, and nothing maps to it
 assert "no MindSpeed --context-parallel-algo runs kvgather" in plans[0], plans[0]
-assert "" not in CP_ALGO_MAP and not {"kvgather", "kvgather_own"} & {a for a, _ in CP_ALGO_MAP.values()}
+assert "" not in CP_ALGO_MAP
+assert not {"kvgather", "kvgather_own"} & {algo for algo, _ in CP_ALGO_MAP.values()}
 assert "cp_algo=kvgather_own " in plans[1] and "kvgather" in plans[2], plans[1:]
 assert all(len(line) <= 100 for plan in plans for line in plan.splitlines())
 if preset:
@@ -211,8 +213,9 @@ PRESET_TESTS = ["tests/tools/test_plan_presets.py"]
 LOOP_MODULES = ["tests/loop/test_real_loop.py", "tests/loop/test_real_tune.py"]
 # the new release's real-module cases (the Ascend leg's ``hosts`` matrix)
 REAL_MODULE_CASES = [
-    f"tests/mindspeed/test_mindspeed_llm_patch.py::test_real_custom_mla_self_attention[{NEW_RELEASE}]",
-    f"tests/mindspeed/test_lora_real.py::test_startup_refusals_through_each_releases_parser[{NEW_RELEASE}]"]
+    f"tests/mindspeed/{module}::{case}[{NEW_RELEASE}]" for module, case in (
+        ("test_mindspeed_llm_patch.py", "test_real_custom_mla_self_attention"),
+        ("test_lora_real.py", "test_startup_refusals_through_each_releases_parser"))]
 
 
 def _register(path: Path, anchor: str, import_line: str, entry: str) -> None:
