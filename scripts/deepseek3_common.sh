@@ -34,8 +34,8 @@ NUM_HEADS=128                        # DeepSeek-V3's attention heads
 DRY_RUN=${DRY_RUN:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 NODE_RANK=${NODE_RANK:-0}
-# The kernels --mla-laga-kernel takes (features/laga_args.py, KERNEL_CHOICES).
-LAGA_KERNELS="auto eager npu"
+# The Python that has mindspeed_laga: it lists the kernels --mla-laga-kernel takes.
+LAGA_PYTHON=${LAGA_PYTHON:-python}
 # Every integer is at most this: checked as text before any arithmetic, so a value past
 # bash's 64-bit integers (CP=18446744073709551618) cannot wrap into a small one.
 LAGA_INT_MAX=2147483647
@@ -133,8 +133,22 @@ laga_check_launch_values() {  # what torchrun and the host read
     laga_one_of TRANSFORMER_IMPL "local transformer_engine"
 }
 
+# laga_kernels: the kernels --mla-laga-kernel takes, from the installed package's registry
+# (features/laga_args.py, KERNEL_CHOICES; importing it imports no torch).
+laga_kernels() {
+    "$LAGA_PYTHON" -c 'from mindspeed_laga.features.laga_args import KERNEL_CHOICES as k; print(*k)' \
+        2>/dev/null ||
+        laga_fail "LAGA_KERNEL=$LAGA_KERNEL: LAGA_PYTHON=$LAGA_PYTHON cannot import mindspeed_laga, whose registry lists the kernels: install it (pip install --no-deps -e <mindspeed-laga>) or set LAGA_PYTHON"
+}
+
 laga_check_laga_options() {  # LAGA's kernel and options, as LAGAFeature checks them
-    laga_one_of LAGA_KERNEL "$LAGA_KERNELS"
+    if [ "$LAGA_KERNEL" != auto ]; then
+        [ "$LAGA" = 1 ] ||
+            laga_fail "LAGA_KERNEL=$LAGA_KERNEL needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
+        local kernels
+        kernels=$(laga_kernels) || exit 2  # its one line is printed: stop here too
+        laga_one_of LAGA_KERNEL "$kernels"
+    fi
     [ -z "$LAGA_BLOCK" ] || laga_positive LAGA_BLOCK
     if [ -n "$LAGA_BLOCK" ] && [ "$LAGA_RECOMPUTE" != 1 ]; then
         laga_fail "LAGA_BLOCK=$LAGA_BLOCK needs LAGA_RECOMPUTE=1 (blockwise rebuild keeps no K/V for backward)"
@@ -146,8 +160,6 @@ laga_check_laga_options() {  # LAGA's kernel and options, as LAGAFeature checks 
         [ "${!v}" = 0 ] || laga_fail "$v=${!v} needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
     done
     [ -z "$LAGA_BLOCK" ] || laga_fail "LAGA_BLOCK=$LAGA_BLOCK needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
-    [ "$LAGA_KERNEL" = auto ] ||
-        laga_fail "LAGA_KERNEL=$LAGA_KERNEL needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
 }
 
 # laga_documents: LAGA_DOCUMENTS, the recipe's packed documents, from the caller's

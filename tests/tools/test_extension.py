@@ -206,6 +206,7 @@ TESTS = ["tests/tools/test_kernel_declarations.py", "tests/tools/test_plan_cli.p
          "tests/tools/test_no_silent_ignores.py", "tests/tools/test_plan_recommendation.py",
          "tests/tools/test_bench_cli.py", "tests/mindspeed/test_mindspeed_llm_releases.py",
          "tests/mindspeed/test_mindspeed_llm_patch.py", "tests/mindspeed/test_feature.py",
+         "tests/mindspeed/test_script_bad_values.py",
          "tests/core/test_sparse_package.py", "tests/core/test_sparse_kernels.py",
          "tests/core/test_sparse_host_flags.py", "tests/core/test_import_graph.py"]
 PRESET_TESTS = ["tests/tools/test_plan_presets.py"]
