@@ -40,6 +40,7 @@ from argparse import ArgumentParser, Namespace
 from dataclasses import dataclass
 from typing import Optional
 
+from mindspeed_laga.cp_algos import ALGOS, AllGather
 from mindspeed_laga.kernels.registry import TRAINING_KERNELS
 
 FEATURE_NAME = "mla-latent-all-gather"
@@ -47,11 +48,12 @@ FLAG = "--" + FEATURE_NAME
 # The kernels the training flag offers (kernels/registry.py: each says whether it is one).
 KERNEL_CHOICES = TRAINING_KERNELS
 
+# MindSpeed --context-parallel-algo -> (core cp_algo, core layout): each registered
+# algorithm with a host counterpart (``host_algo``; "" = none, nothing maps to it) at its
+# default layout, and the host's ring, whose split and attention LAGA's all-gather replaces
 CP_ALGO_MAP = {
-    "ulysses_cp_algo": ("ulysses", "contiguous"),
-    "kvallgather_cp_algo": ("allgather", "zigzag"),
-    "megatron_cp_algo": ("allgather", "zigzag"),
-    "hybrid_cp_algo": ("hybrid", "zigzag"),
+    **{a.host_algo: (a.name, a.default_layout) for a in ALGOS.values() if a.host_algo},
+    "megatron_cp_algo": (AllGather.name, AllGather.default_layout),
 }
 # the same under --reset-attention-mask (MindSpeed's get_batch_on_this_cp_rank)
 DOCUMENT_CP_ALGO_MAP = {
@@ -92,6 +94,23 @@ def register_laga_args(parser: ArgumentParser) -> None:
     group.add_argument("--mla-laga-overlap", action="store_true", default=False,
                        help="start the latent all-gather before the query projection and "
                             "overlap its backward reduce-scatter with the dq work")
+
+
+def laga_options() -> dict:
+    """dest -> (flag, default) of every ``--mla-laga-*`` option: they act only with
+    ``--mla-latent-all-gather`` (read from the parser they are registered on)."""
+    parser = ArgumentParser(add_help=False)
+    register_laga_args(parser)
+    return {a.dest: (a.option_strings[0], a.default) for a in parser._actions
+            if a.option_strings and a.option_strings[0].startswith("--mla-laga-")}
+
+
+def options_without_laga(args: Namespace, argv) -> list:
+    """The ``--mla-laga-*`` options this run gives (typed in ``argv``, or set away from
+    their defaults) although ``--mla-latent-all-gather`` is off."""
+    typed = {token.split("=", 1)[0] for token in argv or () if isinstance(token, str)}
+    return [flag for dest, (flag, default) in laga_options().items()
+            if flag in typed or getattr(args, dest, default) != default]
 
 
 def context_parallel_algo(args: Namespace) -> str:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from argparse import ArgumentParser, Namespace
 
 from .dsa_checks import check_index_share
-from .laga_args import FEATURE_NAME, FLAG, context_parallel_algo, register_laga_args
+from .laga_args import (FEATURE_NAME, FLAG, context_parallel_algo, options_without_laga,
+                        register_laga_args)
 from .laga_checks import check_laga_args, context_parallel_size
 
 try:  # the real base when MindSpeed is installed, so MindSpeed treats us as its own
@@ -44,6 +46,7 @@ class LAGAFeature(_Base):
     def validate_args(self, args: Namespace):
         # MindSpeed validates every feature, enabled or not
         if not getattr(args, self.feature_name, False):
+            _refuse_options_without_laga(args)
             return
         if self._level_too_low(args):
             return  # MindSpeed will not apply the feature: nothing of it to validate
@@ -102,3 +105,13 @@ class LAGAFeature(_Base):
         from mindspeed_laga.patches.mindspeed_llm.model_check import laga_model_check_wrapper
         patch_manager.register_patch(MLA_FORWARD, laga_mla_forward_wrapper)
         patch_manager.register_patch(GET_MODEL, laga_model_check_wrapper)
+
+
+def _refuse_options_without_laga(args: Namespace) -> None:
+    """A ``--mla-laga-*`` option without ``--mla-latent-all-gather`` would do nothing: every
+    rank parses the same command line, so every rank refuses it here, before training."""
+    given = options_without_laga(args, sys.argv[1:])
+    if given:
+        raise ValueError(f"{', '.join(given)} {'acts' if len(given) == 1 else 'act'} only with "
+                         f"{FLAG}, which is off: add {FLAG} to train with LAGA, or drop "
+                         f"{', '.join(given)}")

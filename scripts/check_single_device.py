@@ -16,7 +16,7 @@ import sys
 import torch
 
 from mindspeed_laga import api
-from mindspeed_laga.kernels.eager import Eager
+from mindspeed_laga.kernels.declared.eager import Eager
 from mindspeed_laga.kernels.registry import CPU_KERNELS, KERNEL_TYPES
 from mindspeed_laga.tools import equivalence as eq
 from mindspeed_laga.tools.commands.verify import TOLERANCE

@@ -3,7 +3,8 @@
 # sourced by each after it sets its own layout: the model, the settings both stock
 # recipes train with, the CP flags, LAGA's switch and flags, and the launch.
 #
-# The caller sets TP, PP, EP, SEQ_LEN, GBS and the node defaults (NPUS_PER_NODE, NNODES,
+# The caller sets its fixed layout in LAGA_FIXED ("TP=4 PP=8 ..."; the environment may
+# repeat a value, never change it), SEQ_LEN and the node defaults (NPUS_PER_NODE, NNODES,
 # MASTER_PORT), may name its own 0/1 switches in LAGA_SWITCHES, and says how it packs
 # documents: LAGA_DOCUMENTS_SWITCH names its switch for --reset-attention-mask, or is
 # "general" when it always packs under --attention-mask-type general. Each script's test
@@ -11,9 +12,12 @@
 # here is one both stock recipes pass (a recipe of another shape replaces MODEL_ARGS and
 # TRAIN_ARGS after sourcing this file). Every environment value is checked here, before
 # anything launches (DRY_RUN=1 too): a wrong one stops the script with one line, exit 2.
+# The script's own arguments go to the launch after the recipe's flags; one that names a
+# flag the recipe passes is refused, naming the variable that sets it.
 # The CP checks refuse what MindSpeed(-LLM) refuses at start-up and, with LAGA=1, what
 # LAGAFeature refuses (features/laga_checks.py), so a dry run that passes is one they take.
 
+LAGA_EXTRA_ARGS=("$@")  # sourced without arguments: the script's own
 LAGA=${LAGA:-1}
 LAGA_KERNEL=${LAGA_KERNEL:-auto}   # auto = npu_fusion_attention on NPU tensors
 # Beyond the paper (docs/BEYOND.md): keep only the latent, rebuild K/V blockwise in
@@ -27,12 +31,11 @@ CP_TYPE=${CP_TYPE:-ulysses_cp_algo}
 ULYSSES_DEGREE=${ULYSSES_DEGREE:-}   # hybrid_cp_algo's --ulysses-degree-in-cp
 MINDSPEED_LLM_DIR=${MINDSPEED_LLM_DIR:-$PWD}
 NUM_HEADS=128                        # DeepSeek-V3's attention heads
-TRANSFORMER_IMPL=${TRANSFORMER_IMPL:-local}
 DRY_RUN=${DRY_RUN:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 NODE_RANK=${NODE_RANK:-0}
-# The kernels --mla-laga-kernel takes (features/laga_args.py, KERNEL_CHOICES).
-LAGA_KERNELS="auto eager npu"
+# The Python that has mindspeed_laga: it lists the kernels --mla-laga-kernel takes.
+LAGA_PYTHON=${LAGA_PYTHON:-python}
 # Every integer is at most this: checked as text before any arithmetic, so a value past
 # bash's 64-bit integers (CP=18446744073709551618) cannot wrap into a small one.
 LAGA_INT_MAX=2147483647
@@ -69,9 +72,41 @@ laga_one_of() {
     laga_fail "$1=${!1}: use one of ${2// /, }"
 }
 
+# laga_fixed: the caller's LAGA_FIXED layout ("TP=4 PP=8 ..."), each set; a value the
+# environment gives must be the recipe's (its layout is what its flags were tested with).
+laga_fixed() {
+    local pair name value
+    for pair in ${LAGA_FIXED:-}; do
+        name=${pair%%=*} value=${pair#*=}
+        if [ -n "${!name:-}" ] && [ "${!name}" != "$value" ]; then
+            laga_fail "$name=${!name}: this recipe trains with $name=$value (its layout is fixed: edit the recipe to change it)"
+        fi
+        printf -v "$name" '%s' "$value"
+    done
+}
+
+# laga_check_paths: the paths the launch passes, one argument each (quoted), never empty.
+laga_check_paths() {
+    local v
+    for v in DATA_PATH TOKENIZER_PATH CKPT_SAVE_DIR CKPT_LOAD_DIR MINDSPEED_LLM_DIR; do
+        [ -n "${!v}" ] || laga_fail "$v is empty: give a path (one path; it is passed as one argument)"
+    done
+}
+
+# laga_check_affinity: MindSpeed's CPU_AFFINITY_CONF, when the job gets one: a mode 0-2,
+# then optional npuN:FIRST-LAST core ranges.
+laga_check_affinity() {
+    [ -n "${CPU_AFFINITY_CONF:-}" ] || return 0
+    [[ $CPU_AFFINITY_CONF =~ ^[0-2](,npu[0-9]+:[0-9]+-[0-9]+)*$ ]] ||
+        laga_fail "CPU_AFFINITY_CONF=$CPU_AFFINITY_CONF: use MODE[,npuN:FIRST-LAST...] with MODE 0, 1 or 2 (e.g. 1,npu0:0-23,npu1:24-47)"
+}
+
 # laga_check_env: the values above and the caller's, before anything launches.
 laga_check_env() {
+    laga_fixed
+    TRANSFORMER_IMPL=${TRANSFORMER_IMPL:-local}  # a recipe may fix it (LAGA_FIXED)
     laga_check_switches
+    laga_check_affinity
     laga_check_launch_values
     laga_check_laga_options
     laga_check_cp
@@ -98,8 +133,22 @@ laga_check_launch_values() {  # what torchrun and the host read
     laga_one_of TRANSFORMER_IMPL "local transformer_engine"
 }
 
+# laga_kernels: the kernels --mla-laga-kernel takes, from the installed package's registry
+# (features/laga_args.py, KERNEL_CHOICES; importing it imports no torch).
+laga_kernels() {
+    "$LAGA_PYTHON" -c 'from mindspeed_laga.features.laga_args import KERNEL_CHOICES as k; print(*k)' \
+        2>/dev/null ||
+        laga_fail "LAGA_KERNEL=$LAGA_KERNEL: LAGA_PYTHON=$LAGA_PYTHON cannot import mindspeed_laga, whose registry lists the kernels: install it (pip install --no-deps -e <mindspeed-laga>) or set LAGA_PYTHON"
+}
+
 laga_check_laga_options() {  # LAGA's kernel and options, as LAGAFeature checks them
-    laga_one_of LAGA_KERNEL "$LAGA_KERNELS"
+    if [ "$LAGA_KERNEL" != auto ]; then
+        [ "$LAGA" = 1 ] ||
+            laga_fail "LAGA_KERNEL=$LAGA_KERNEL needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
+        local kernels
+        kernels=$(laga_kernels) || exit 2  # its one line is printed: stop here too
+        laga_one_of LAGA_KERNEL "$kernels"
+    fi
     [ -z "$LAGA_BLOCK" ] || laga_positive LAGA_BLOCK
     if [ -n "$LAGA_BLOCK" ] && [ "$LAGA_RECOMPUTE" != 1 ]; then
         laga_fail "LAGA_BLOCK=$LAGA_BLOCK needs LAGA_RECOMPUTE=1 (blockwise rebuild keeps no K/V for backward)"
@@ -111,8 +160,6 @@ laga_check_laga_options() {  # LAGA's kernel and options, as LAGAFeature checks 
         [ "${!v}" = 0 ] || laga_fail "$v=${!v} needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
     done
     [ -z "$LAGA_BLOCK" ] || laga_fail "LAGA_BLOCK=$LAGA_BLOCK needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
-    [ "$LAGA_KERNEL" = auto ] ||
-        laga_fail "LAGA_KERNEL=$LAGA_KERNEL needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
 }
 
 # laga_documents: LAGA_DOCUMENTS, the recipe's packed documents, from the caller's
@@ -175,12 +222,12 @@ laga_check_ulysses_degree() {
     [ "$LAGA_DOCUMENTS" != packed ] ||
         laga_fail "CP_TYPE=hybrid_cp_algo with packed documents ($LAGA_DOCUMENTS_SWITCH=1) is not covered by LAGA: set $LAGA_DOCUMENTS_SWITCH=0, use ulysses_cp_algo, kvallgather_cp_algo or megatron_cp_algo, or LAGA=0"
 }
+CKPT_SAVE_DIR=${CKPT_SAVE_DIR-/path/to/save/ckpt}
+DATA_PATH=${DATA_PATH-/path/to/dataset_prefix}
+TOKENIZER_PATH=${TOKENIZER_PATH-/path/to/tokenizer}
+CKPT_LOAD_DIR=${CKPT_LOAD_DIR-/path/to/load/ckpt}
 laga_check_env
-
-CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-/path/to/save/ckpt}
-DATA_PATH=${DATA_PATH:-/path/to/dataset_prefix}
-TOKENIZER_PATH=${TOKENIZER_PATH:-/path/to/tokenizer}
-CKPT_LOAD_DIR=${CKPT_LOAD_DIR:-/path/to/load/ckpt}
+laga_check_paths
 
 DISTRIBUTED_ARGS="
     --nproc_per_node $NPUS_PER_NODE \
@@ -254,8 +301,8 @@ MODEL_ARGS="
 "
 
 # The data, its split and the logging/saving cadence every DeepSeek-V3 recipe passes.
+# (--data-path and --tokenizer-name-or-path: quoted in the launch, deepseek3_launch)
 DATA_LOG_ARGS="
-    --data-path $DATA_PATH \
     --split 100,0,0 \
     --log-interval 1 \
     --save-interval 2000 \
@@ -285,9 +332,8 @@ TRAIN_ARGS="
     --moe-permutation-async-comm \
     --mtp-mem-efficient-logits \
     --tokenizer-type PretrainedFromHF \
-    --tokenizer-name-or-path ${TOKENIZER_PATH} \
     --seq-length ${SEQ_LEN} \
-    --micro-batch-size 1 \
+    --micro-batch-size ${MBS} \
     --global-batch-size ${GBS} \
     --lr 1.0e-5 \
     --min-lr 1.0e-7 \
@@ -357,20 +403,56 @@ laga_check_launch() {
     fi
 }
 
+# The variable that sets a flag the recipe passes (what a refused extra argument names).
+LAGA_FLAG_VARS="--context-parallel-size=CP --context-parallel-algo=CP_TYPE --seq-length=SEQ_LEN
+    --ulysses-degree-in-cp=ULYSSES_DEGREE --mla-laga-kernel=LAGA_KERNEL --data-path=DATA_PATH
+    --mla-laga-recompute-kv=LAGA_RECOMPUTE --mla-laga-kv-block-size=LAGA_BLOCK
+    --mla-laga-trim-causal-prefix=LAGA_TRIM --mla-laga-overlap=LAGA_OVERLAP
+    --mla-latent-all-gather=LAGA --tokenizer-name-or-path=TOKENIZER_PATH --save=CKPT_SAVE_DIR
+    --load=CKPT_LOAD_DIR --transformer-impl=TRANSFORMER_IMPL --micro-batch-size=MBS
+    --global-batch-size=GBS --tensor-model-parallel-size=TP --pipeline-model-parallel-size=PP
+    --expert-model-parallel-size=EP"
+
+# laga_check_extra_args RECIPE_FLAGS...: the script's own arguments (LAGA_EXTRA_ARGS) go to
+# the launch; a flag the recipe passes is refused naming what sets it, and LAGA's flags
+# need LAGA=1 (LAGA=0 launches without LAGA's launcher, whose flags the host rejects).
+laga_check_extra_args() {
+    local arg flag pair known by
+    for arg in "${LAGA_EXTRA_ARGS[@]}"; do
+        [[ $arg == --* ]] || continue
+        flag=${arg%%=*}
+        if [ "$LAGA" = 0 ] && [[ $flag == --mla-laga-* || $flag == --mla-latent-all-gather ]]; then
+            laga_fail "extra argument $flag needs LAGA=1 (LAGA=0 runs MindSpeed's own attention)"
+        fi
+        for pair in "$@"; do
+            [ "$pair" = "$flag" ] || continue
+            by="edit the recipe to change it"
+            for known in $LAGA_FLAG_VARS; do
+                [ "${known%%=*}" != "$flag" ] || by="set ${known#*=} instead"
+            done
+            laga_fail "extra argument $flag: the recipe passes $flag already ($by)"
+        done
+    done
+}
+
 # deepseek3_launch ENTRY LOG RECIPE_ARGS...: run ENTRY (pretrain_gpt.py, posttrain_gpt.py)
-# with the shared flags and the recipe's own, teeing into LOG under MINDSPEED_LLM_DIR;
-# DRY_RUN=1 prints the command instead, one flag per line.
+# with the shared flags, the recipe's own and the script's arguments, teeing into LOG under
+# MINDSPEED_LLM_DIR; DRY_RUN=1 prints the command instead, one flag per line.
 deepseek3_launch() {
     local entry=$1 log=$2
     shift 2
     # word splitting of the *_ARGS strings is intended, as in the upstream scripts
     # shellcheck disable=SC2086
-    local cmd=(torchrun $DISTRIBUTED_ARGS $LAUNCHER "$entry"
-        $MODEL_ARGS $TRAIN_ARGS $CP_ARGS $LAGA_ARGS "$@"
+    local recipe=($MODEL_ARGS $TRAIN_ARGS $CP_ARGS $LAGA_ARGS "$@"
+        --data-path "$DATA_PATH"
+        --tokenizer-name-or-path "$TOKENIZER_PATH"
         --save "$CKPT_SAVE_DIR"
         --load "$CKPT_LOAD_DIR"
         --transformer-impl "$TRANSFORMER_IMPL"
         --distributed-backend nccl)
+    laga_check_extra_args "${recipe[@]}"
+    # shellcheck disable=SC2086
+    local cmd=(torchrun $DISTRIBUTED_ARGS $LAUNCHER "$entry" "${recipe[@]}" "${LAGA_EXTRA_ARGS[@]}")
     if [ "$DRY_RUN" = "1" ]; then
         laga_print_command "${cmd[@]}"
         return 0

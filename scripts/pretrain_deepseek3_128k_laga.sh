@@ -20,6 +20,8 @@
 #   LAGA=1 bash /path/to/mindspeed-laga/scripts/pretrain_deepseek3_128k_laga.sh
 #   LAGA=0 bash ...            # the same run on MindSpeed's own CP attention
 #   DRY_RUN=1 bash ...         # print the command (one flag a line) instead of running it
+# Extra arguments, the layout (TP, PP, EP, GBS, MBS) and the paths are handled as in
+# pretrain_deepseek3_laga.sh; CPU_AFFINITY_CONF is checked (MODE[,npuN:FIRST-LAST...]).
 set -eo pipefail
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -33,15 +35,10 @@ NPUS_PER_NODE=${NPUS_PER_NODE:-8}
 MASTER_PORT=${MASTER_PORT:-6001}
 NNODES=${NNODES:-8}
 
-TP=1
-PP=1
-EP=64
+# the recipe's layout (another value in the environment: refused)
+LAGA_FIXED="TP=1 PP=1 EP=64 GBS=16 MBS=1 NUM_LAYERS=6 TRANSFORMER_IMPL=transformer_engine"
 CP=${CP:-8}
-NUM_LAYERS=6
 SEQ_LEN=${SEQ_LEN:-131072}   # a multiple of 2*CP (zigzag) and of CP (ulysses)
-MBS=1
-GBS=16
-TRANSFORMER_IMPL=transformer_engine
 LAGA_DOCUMENTS_SWITCH=general  # packed, --attention-mask-type general, always
 
 # shellcheck source=deepseek3_common.sh
@@ -95,7 +92,6 @@ TRAIN_ARGS="
     --sequence-parallel \
     --expert-tensor-parallel-size 1 \
     --tokenizer-type PretrainedFromHF \
-    --tokenizer-name-or-path ${TOKENIZER_PATH} \
     --seq-length ${SEQ_LEN} \
     --use-fused-swiglu \
     --use-fused-rmsnorm \

@@ -17,16 +17,20 @@
 #   LAGA=1 bash /path/to/mindspeed-laga/scripts/pretrain_deepseek3_laga.sh
 #   LAGA=0 bash ...            # the same run on MindSpeed's own CP attention
 #   DRY_RUN=1 bash ...         # print the command (one flag a line) instead of running it
+#   bash ... --mla-laga-overlap   # extra arguments go to the launch (a flag the recipe
+#                                 # passes is refused, naming the variable that sets it)
 # Every environment value is checked before anything launches (DRY_RUN too): LAGA, DRY_RUN
 # and the other switches 0 or 1; LAGA_KERNEL, TRANSFORMER_IMPL and CP_TYPE one of their
 # choices; the integers (CP, SEQ_LEN, NNODES, NPUS_PER_NODE, NODE_RANK, MASTER_PORT,
 # LAGA_BLOCK, ULYSSES_DEGREE) in range, no wrap-around; LAGA_BLOCK with LAGA_RECOMPUTE=1;
 # CP dividing the heads (ulysses) and SEQ_LEN, TP*PP*CP the world size; ULYSSES_DEGREE
 # with hybrid_cp_algo, 1 < U < CP dividing CP, and (LAGA=1) RESET_MASK=0. A run also
-# checks the working directory, torchrun and mindspeed_laga, each in one line.
+# checks the working directory, torchrun and mindspeed_laga, each in one line. TP, PP,
+# EP, GBS and MBS are the recipe's: another value in the environment is refused; the
+# paths (DATA_PATH, TOKENIZER_PATH, CKPT_*) are passed as one argument each.
 set -eo pipefail
 
-export CPU_AFFINITY_CONF=1
+export CPU_AFFINITY_CONF=${CPU_AFFINITY_CONF:-1}
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
 export TASK_QUEUE_ENABLE=2
@@ -40,12 +44,9 @@ NPUS_PER_NODE=${NPUS_PER_NODE:-8}
 MASTER_PORT=${MASTER_PORT:-6000}
 NNODES=${NNODES:-64}
 
-TP=4
-PP=8
-EP=32
+LAGA_FIXED="TP=4 PP=8 EP=32 GBS=3840 MBS=1"  # the recipe's layout (TP=8 in the environment: refused)
 RESET_MASK=${RESET_MASK:-1}          # packed documents, as upstream
 SEQ_LEN=${SEQ_LEN:-4096}   # a multiple of 2*CP (zigzag) and of CP (ulysses)
-GBS=3840
 LAGA_SWITCHES="RESET_MASK"  # checked 0 or 1 with LAGA's own (deepseek3_common.sh)
 LAGA_DOCUMENTS_SWITCH=RESET_MASK  # packed documents: the CP checks depend on them
 

@@ -40,8 +40,14 @@ from mindspeed_laga.vocab.names import ATTN_CP_ALGOS  # noqa: E402
 from mindspeed_laga.vocab.segments import check_seq_len  # noqa: E402
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as the configuration checks print theirs
+        print(f"train_tiny_cpu: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--laga", action="store_true", help="patch MLASelfAttention with LAGA")
     p.add_argument("--form", choices=("laga", "explicit"), default="laga",
                    help="core behind the patch (explicit: per-head K/V on the wire)")

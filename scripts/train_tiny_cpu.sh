@@ -19,6 +19,8 @@ PYTHON=${PYTHON:-python}
 fail() { echo "train_tiny_cpu: error: $*" >&2; exit 2; }
 case "$LAGA" in 0 | 1) ;; *) fail "LAGA=$LAGA: must be 0 or 1" ;; esac
 case "$NPROC" in '' | *[!0-9]* | 0*) fail "NPROC=$NPROC: must be a positive integer" ;; esac
+command -v "$PYTHON" >/dev/null || fail "PYTHON=$PYTHON: not a command (the Python with torch and megatron-core)"
+# CP_ALGO, FORM and ULYSSES_DEGREE are checked by train_tiny_cpu.py's parser (--check-world)
 
 args=(--cp-algo "$CP_ALGO" --form "$FORM")
 if [[ "$LAGA" == "1" ]]; then

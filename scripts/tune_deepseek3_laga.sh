@@ -22,7 +22,8 @@
 #   LAGA=1 bash /path/to/mindspeed-laga/scripts/tune_deepseek3_laga.sh
 #   LAGA=0 bash ...            # the same run on MindSpeed's own CP attention
 #   DRY_RUN=1 bash ...         # print the command (one flag a line) instead of running it
-# Environment values are checked before anything launches, as in pretrain_deepseek3_laga.sh.
+# Environment values and extra arguments are checked before anything launches, as in
+# pretrain_deepseek3_laga.sh.
 set -eo pipefail
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -34,12 +35,9 @@ NPUS_PER_NODE=${NPUS_PER_NODE:-16}
 MASTER_PORT=${MASTER_PORT:-6005}
 NNODES=${NNODES:-8}
 
-TP=1
-PP=8
-EP=16
+LAGA_FIXED="TP=1 PP=8 EP=16 GBS=128 MBS=1"  # the recipe's layout (another value: refused)
 SEQ_LEN=${SEQ_LEN:-16384}   # a multiple of 2*CP (zigzag) and of CP (ulysses)
-GBS=128
-LORA_TARGETS=${LORA_TARGETS:-linear_qkv linear_proj linear_fc1 linear_fc2}
+LORA_TARGETS=${LORA_TARGETS-linear_qkv linear_proj linear_fc1 linear_fc2}
 PADDING_SIDE=${PADDING_SIDE:-right}
 PACKED=${PACKED:-0}
 LAGA_SWITCHES="PACKED"  # checked 0 or 1 with LAGA's own (deepseek3_common.sh)
@@ -51,6 +49,9 @@ case "$PADDING_SIDE" in
     left | right) ;;
     *) laga_fail "PADDING_SIDE=$PADDING_SIDE: must be left or right" ;;
 esac
+# module names, space-separated (--lora-target-modules takes one name an argument)
+[[ $LORA_TARGETS =~ ^[A-Za-z_][A-Za-z0-9_.]*( +[A-Za-z_][A-Za-z0-9_.]*)*$ ]] ||
+    laga_fail "LORA_TARGETS='$LORA_TARGETS': give module names separated by spaces (letters, digits, _ and .), e.g. 'linear_qkv linear_proj'"
 
 # --prompt-type twice, as the stock recipe passes it
 TUNE_ARGS="

@@ -35,7 +35,7 @@ import torch
 from ..double_backward import once_differentiable
 from ..kernels import KeyIndex, held_keys, nonfinite, poison_rows
 from ..kernels.base import Kernel
-from ..kernels.eager import Eager
+from ..kernels.declared.eager import Eager
 from ..kernels.merge import merge_into
 from ..kernels.precision import acc_dtype
 from ..vocab.attn_setup import AttnSetup

@@ -54,15 +54,13 @@ inputs, the input dtype (float32, float64) otherwise.
 """
 from __future__ import annotations
 
-from ..vocab.blocks import SCORE_CHUNK_ELEMENTS  # noqa: F401  (its old home)
-from .eager import EagerBlock  # noqa: F401
-from .npu import NpuBlock, NpuBlockPadV  # noqa: F401
 from .registry import kernel_for
-from .sdpa import BACKENDS, FusedBlock, backend_for  # noqa: F401
 
 
 def block_kernel(name: str, pad_v: bool = False):
-    """The block kernel of the kernel called ``name``, ``pad_v`` bound (NPU only)."""
+    """The block kernel of the kernel called ``name``, ``pad_v`` bound (NPU only). Each
+    block kernel lives in its backend's module; this one asks the registry, so the
+    contract imports no backend."""
     return kernel_for(name, pad_v).block
 
 

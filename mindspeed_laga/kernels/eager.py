@@ -9,14 +9,10 @@ import torch
 
 from ..vocab.blocks import SCORE_CHUNK_ELEMENTS
 from .base import BlockKernel
-from .declared.eager import Eager  # noqa: F401  (its declaration, importable from here too)
+from .heads import expand_kv
 from .masks import block_keep, segment_keep
 from .precision import acc_dtype
 
-
-def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Broadcast [b, n_k, S, d] to [b, heads, S, d] (a view; no copy)."""
-    return x if x.shape[1] == heads else x.expand(x.shape[0], heads, *x.shape[2:])
 
 
 def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None, keep=None):

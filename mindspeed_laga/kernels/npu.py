@@ -43,7 +43,6 @@ import torch
 import torch.nn.functional as F
 
 from .base import BlockKernel
-from .declared.npu import Npu  # noqa: F401  (its declaration, importable from here too)
 from .masks import block_keep
 
 COMPRESSED_MASK_SIZE = 2048

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from ..double_backward import once_differentiable
 from .base import BlockKernel
-from .declared.sdpa import Sdpa  # noqa: F401  (its declaration, importable from here too)
-from .eager import expand_kv
+from .declared.eager import Eager
+from .heads import expand_kv
 from .masks import bottom_right, segment_keep
 from .merge import merge_lse
 from .precision import acc_dtype
@@ -213,8 +213,7 @@ class FusedBlock(BlockKernel):
     @staticmethod
     def forward(q, key, value, offset, scale, pad=None):
         if pad is not None:  # the fused ops take no per-sample mask: one block's eager math
-            from .eager import EagerBlock
-            return EagerBlock.forward(q, key, value, offset, scale, pad)
+            return Eager().block.forward(q, key, value, offset, scale, pad)
         out, lse = fused_forward(backend_for(q.device), q, key, value, offset, scale)
         acc = acc_dtype(q.dtype)
         return out.to(acc), lse.to(acc)
@@ -222,8 +221,7 @@ class FusedBlock(BlockKernel):
     @staticmethod
     def backward(q, key, value, offset, scale, d_out, out, lse, pad=None):
         if pad is not None:
-            from .eager import EagerBlock
-            return EagerBlock.backward(q, key, value, offset, scale, d_out, out, lse, pad)
+            return Eager().block.backward(q, key, value, offset, scale, d_out, out, lse, pad)
         return fused_backward(backend_for(q.device), q, key, value, offset, scale,
                               d_out.to(q.dtype), out.to(q.dtype), lse)
 

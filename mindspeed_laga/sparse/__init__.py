@@ -7,11 +7,13 @@
 - ``stage.py``: the stage kernels' contract (the call they serve, their results, their
   typed dims and declared capabilities);
 - ``registry.py``: the one list of stage kernels;
-- ``torch_stages.py``, ``npu_stages.py``: the stage kernels;
+- ``torch_stages.py``, ``npu_stages.py``: the stage kernels (each names the host flag
+  selecting it), and the torch math they share (``absorbed.py``);
 - ``op_calls.py``: the fused ops' calls per run of queries (BSND, or TND with documents).
 
-Imports go one way: form -> checks -> registry -> kernels -> op_calls / stage / indexer; no kernel
-imports the form. Importing this package imports no torch; its names below do.
+Imports go one way: form -> checks -> registry -> kernels -> op_calls / stage / indexer /
+absorbed; no kernel imports another kernel or the form. Importing this package imports no
+torch; its names below do.
 """
 from ..lazy import lazy
 

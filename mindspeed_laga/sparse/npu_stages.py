@@ -36,10 +36,10 @@ import importlib
 import torch
 import torch.distributed as dist
 
+from .absorbed import attention_probs
 from .indexer import TopK
 from .op_calls import op_calls
-from .stage import AbsorbedStats, Attended, SparseDims, SparseKernel
-from .torch_stages import attention_probs
+from .stage import AbsorbedStats, Attended, LossReads, SparseDims, SparseKernel
 
 # what the ops take, per SparseDims field: the last dims (kv_lora_rank, rope, index head
 # dim) and the head counts (the loss's query heads: every head of loss_tp_group)
@@ -62,7 +62,12 @@ def _torch_npu():
 
 class SparseNpu(SparseKernel):
     name = "npu"
-    loss_reads = "stats"
+    loss_reads = LossReads.STATS
+    # the host's flag (argparse dest) that selects this kernel for each stage; the fused
+    # loss runs only on the host's absorbed path (patches/mindspeed_llm/dsa.py)
+    host_flags = {"indexer": "use_fused_lightning_indexer",
+                  "attention": "use_sparse_flash_attn",
+                  "loss": "use_fused_lightning_indexer_loss"}
     rounds_index_scores = True       # the op runs on bfloat16 copies, as the host's
     loss_reads_index_scores = False  # the fused loss recomputes them from the index inputs
 
@@ -120,10 +125,11 @@ class SparseNpu(SparseKernel):
             sums.append(op.batched_stats(softmax_sum))
         output = torch.einsum("bsnc,nvc->sbnv", torch.cat(outs, dim=1), w_uv)
         stats = None
-        if keep == "stats":
+        if keep is LossReads.STATS:
             stats = AbsorbedStats(q_latent.detach(), q_rope.detach(), torch.cat(maxes, dim=2),
                                   torch.cat(sums, dim=2))
-        probs = attention_probs(call, query, kv_up_weight, picks) if keep == "probs" else None
+        probs = (attention_probs(call, query, kv_up_weight, picks)
+                 if keep is LossReads.PROBS else None)
         return Attended(output.reshape(s, b, n * call.v_head_dim), probs, stats)
 
     def loss(self, call, attended, picks, index_query, index_weights, coeff, tp_group):

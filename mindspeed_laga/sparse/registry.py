@@ -3,18 +3,23 @@
 ``sparse_laga_attention`` picks one per stage (``indexer_kernel``, ``attention_kernel``,
 ``loss_kernel``); any combination runs. Adding a kernel: a ``SparseKernel`` subclass
 (``sparse/stage.py``) in its own ``sparse/<name>_stages.py`` that declares its own
-``name`` (a subclass does not take its parent's), and its class in ``KERNEL_TYPES``.
-Tests and tools enumerate ``SPARSE_KERNELS``.
+``name`` (a subclass does not take its parent's) and the host flag selecting it per stage
+(``host_flags``), its import and one entry in ``_REGISTERED``. Tests and tools enumerate
+``SPARSE_KERNELS``; the host adapters map flags through :func:`host_kernels`.
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Sequence, Type
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Type
 
 from .npu_stages import SparseNpu
-from .stage import SparseDims, SparseKernel
+from .stage import STAGES, LossReads, SparseDims, SparseKernel
 from .torch_stages import SparseTorch
 
-KERNEL_TYPES: Sequence[Type[SparseKernel]] = (SparseTorch, SparseNpu)
+_REGISTERED = (
+    SparseTorch,
+    SparseNpu,
+)
+KERNEL_TYPES: Sequence[Type[SparseKernel]] = _REGISTERED
 
 
 def _by_name(types) -> Dict[str, Type[SparseKernel]]:
@@ -33,13 +38,37 @@ def _by_name(types) -> Dict[str, Type[SparseKernel]]:
 
 _TYPES = _by_name(KERNEL_TYPES)
 SPARSE_KERNELS = tuple(_TYPES)
+# the host's default at every stage: the first kernel, which no flag selects
+HOST_DEFAULT = KERNEL_TYPES[0].name
+if KERNEL_TYPES[0].host_flags:
+    raise TypeError(f"the first sparse kernel ({HOST_DEFAULT}) is the host's default: it "
+                    "declares no host flag")
+_UNKNOWN_STAGES = {c.name: sorted(set(c.host_flags) - set(STAGES)) for c in KERNEL_TYPES}
+if any(_UNKNOWN_STAGES.values()):
+    raise TypeError(f"sparse kernels' host_flags name stages outside {STAGES}: {_UNKNOWN_STAGES}")
+
+
+def host_kernels(flag_on: Callable[[str, str], bool]) -> Dict[str, str]:
+    """``sparse_laga_attention``'s ``<stage>_kernel`` arguments as the host's flags pick:
+    per stage the first registered kernel whose flag for it is on (``flag_on(stage,
+    flag)``), else :data:`HOST_DEFAULT`."""
+    def selected(cls, stage):
+        return stage in cls.host_flags and flag_on(stage, cls.host_flags[stage])
+
+    return {f"{stage}_kernel": next((c.name for c in KERNEL_TYPES if selected(c, stage)),
+                                    HOST_DEFAULT) for stage in STAGES}
+
+
+def host_flag_names() -> Dict[str, str]:
+    """Every host flag a sparse kernel declares -> the kernel it selects."""
+    return {flag: c.name for c in KERNEL_TYPES for flag in c.host_flags.values()}
 
 
 class SparseStages(NamedTuple):
     indexer: SparseKernel
     attention: SparseKernel
     loss: SparseKernel
-    keep: Optional[str]  # what the attention keeps for the loss ("probs" or "stats")
+    keep: Optional[LossReads]  # what the attention keeps for the loss
 
 
 def sparse_stages(*, indexer_kernel: str, attention_kernel: str, loss_kernel: str,

@@ -6,22 +6,30 @@ the one packed gather (``sparse/form.py``):
 - ``topk(call, index_query, index_weights, index_topk) -> TopK``: the indexer's picks
   (global key positions, -1: no key) and its scores at them, with their gradient;
 - ``attend(call, query, kv_up_weight, picks, keep) -> Attended``: the absorbed attention
-  over the picks; ``keep`` names what the loss stage reads ("probs", "stats" or None);
+  over the picks; ``keep`` names what the loss stage reads (a :class:`LossReads`, or None);
 - ``loss(call, attended, picks, index_query, index_weights, coeff, tp_group)``: the
   indexer's KL loss, this rank's mean over its query rows, times ``coeff``.
 
 A kernel declares, as class attributes, its ``name`` (the one place a kernel's name is
 written; ``sparse/registry.py`` lists the classes), what its loss stage reads from the
 attention (``loss_reads``) and whether its loss takes the ``all_keys`` target
-(``supports_all_keys``); :meth:`SparseKernel.check` says whether it runs a stage at the
-call's :class:`SparseDims`. Kernels import this module and ``sparse/indexer.py``, never
-the form.
+(``supports_all_keys``) and, per stage, the host flag that selects it there
+(``host_flags``); :meth:`SparseKernel.check` says whether it runs a stage at the call's
+:class:`SparseDims`. Kernels import this module and the shared math (``sparse/indexer.py``,
+``sparse/absorbed.py``), never the form and never another kernel.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from enum import Enum
+from typing import ClassVar, Dict, List, NamedTuple, Optional
 
 import torch
+
+
+class LossReads(str, Enum):
+    """What a loss stage reads from the attention: an :class:`Attended` field."""
+    PROBS = "probs"   # the probabilities at the picks
+    STATS = "stats"   # the absorbed inputs and softmax statistics (:class:`AbsorbedStats`)
 
 
 class Chunk(NamedTuple):
@@ -81,7 +89,11 @@ class SparseKernel:
     """Base of the sparse kernels (module docstring): the three stages."""
 
     name = ""              # its name in the sparse_laga_attention arguments
-    loss_reads = ""        # what its loss stage reads from the attention: an Attended field
+    loss_reads: ClassVar[Optional[LossReads]] = None  # what its loss stage reads
+    # stage -> the host flag (its argparse dest, or the FSDP2 YAML key) that selects this
+    # kernel for that stage; none: the host selects it only as the default (the registry's
+    # first kernel, selected where no registered kernel's flag is on)
+    host_flags: ClassVar[Dict[str, str]] = {}
     supports_all_keys = False  # its loss takes loss_target="all_keys" (loss_all_keys)
     rounds_index_scores = False  # its top-k scores are rounded below the inputs' precision
     loss_reads_index_scores = True  # its loss reads the top-k's scores (else recomputes them)

@@ -38,6 +38,7 @@ import torch
 
 from mindspeed_laga.features.laga_args import laga_settings
 from mindspeed_laga.sparse.form import sparse_laga_attention
+from mindspeed_laga.sparse.registry import HOST_DEFAULT, host_kernels
 
 from .fb_overlap import hook_a2a, launch_a2a
 
@@ -119,7 +120,9 @@ def _load_picks(self, host, holder, query):
 
 
 def dsa_kernels(module, args) -> dict:
-    """``sparse_laga_attention``'s kernel per stage, as the host's flags pick its ops.
+    """``sparse_laga_attention``'s kernel per stage, as the host's flags pick its ops: each
+    stage kernel declares the flag that selects it (``host_flags``, read through the
+    registry's :func:`host_kernels`).
 
     The host's fused loss runs only in its absorbed path (``enable_mla_absorb``, which the
     module keeps on with sparse flash attention or ``--mla-mm-split``); its non-absorbed
@@ -129,14 +132,17 @@ def dsa_kernels(module, args) -> dict:
     over every key (``loss_target``: the host's ``get_attn_scores`` gets no mask there)."""
     from megatron.core import parallel_state
 
-    fused_loss = (bool(getattr(args, "use_fused_lightning_indexer_loss", False))
-                  and bool(getattr(module, "enable_mla_absorb", False)))
-    sparse_flash = bool(getattr(args, "use_sparse_flash_attn", False))
+    absorbed = bool(getattr(module, "enable_mla_absorb", False))
+
+    def flag_on(stage, flag):  # the host's loss flags act on its absorbed path only
+        return bool(getattr(args, flag, False)) and (stage != "loss" or absorbed)
+
+    kernels = host_kernels(flag_on)
+    fused_loss = kernels["loss_kernel"] != HOST_DEFAULT
+    sparse_flash = kernels["attention_kernel"] != HOST_DEFAULT
     tp_split = parallel_state.get_tensor_model_parallel_world_size() > 1
     return dict(
-        indexer_kernel="npu" if getattr(args, "use_fused_lightning_indexer", False) else "torch",
-        attention_kernel="npu" if sparse_flash else "torch",
-        loss_kernel="npu" if fused_loss else "torch",
+        kernels,
         loss_tp_group=parallel_state.get_tensor_model_parallel_group()
         if fused_loss and tp_split else None,
         # the host's torch loss behind its sparse flash attention gets no mask

@@ -133,6 +133,12 @@ class Release:
         return (f"found a MindSpeed-LLM / MindSpeed pair matching {self.facts_owner}'s MLA facts "
                 f"(tested with them: {'; '.join(sharing)})")
 
+    def facts(self) -> str:
+        """Its pair of facts in words: what a host identified as it shows (two releases
+        with the same facts are the same host to every check)."""
+        return (f"MindSpeed-LLM {describe(self.llm_facts)}; MindSpeed "
+                f"{', '.join(sorted(self.mindspeed_facts)) or 'none of ' + str(list(MINDSPEED_FILES))}")
+
     def deinterleaves(self, rope_scaling_type) -> bool:
         return rope_scaling_type in self.rope_deinterleave
 

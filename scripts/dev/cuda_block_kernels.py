@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from mindspeed_laga import api
 from mindspeed_laga.tools import equivalence as eq
-from mindspeed_laga.kernels import block as fused_block
 from mindspeed_laga.kernels import sdpa as sdpa_ops
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 8 * 2.0 ** -9}
@@ -223,11 +222,11 @@ def eager_blockwise(seq_len):
 
 def compare_candidates():
     """[2] candidates for the CUDA block op, each put in place of the default in turn."""
-    default = fused_block.BACKENDS["cuda"]
+    default = sdpa_ops.BACKENDS["cuda"]
     block_cases = [eq.Case(form="laga", kernel="sdpa", dtype="bfloat16", causal=c, shape=SMALL,
                            options=OPTIONS["block7"]) for c in (True, False)]
     for name, ops in CANDIDATES.items():
-        fused_block.BACKENDS["cuda"] = ops
+        sdpa_ops.BACKENDS["cuda"] = ops
         try:
             bad = check(block_cases)
             status = "exact" if not bad else f"WRONG ({bad[0][1]:.1e})"
@@ -237,7 +236,7 @@ def compare_candidates():
         except Exception as exc:  # a candidate this torch/GPU does not run is reported, not fatal
             status = f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         print(f"[2] block op {name:13s} {status}", flush=True)
-    fused_block.BACKENDS["cuda"] = default
+    sdpa_ops.BACKENDS["cuda"] = default
     t = measure(eager_blockwise(2048))[0]
     print(f"[2] block op eager         laga+blockwise S=2048 {1e3 * t:.2f} ms", flush=True)
 

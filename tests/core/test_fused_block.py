@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mindspeed_laga.tools import equivalence as eq
-from mindspeed_laga.kernels import block as fb
+from mindspeed_laga.kernels import sdpa as fb
 from mindspeed_laga.kernels.merge import merge_lse
 from mindspeed_laga.kernels.sdpa import block_calls
 from mindspeed_laga.checks import resolve_kernel

@@ -55,3 +55,13 @@ def test_table_commands_parse(line):
     from mindspeed_laga.tools.cli import build_parser
     args = build_parser().parse_args(shlex.split(line)[1:])
     assert args is not None
+
+
+def test_supported_pythons_are_what_install_takes():
+    """The README's Python range is pyproject's: requires-python refuses the next one at
+    install, and the classifiers list each supported version."""
+    low, high = re.search(r"Python 3\.(\d+) to 3\.(\d+)", README).groups()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'requires-python = ">=3.{low},<3.{int(high) + 1}"' in pyproject
+    listed = re.findall(r'"Programming Language :: Python :: 3\.(\d+)"', pyproject)
+    assert listed == [str(v) for v in range(int(low), int(high) + 1)]

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.mcore  # the leg that runs it (tests/conftest.py)
 
 
 def _demo(timeout=120, *extra, **env):
-    env = dict(os.environ, PYTHON=sys.executable, **env)
+    env = dict(os.environ, **{"PYTHON": sys.executable, **env})
     return subprocess.run(["bash", str(ROOT / "scripts" / "train_tiny_cpu.sh"), *extra], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -26,6 +26,8 @@ def _demo(timeout=120, *extra, **env):
     (dict(NPROC="2", LAGA="0"), ("--layout", "contiguous"), ["without --laga"]),
     (dict(NPROC="2", LAGA="yes"), (), ["LAGA=yes: must be 0 or 1"]),
     (dict(NPROC="two"), (), ["NPROC=two: must be a positive integer"]),
+    (dict(NPROC="2", PYTHON="no-such-python"), (), ["PYTHON=no-such-python: not a command"]),
+    (dict(NPROC="2", FORM="fast"), (), ["--form", "fast"]),
 ])
 def test_bad_configuration_fails_in_one_line_before_torchrun(env, extra, words):
     proc = _demo(120, *extra, **env)

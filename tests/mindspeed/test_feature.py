@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 from support.laga_parser import parse
+from support.thirdparty import RELEASE_NAMES
 
 from mindspeed_laga.features import LAGAFeature
-from mindspeed_laga.features.laga_args import laga_settings
+from mindspeed_laga.features.laga_args import laga_options, laga_settings
 from mindspeed_laga.features.laga_feature import GET_MODEL, MLA_FORWARD
 from mindspeed_laga.patches.mindspeed_llm.forward import laga_mla_forward_wrapper
 from mindspeed_laga.patches.mindspeed_llm.model_check import laga_model_check_wrapper
@@ -64,6 +65,36 @@ def test_option_flags_reach_the_core():
     plain = laga_settings(validate(VALID))
     assert (plain.recompute_kv, plain.kv_block_size, plain.trim_causal_prefix, plain.overlap) == (
         False, None, False, False)
+
+
+# each --mla-laga-* option as a user gives it (argparse's type applied)
+GIVEN = {"--mla-laga-kernel": ["eager"], "--mla-laga-recompute-kv": [],
+         "--mla-laga-kv-block-size": ["512"], "--mla-laga-trim-causal-prefix": [],
+         "--mla-laga-overlap": []}
+
+
+def test_every_laga_option_has_a_case():
+    assert sorted(GIVEN) == sorted(flag for flag, _ in laga_options().values())
+
+
+@pytest.mark.parametrize("flag", sorted(GIVEN))
+def test_a_laga_option_without_the_flag_is_refused_naming_both(flag):
+    without = [a for a in VALID if a != "--mla-latent-all-gather"]
+    with pytest.raises(ValueError) as info:
+        validate(without + [flag, *GIVEN[flag]])
+    message = str(info.value)
+    assert flag in message and "add --mla-latent-all-gather" in message, message
+    assert f"drop {flag}" in message, message
+    validate(without)  # nothing given: LAGA off, nothing to refuse
+
+
+def test_a_laga_option_typed_at_its_default_is_refused_too(monkeypatch):
+    """``--mla-laga-kernel auto`` equals the default: what the user typed still counts."""
+    without = [a for a in VALID if a != "--mla-latent-all-gather"]
+    argv = without + ["--mla-laga-kernel", "auto"]
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv])
+    with pytest.raises(ValueError, match="--mla-laga-kernel acts only with"):
+        validate(argv)
 
 
 def test_unknown_kernel_is_rejected_by_the_parser():
@@ -273,7 +304,7 @@ def test_dsa_refusals_name_the_flag(extra, needle):
 SHARE = ["--index-topk-freq", "4", "--index-skip-topk-offset", "3"]
 
 
-@pytest.mark.parametrize("release", ["master", "26.1.0", "26.0.0", "2.3.0"])
+@pytest.mark.parametrize("release", RELEASE_NAMES)
 def test_index_share_runs_where_the_host_has_it_and_is_refused_by_name_elsewhere(release):
     from mindspeed_laga.features.dsa_checks import check_index_share
     from mindspeed_laga.patches.mindspeed_llm.releases import BY_NAME

@@ -209,6 +209,19 @@ def test_real_mindspeed_launcher_registers_the_feature(real_train):
                               "context_parallel_size": 2}
 
 
+@pytest.mark.parametrize("option", [["--mla-laga-overlap"], ["--mla-laga-kernel", "eager"]])
+def test_real_mindspeed_refuses_a_laga_option_without_the_flag(real_train, option):
+    """Through the real argument pipeline: the option parses (LAGA's flags are registered)
+    and MindSpeed's validation of the feature refuses it, naming it and the fix."""
+    cwd, env = real_train
+    proc, report = run_real(cwd, env, ["-m", "mindspeed_laga.launch", "train.py",
+                                       "--context-parallel-size", "2", *option])
+    assert proc.returncode != 0 and report is None, proc.stdout[-2000:]
+    assert (f"{option[0]} acts only with --mla-latent-all-gather, which is off: add "
+            f"--mla-latent-all-gather to train with LAGA, or drop {option[0]}") in proc.stderr, \
+        proc.stderr[-6000:]
+
+
 def test_real_mindspeed_rejects_the_flag_without_the_launcher(real_train):
     cwd, env = real_train
     proc, report = run_real(cwd, env, ["train.py", "--mla-latent-all-gather"])

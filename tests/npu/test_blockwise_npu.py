@@ -81,7 +81,8 @@ def test_packed_runs_match_eager_per_run_in_two_calls(pad_v, n):
     """forward_runs/backward_runs of the NPU block kernel against EagerBlock run by run:
     the causal parts go in one mode-3 TND call, the fully visible parts in one mode-0 call."""
     import torch
-    from mindspeed_laga.kernels.block import EagerBlock, block_kernel
+    from mindspeed_laga.kernels.block import block_kernel
+    from mindspeed_laga.kernels.eager import EagerBlock
     module = fake_torch_npu.install()
     try:
         g = torch.Generator().manual_seed(0)

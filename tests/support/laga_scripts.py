@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -13,6 +14,9 @@ from mindspeed_laga.features import LAGAFeature
 from support.laga_parser import parser_with_laga
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+# the Python the scripts ask for LAGA's kernels (their LAGA_PYTHON): this one, which has
+# mindspeed_laga, whatever ``python`` is on PATH
+os.environ.setdefault("LAGA_PYTHON", sys.executable)
 
 
 class LagaScript:

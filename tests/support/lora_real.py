@@ -34,6 +34,9 @@ KV_UP_FUSED = ["--lora-target-modules", "linear_qkv", "linear_kv_up_proj", "line
 KV_UP_SPLIT = ["--mla-mm-split", "--lora-target-modules", "linear_qkv", "linear_qk_nope",
                "linear_kv_nope", "linear_v"]
 QLORA = ["--q-lora-rank", "24", "--qk-layernorm"]
+# the releases whose --qlora flag exists, by the facts they own (a release with another's
+# facts, ``same_as``, is that release to every check)
+WITH_QLORA = ("2.2.0", "2.3.0", "26.0.0")
 # name -> (argv beyond mindspeed_llm_real.MODEL, wrapper, every weight trainable)
 CASES = {
     "moe-fused-kvallgather": (QLORA + KV_UP_FUSED + ["--context-parallel-algo",
@@ -187,7 +190,7 @@ def check_refusals() -> None:
     args = real.megatron_args(base + KV_UP_FUSED, world_size=2)
     assert args.lora_target_modules == KV_UP_FUSED[1:] and args.mla_latent_all_gather
     refused = [(["--lu-lora-final-layer-index", "0"] + KV_UP_SPLIT, "--lu-lora-final-layer-index")]
-    if release.name in ("2.2.0", "2.3.0", "26.0.0"):  # the releases with QLoRA
+    if release.facts_owner in WITH_QLORA:
         refused.append((["--qlora"] + KV_UP_FUSED, "--qlora"))
     for extra, flag in refused:
         try:
@@ -197,7 +200,7 @@ def check_refusals() -> None:
             print(f"{flag}: refused: {exc}")
         else:
             raise AssertionError(f"{flag} was not refused on {release.name}")
-    print(f"release: {release.name}\nrefusals: ok")
+    print(f"facts: {release.facts()}\nrefusals: ok")
 
 
 if __name__ == "__main__":

@@ -767,9 +767,11 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
     prepare()
     found = host_release()
-    print(f"release: {found.name}")
-    expected = os.environ.get("LAGA_EXPECT_RELEASE")
-    assert expected in (None, found.name), f"identified {found.name}, expected {expected}"
+    print(f"release: {found.name}\nfacts: {found.facts()}")
+    expected = os.environ.get("LAGA_EXPECT_RELEASE")  # a release with the same facts is it
+    from mindspeed_laga.patches.mindspeed_llm.releases import BY_NAME
+    assert expected is None or BY_NAME[expected].facts() == found.facts(), \
+        f"identified {found.found()}, expected {expected}'s facts: {BY_NAME[expected].facts()}"
     check_pipeline(found)
     if found.document_algos is not None:
         check_documents_refused(found)

@@ -124,8 +124,9 @@ def test_injected_mismatch_exits_nonzero(monkeypatch, tmp_path, capsys):
     """The eager kernel returns 1% too much: its rows fail, the others pass, exit 1."""
     small = [c for c in exactness.plan(["eager", "sdpa"], ["float32"], False) if c.shape == "small"]
     monkeypatch.setattr(exactness, "plan", lambda *a: small)
-    right = kernels.eager.Eager.attend_segment
-    monkeypatch.setattr(kernels.eager.Eager, "attend_segment",
+    from mindspeed_laga.kernels.declared.eager import Eager
+    right = Eager.attend_segment
+    monkeypatch.setattr(Eager, "attend_segment",
                         lambda *a, **k: right(*a, **k) * 1.01)
     path = tmp_path / "d.json"
     rc = cli.main(["doctor", "--cp", "2", "--check-seq-len", "8", "--no-bench", "--json", str(path)])
