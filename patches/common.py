@@ -4,7 +4,7 @@ per-micro-batch agreement, the overlapped gather and the error an untested host 
 Every CP rank runs the same modules in the same order, so the ranks check a module
 in full on its first call (the warm-up: its row, and that every CP rank holds the
 same ``kv_up_weight``, one more small exchange: a checksum), and after that agree
-once per micro-batch (mindspeed_laga/agreement.py): a module called again outside
+once per micro-batch (mindspeed_laga/agreement/): a module called again outside
 backward opens the next micro-batch, whose first LAGA call exchanges; the others
 exchange nothing and read nothing from the device.
 """
@@ -16,7 +16,7 @@ from typing import Dict, Optional
 
 import torch.distributed as dist
 
-from mindspeed_laga import agreement, handshake
+from mindspeed_laga import agreement
 
 
 def first_call(module) -> bool:
@@ -50,7 +50,7 @@ def check_weight_once(first: bool, read_weight, cp_group, settings=None):
         weight = read_weight()
     except Exception as exc:  # noqa: BLE001 -- whatever failed, the peers must hear of it
         failure = exc
-    handshake.check_same_weight(weight, cp_group, settings=settings, failure=failure)
+    agreement.check_same_weight(weight, cp_group, settings=settings, failure=failure)
     return weight
 
 

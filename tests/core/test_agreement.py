@@ -1,4 +1,4 @@
-"""The agreement protocol (mindspeed_laga/agreement.py) on two gloo ranks.
+"""The agreement protocol (mindspeed_laga/agreement/) on two gloo ranks.
 
 In micro-batch mode (``new_micro_batch`` on every rank) the first call of a micro-batch
 exchanges and the others exchange nothing; a value that differs on one rank in such a

@@ -1,4 +1,4 @@
-"""Sparse MLA joins the ranks' agreement (mindspeed_laga/agreement.py): the values every
+"""Sparse MLA joins the ranks' agreement (mindspeed_laga/agreement/): the values every
 CP rank must pass alike (index_topk, the index widths, the loss target and coefficient,
 each stage's kernel, the local length, layout, dtype, requires-grad pattern) are
 exchanged before the gather, so ranks that differ raise together, naming the argument,

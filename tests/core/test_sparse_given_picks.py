@@ -11,7 +11,7 @@ are refused by name, and ranks that disagree on them raise together before any g
 import pytest
 import torch
 
-from mindspeed_laga import handshake
+from mindspeed_laga import agreement
 from mindspeed_laga.sparse.form import sparse_laga_attention
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import sparse_given_picks as gp
@@ -67,7 +67,7 @@ def _check_bytes(per_rank, cp_size, dims):
     widths = (d["D_C"] + d["D_R"] + d["INDEX_DIM"], d["D_C"] + d["D_R"])
     if dims == GLM52:
         assert widths == (704, 576)
-    row = ("handshake", "forward", len(handshake.FIELDS) * 8)
+    row = ("handshake", "forward", len(agreement.FIELDS) * 8)
     for (layers, backward) in per_rank:
         for layer, width in zip(layers, widths):
             assert layer["records"] == [row, ("all_gather", "forward", width * tokens * 8)]

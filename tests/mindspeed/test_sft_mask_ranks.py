@@ -73,7 +73,7 @@ def _try(call):
 
 
 def _worker(rank, world):
-    from mindspeed_laga import handshake
+    from mindspeed_laga import agreement
     right, left = tune_mask(padding_mask("right")), tune_mask(padding_mask("left"))
     report = {}
     first, _ = _try(lambda: _adapter_step(rank, right, True, new_micro_batch=False))
@@ -94,7 +94,7 @@ def _worker(rank, world):
     _, report["later call"] = _try(
         lambda: _adapter_step(rank, (right, left)[rank], False, new_micro_batch=False))
     _, report["settle"] = _try(lambda: torch.optim.SGD([torch.zeros(1)], lr=0.1).step())
-    handshake.reset()
+    agreement.reset()
     return report
 
 
