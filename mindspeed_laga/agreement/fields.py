@@ -93,11 +93,16 @@ TABLE = (
     Field("loss_coeff", "indexer_loss_coeff", _F), Field("indexer_kernel"),
     Field("attention_kernel"), Field("loss_kernel"),
     Field("kernel", "kernel (the attention kernel)", names=KERNELS),
-    # the digests of the calls that exchanged nothing since the last exchange (schedule.py):
-    # of their rows, and of the key-padding contents hashed on the device
-    Field("calls"), Field("content"),
+    # what the calls since the last exchange leave for it (schedule.py): the digest of the
+    # later calls' rows; written on the device, unread before: the digest of their key
+    # padding's contents, and the flags of inputs found wrong there (bit i: FLAGS[i])
+    Field("calls"), Field("content"), Field("flags"),
 )
 FIELDS = tuple(f.name for f in TABLE)
+DIGESTS = ("calls", "content", "flags")  # compared apart from the call's own values
+# What a call can find wrong on the device only (no read), and how the message says it.
+FLAGS = {"topk_indices": "held picks no query may attend (outside [0, S), past the query's "
+                         "position or before its document's start) or a row of only -1"}
 BY_NAME = {f.name: f for f in TABLE}
 
 

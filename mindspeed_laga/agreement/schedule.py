@@ -24,7 +24,7 @@ import torch
 from .. import comm
 from . import store
 from .content import ODD, device_code, tensor_key
-from .fields import CONTENT, FIELDS, STAGES, row_of
+from .fields import CONTENT, FIELDS, FLAGS, STAGES, row_of
 from .wire import as_exception, exchange, exchange_device
 
 ROWS_KEPT = 256  # later-call rows kept per micro-batch to name a difference (the digest: all)
@@ -48,6 +48,7 @@ class GroupAgreement:
     digest: int = 0                # of the rows recorded since the last exchange or settle
     rows: List[Tuple[int, ...]] = field(default_factory=list)  # their first ROWS_KEPT
     content: Optional[torch.Tensor] = None  # device digest of their key-padding contents
+    flags: Optional[torch.Tensor] = None    # device bits of inputs found wrong (FLAGS)
     device: Optional[torch.device] = None   # where the last exchange ran
     memo: Dict[tuple, object] = field(default_factory=dict)  # this micro-batch's reads
     deferred: Optional[BaseException] = None  # an adapter's local failure for the next call
@@ -150,7 +151,7 @@ def agree_call(cp_group, check_ranks, failure, device, row: Callable[[], Dict[st
     values["calls"] = group.digest
     table = exchange(values, failure, cp_group, device, names=names,
                      details=details if failure is None else None,
-                     later=_later_rows(group), content=group.content)
+                     later=_later_rows(group), content=group.content, flags=group.flags)
     if all(r[FIELDS.index("check_ranks")] == 0 for r in table):
         group.skips = True  # until reset: an explicit check_ranks=True still exchanges
     group.agreed_epoch, group.device = group.epoch, torch.device(device)
@@ -164,14 +165,15 @@ def settle(cp_group=None) -> None:
     groups = [cp_group] if cp_group is not None else list(_STATES.keys())
     for key in groups:
         group = _STATES.get(key)
-        if group is None or not group.per_micro_batch or group.settled_epoch == group.epoch:
+        if group is None or (group.flags is None and (
+                not group.per_micro_batch or group.settled_epoch == group.epoch)):
             continue
         group.settled_epoch = group.epoch  # before the exchange: a raise leaves it settled
         device = group.device or exchange_device("meta", key)
         values = {"stage": STAGES.index("settle"), "calls": group.digest}
         try:
             exchange(values, None, key, device, later=_later_rows(group),
-                     content=group.content)
+                     content=group.content, flags=group.flags)
         finally:
             _clear(group)
 
@@ -202,6 +204,15 @@ def content_code(cp_group, kind: str, t: torch.Tensor, host_code: Callable[[], i
     return CONTENT
 
 
+def flag(cp_group, name: str, wrong: torch.Tensor) -> None:
+    """Note on the device, unread, whether an input (a key of FLAGS) was found wrong: every
+    rank of a call calls this alike; the next exchange or settle raises naming it."""
+    if cp_group is None or comm.group_size(cp_group) == 1:
+        return
+    group, bit = state(cp_group), wrong.to(torch.int64) << list(FLAGS).index(name)
+    group.flags = bit if group.flags is None else group.flags | bit
+
+
 def _record(group: GroupAgreement, values: Dict[str, int]) -> None:
     row = row_of(values)
     group.digest = (group.digest * 1000003 + hash(row)) % _MIX
@@ -210,7 +221,7 @@ def _record(group: GroupAgreement, values: Dict[str, int]) -> None:
 
 
 def _clear(group: GroupAgreement) -> None:
-    group.digest, group.rows, group.content = 0, [], None
+    group.digest, group.rows, group.content, group.flags = 0, [], None, None
 
 
 def _row_or_empty(row) -> Dict[str, int]:

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import comm
-from .fields import FIELDS, STAGES, UNKNOWN, label, show
+from .fields import DIGESTS, FIELDS, FLAGS, UNKNOWN, label, show
 
 Names = Optional[Dict[str, Sequence[str]]]
 _INT64 = (-(1 << 63), 1 << 63)
@@ -25,18 +25,24 @@ LATER = ("(a later call of the micro-batch, which exchanges nothing: found at th
 
 def exchange(values: Dict[str, int], failure, cp_group, device, names: Names = None,
              details: Optional[Dict[str, object]] = None,
-             later: Optional[Callable[[], List[int]]] = None, content=None) -> List[List[int]]:
+             later: Optional[Callable[[], List[int]]] = None, content=None,
+             flags=None) -> List[List[int]]:
     """Exchange ``values`` and this rank's verdict; raise alike on every rank, else return
     the table (a row per rank). ``details``: per field, this rank's full value behind a
     code (a list, or a function returning it), gathered only when ranks differ on it;
     ``later()``: this rank's recorded later-call rows, flattened, gathered only when the
-    ``calls`` digests differ; ``content``: a 0-d int64 device tensor sent as the
-    ``content`` field, unread before the exchange."""
+    ``calls`` digests differ; ``content``, ``flags``: 0-d int64 device tensors sent as
+    those fields, unread before the exchange."""
     row, failure = _pack(values, failure)
     device = exchange_device(device, cp_group)
-    slot = (FIELDS.index("content"), content) if content is not None else None
+    slot = None
+    if content is not None or flags is not None:
+        at, unknown = FIELDS.index("content"), torch.tensor(UNKNOWN, device=device)
+        both = [unknown if t is None else t.to(device) for t in (content, flags)]
+        slot = (slice(at, at + 2), torch.stack(both))
     table = comm.handshake(row, cp_group, device, slot=slot)
     raise_on_rejection(table, failure, cp_group, device)
+    _raise_on_flags(table)
     _raise_on_difference(table, names, details or {}, cp_group, device)
     _raise_on_later(table, names, later, cp_group, device)
     return table
@@ -112,9 +118,9 @@ def _raise_on_difference(table, names: Names, details, cp_group, device) -> None
             f"CP ranks are in different calls: {by_rank} (by rank); every rank of cp_group "
             "must make the same LAGA calls in the same order (the same modules, the same "
             "micro-batches, settle on every rank alike)")
-    for i, name in enumerate(FIELDS[2:-2], start=2):
+    for i, name in enumerate(FIELDS[2:], start=2):
         values = [row[i] for row in table]
-        if len(set(values)) > 1:
+        if name not in DIGESTS and len(set(values)) > 1:
             if name in details:  # every rank sees the same table, so all gather together
                 detail = details[name]
                 shown = gather_detail(detail() if callable(detail) else detail, cp_group, device)
@@ -140,9 +146,9 @@ def _raise_on_later(table, names: Names, later, cp_group, device) -> None:
                 raise ValueError(f"CP ranks made different numbers of LAGA calls in a "
                                  f"micro-batch: {counts} later calls (by rank) {LATER}; every "
                                  "rank of cp_group must run the same modules in the same order")
-            for i, name in enumerate(FIELDS[1:-2], start=1):
+            for i, name in enumerate(FIELDS[1:], start=1):
                 values = [row[i] for row in kth]
-                if len(set(values)) > 1:
+                if name not in DIGESTS and len(set(values)) > 1:
                     shown = [show(name, v, names) for v in values]
                     raise ValueError(f"CP ranks disagree on {label(name)} in a later call "
                                      f"(call {k + 2} of the micro-batch): {shown} (by rank) "
@@ -153,6 +159,18 @@ def _raise_on_later(table, names: Names, later, cp_group, device) -> None:
         raise ValueError(f"CP ranks disagree on {label('key_padding')} in a later call: its "
                          f"contents differ (compared on the device) {LATER}; every rank of "
                          "cp_group must pass the same value")
+
+
+def _raise_on_flags(table) -> None:
+    """Inputs a rank found wrong on the device in a call since the last exchange."""
+    bits = [max(row[FIELDS.index("flags")], 0) for row in table]
+    for i, (name, what) in enumerate(FLAGS.items()):
+        ranks = [r for r, b in enumerate(bits) if b >> i & 1]
+        if ranks:
+            raise ValueError(f"CP rank(s) {ranks}: {name} {what}, in a call since the last "
+                             "exchange (found on the device, read at this exchange or "
+                             f"settle; the rows that read them returned NaN); pass valid "
+                             f"{name} on every rank")
 
 
 def gather_detail(mine: Sequence[int], cp_group, device, shorten: bool = True) -> List[object]:
