@@ -63,10 +63,7 @@ _STATES: "weakref.WeakKeyDictionary[object, GroupAgreement]" = weakref.WeakKeyDi
 
 
 def state(cp_group) -> GroupAgreement:
-    found = _STATES.get(cp_group)
-    if found is None:
-        found = _STATES[cp_group] = GroupAgreement()
-    return found
+    return _STATES.get(cp_group) or _STATES.setdefault(cp_group, GroupAgreement())
 
 
 def reset(cp_group=None) -> None:
@@ -147,7 +144,12 @@ def agree_call(cp_group, check_ranks, failure, device, row: Callable[[], Dict[st
             finally:
                 group.folding = False
         return
-    values = row() if failure is None else _row_or_empty(row)
+    try:  # a failed rank still sends what it can (the peers name it as rejecting)
+        values = row()
+    except Exception:  # noqa: BLE001 -- the failure itself is what the peers hear
+        if failure is None:
+            raise
+        values = {}
     values["calls"] = group.digest
     table = exchange(values, failure, cp_group, device, names=names,
                      details=details if failure is None else None,
@@ -224,24 +226,11 @@ def _clear(group: GroupAgreement) -> None:
     group.digest, group.rows, group.content, group.flags = 0, [], None, None
 
 
-def _row_or_empty(row) -> Dict[str, int]:
-    """A failed rank still sends what it can (the peers name it as rejecting)."""
-    try:
-        return row()
-    except Exception:  # noqa: BLE001 -- the failure itself is what the peers hear
-        return {}
-
-
 def _later_rows(group: GroupAgreement):
     return lambda: [v for row in group.rows for v in row]
 
 
-def _install_optimizer_hook() -> None:
-    global _HOOKED
-    if not _HOOKED:
+def _install_optimizer_hook(hooked=[]) -> None:  # noqa: B006 -- once per process
+    if not hooked:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
-        register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: settle())
-        _HOOKED = True
-
-
-_HOOKED = False
+        hooked.append(register_optimizer_step_pre_hook(lambda *_: settle()))

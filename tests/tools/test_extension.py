@@ -222,3 +222,59 @@ def test_the_extension_points_take_each_addition_as_documented(tmp_path):
     collected = _run(copy, env, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                      *LOOP_MODULES)
     assert f"[{NEW_RELEASE}]" in collected, collected[-3000:]
+
+
+# ------------------------------------------------- an agreement field, added as documented
+
+FIELD_WORKER = '''
+import sys
+import torch
+from mindspeed_laga import laga_attention
+from mindspeed_laga.tools.spawn import run_on_ranks
+
+
+def worker(rank, world):
+    import torch.distributed as dist
+    g = torch.Generator().manual_seed(0)
+    q, kv, kpe = (torch.randn(8, 1, *shape, generator=g, dtype=torch.float64)
+                  for shape in ((2, 12), (16,), (4,)))
+    w = torch.randn(2 * 16, 16, generator=g, dtype=torch.float64)
+    try:
+        laga_attention(q, kv, kpe, w, softmax_scale=0.3, cp_group=dist.group.WORLD,
+                       layout="contiguous", pad_v=bool(rank))
+        return None
+    except ValueError as exc:
+        return str(exc)
+
+
+if __name__ == "__main__":
+    print("messages:", run_on_ranks(worker, 2, timeout_s=120))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_agreement_field_extension(tmp_path):
+    """A field added as DESIGN.md's "Extension points" says (one ``Field`` row in
+    ``agreement/fields.py``, one line in the row builder ``agreement/rows.py``), in a copy
+    of the package: two ranks that differ on it raise, naming it, on every rank."""
+    import mindspeed_laga as package
+    source = Path(package.__file__).resolve().parent
+    copy = tmp_path / "mindspeed_laga"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    fields, rows = copy / "agreement" / "fields.py", copy / "agreement" / "rows.py"
+    anchor = '    Field("calls"),'
+    assert fields.read_text().count(anchor) == 1
+    fields.write_text(fields.read_text().replace(
+        anchor, '    Field("pad_v", "pad_v (V zero-padded for the NPU op)", bool),\n' + anchor))
+    builder = '              "kernel": choice_code(KERNELS, o.kernel),\n'
+    assert rows.read_text().count(builder) == 1
+    rows.write_text(rows.read_text().replace(builder, builder + '              "pad_v": int(o.pad_v),\n'))
+    script = tmp_path / "field_worker.py"
+    script.write_text(FIELD_WORKER)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env.pop("PYTEST_ADDOPTS", None)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("CP ranks disagree on pad_v (V zero-padded for the NPU op): "
+                             "[False, True]") == 2, proc.stdout[-3000:]
