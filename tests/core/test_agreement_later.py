@@ -199,3 +199,19 @@ def _inputs(rank):
 def test_no_state_outlives_its_group():
     for freed, states, counts in run_on_ranks(_destroy_worker, 2, timeout_s=120):
         assert freed and states == 0 and counts == 0, (freed, states, counts)
+
+
+def test_device_hash_weights_are_bounded():
+    from mindspeed_laga.agreement import content
+    for length in range(1, 3 * content.WEIGHTS_KEPT):
+        content.device_code(torch.ones(length, dtype=torch.bool))
+    assert len(content._WEIGHTS) == content.WEIGHTS_KEPT
+
+
+def test_the_documented_names_stay_importable():
+    import mindspeed_laga
+    from mindspeed_laga import handshake  # the agreement's name before it became a package
+    assert handshake is mindspeed_laga.agreement
+    for name in ("check_same_weight", "weight_checksum", "reset", "new_micro_batch", "settle"):
+        assert callable(getattr(handshake, name)), name
+    assert mindspeed_laga.settle is handshake.settle
