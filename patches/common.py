@@ -10,6 +10,7 @@ exchange nothing and read nothing from the device.
 """
 from __future__ import annotations
 
+import functools
 import os
 from datetime import timedelta
 from typing import Dict, Optional
@@ -23,7 +24,38 @@ def first_call(module) -> bool:
     """True on the module's first LAGA call (the ranks check shapes then), False after."""
     first = not getattr(module, "_laga_checked", False)
     module._laga_checked = True
+    if first:
+        settle_after_schedules()
     return first
+
+
+# Megatron's schedules: each runs a step's micro-batches, or an evaluation's (forward_only)
+SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+             "forward_backward_pipelining_with_interleaving")
+
+
+def settle_after_schedules() -> None:
+    """The CP ranks settle when a Megatron schedule returns, where the host steps: a
+    forward-only pass (evaluation) is checked too. Installed on a module's first LAGA call,
+    after the host's own patches, once; ``get_forward_backward_func`` reads the names."""
+    try:
+        from megatron.core.pipeline_parallel import schedules
+    except ImportError:
+        return
+    for name in SCHEDULES:
+        run = getattr(schedules, name, None)
+        if run is not None and not getattr(run, "_laga_settles", False):
+            setattr(schedules, name, _settling(run))
+
+
+def _settling(run):
+    @functools.wraps(run)
+    def settling(*args, **kwargs):
+        result = run(*args, **kwargs)
+        agreement.settle()
+        return result
+    settling._laga_settles = True
+    return settling
 
 
 def agree_per_micro_batch(module, cp_group) -> Optional[bool]:
