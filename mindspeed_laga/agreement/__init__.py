@@ -17,7 +17,8 @@ _API = {name: ".fields" for name in (
     "bits_float", "dtype_code", "grad_pattern", "row_of")}
 _API.update({name: ".schedule" for name in (
     "Mode", "new_micro_batch", "settle", "reset", "skips", "state", "decide", "open_micro_batch",
-    "in_backward", "defer_failure", "agree_call", "memo", "content_code", "flag")})
+    "in_backward", "defer_failure", "agree_call", "memo", "content_code", "flag",
+    "note_weight")})
 _API.update({name: ".content" for name in (
     "tensor_key", "device_code", "padding_code", "padding_counts", "documents_code")})
 _API.update({name: ".rows" for name in ("agree_on_call", "gather_row", "kv_up_linear_code")})

@@ -22,9 +22,7 @@ WEIGHTS_KEPT = 8  # weight vectors kept (by device and length), least recently u
 
 
 class _Held:
-    """A tensor inside a key: equal to any other, so only the metadata beside it counts,
-    while the key keeps the tensor (and its address) alive."""
-
+    """A tensor in a key, equal to any other: the key keeps it (and its address) alive."""
     __slots__ = ("tensor",)
 
     def __init__(self, tensor):

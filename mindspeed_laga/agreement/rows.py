@@ -1,8 +1,6 @@
-"""The rows of the dense forms' calls and of ``start_latent_gather``: host facts only
-(options, shapes, document boundaries); key padding through ``content_code``. Sparse MLA's
-row is built beside its checks (sparse/checks.py). A later call's row is built once per
-call signature (options and tensor metadata) and reused: building it is most of a later
-call's host time."""
+"""The rows of the dense forms' calls and of ``start_latent_gather``, from host facts only
+(options, shapes, document boundaries; key padding through ``content_code``). Sparse MLA's
+row is built beside its checks (sparse/checks.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -21,7 +19,7 @@ from ..vocab.names import ATTN_CP_ALGOS, EMPTY_ROWS, FORMS, LAYOUTS
 from .content import documents_code, padding_code, padding_counts
 from .fields import (INPUTS, KERNELS, STAGES, UNKNOWN, choice_code, dtype_code, flag,
                      float_bits, grad_pattern)
-from .schedule import agree_call, content_code, memo
+from .schedule import agree_call, content_code, memo, note_weight
 
 
 def agree_on_call(o: AttnOptions, tensors, dims, documents, failure) -> None:
@@ -32,6 +30,7 @@ def agree_on_call(o: AttnOptions, tensors, dims, documents, failure) -> None:
         return
     query, mask = tensors[0], o.key_padding_mask
     device = query.device if isinstance(query, torch.Tensor) else "cpu"
+    note_weight(tensors[3])
 
     def row() -> Dict[str, int]:
         values = _options_values(o)

@@ -3,12 +3,10 @@ communicating (docs/DESIGN.md, "Handshake").
 
 - Per-call mode (a group that never opened a micro-batch): every call exchanges, until an
   exchange shows every rank passing ``check_ranks=False``; then the group skips.
-- Micro-batch mode (after :func:`new_micro_batch`, which every rank calls alike): the first
-  call of a micro-batch exchanges its row before its first data collective; each later
-  call exchanges nothing and reads nothing from the device: it records its row (a bounded
-  sequence and a running digest) and folds its key-padding content into a device digest.
-  Both travel in the next exchange or :func:`settle`, which raise on every rank naming the
-  first field that differs.
+- Micro-batch mode (after :func:`new_micro_batch` on every rank): the first call of a
+  micro-batch exchanges its row before its first data collective; each later call reads
+  nothing from the device and records its row (a bounded sequence, a digest) and its key
+  padding's content (a device digest), for the next exchange or :func:`settle`.
 
 State lives per process group under a weak key: it dies with its group.
 """
@@ -60,6 +58,10 @@ class GroupAgreement:
 
 
 _STATES: "weakref.WeakKeyDictionary[object, GroupAgreement]" = weakref.WeakKeyDictionary()
+# The leaf tensors behind the weights LAGA calls used (by id): an optimizer stepping one
+# of them is the model's, which steps on every rank alike; another (an auxiliary one, on
+# one rank) settles nothing.
+_WEIGHTS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
 def state(cp_group) -> GroupAgreement:
@@ -93,8 +95,7 @@ def new_micro_batch(cp_group) -> None:
     _install_optimizer_hook()
 
 
-def in_backward() -> bool:
-    """Whether autograd's engine runs this code (an activation recompute opens nothing)."""
+def in_backward() -> bool:  # autograd's engine runs this: a recompute, which opens nothing
     return torch._C._current_graph_task_id() != -1
 
 
@@ -181,8 +182,7 @@ def settle(cp_group=None) -> None:
 
 
 def memo(cp_group, key: tuple, read: Callable[[], object]):
-    """``read()`` once per micro-batch for ``key`` (a tensor's ``tensor_key`` and what is read
-    of it); in per-call mode every call reads (it exchanges anyway)."""
+    """``read()`` once per micro-batch for ``key`` (per-call mode: every call reads)."""
     group = _STATES.get(cp_group) if cp_group is not None else None
     if group is None or not group.per_micro_batch:
         return read()
@@ -226,11 +226,31 @@ def _clear(group: GroupAgreement) -> None:
     group.digest, group.rows, group.content, group.flags = 0, [], None, None
 
 
-def _later_rows(group: GroupAgreement):
+def _later_rows(group: GroupAgreement):  # flattened, gathered only when digests differ
     return lambda: [v for row in group.rows for v in row]
+
+
+def note_weight(weight) -> None:
+    """Note the leaves ``weight`` is made of (itself, or a LoRA sum's parameters)."""
+    nodes, seen = [getattr(weight, "grad_fn", None)], 0
+    if nodes[0] is None and isinstance(weight, torch.Tensor) and weight.requires_grad:
+        _WEIGHTS[id(weight)] = weight
+    while nodes and seen < 64:  # a few nodes: a cast, a LoRA product and sum
+        node, seen = nodes.pop(), seen + 1
+        leaf = getattr(node, "variable", None)
+        if leaf is not None:
+            _WEIGHTS[id(leaf)] = leaf
+        nodes.extend(n for n, _ in getattr(node, "next_functions", ()) if n is not None)
+
+
+def _settle_for(optimizer, *_) -> None:
+    """Before a torch optimizer steps the weights of LAGA calls: settle."""
+    if any(_WEIGHTS.get(id(p)) is p for group in optimizer.param_groups
+           for p in group["params"]):
+        settle()
 
 
 def _install_optimizer_hook(hooked=[]) -> None:  # noqa: B006 -- once per process
     if not hooked:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
-        hooked.append(register_optimizer_step_pre_hook(lambda *_: settle()))
+        hooked.append(register_optimizer_step_pre_hook(_settle_for))

@@ -14,17 +14,11 @@ from .wire import exchange_device, raise_failure, raise_on_rejection
 def check_same_weight(weight, cp_group, name: str = "kv_up_weight",
                       settings: Optional[Dict[str, Sequence[object]]] = None,
                       failure: Optional[BaseException] = None) -> None:
-    """Raise on every rank unless every CP rank holds the same ``weight`` (bit for bit).
-
-    One exchange of one int64 (a checksum of the weight's bits, computed where
-    the weight lives). CP ranks are replicas of one TP shard: a rank with other
-    values would run and return wrong numbers (wrong K/V for every peer).
-    ``settings``: {name: (this rank's value, its choices)} sent in the same exchange
-    (an adapter's configuration, before it builds any group); ranks that differ
-    raise "CP ranks disagree on <name>" with the values by rank.
-    ``failure``: this rank could not produce the weight (``weight`` None then, e.g. an
-    adapter it cannot read): it re-raises it and its peers raise with its message, at once.
-    """
+    """Raise on every rank unless every CP rank holds the same ``weight`` (bit for bit): CP
+    ranks are replicas of one TP shard. One exchange of a checksum of its bits.
+    ``settings``: {name: (this rank's value, its choices)}, an adapter's configuration, in
+    the same exchange ("CP ranks disagree on <name>"). ``failure``: this rank could not
+    produce the weight (None then): it re-raises it, its peers raise with its message."""
     if comm.group_size(cp_group) == 1:
         raise_failure(failure)
         return

@@ -1,11 +1,7 @@
 """The exchange: one row of int64 per rank (fields.py), all-gathered, and the same error
-raised on every rank when any rank rejected its call or any value differs.
-
-A rank that rejected re-raises its own exception and its peers raise with its message
-(one more small exchange, on that path only). A value that cannot travel as an int64 is
-that rank's rejection. Meta tensors exchange on the backend's device. The row has one
-length for every call, so ranks in different calls meet in the same collective and the
-difference is reported, not hung on.
+raised on every rank when any rank rejected its call (its message sent in one more small
+exchange) or any value differs. The row has one length for every call, so ranks in
+different calls meet in the same collective and the difference is reported, not hung on.
 """
 from __future__ import annotations
 

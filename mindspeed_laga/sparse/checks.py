@@ -132,6 +132,7 @@ def check_call(tensors, options: SparseOptions, check_ranks=None,
     if cp_size > 1:
         device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else "cpu"
         documents = list(setup.documents or ()) if setup is not None else []
+        agreement.note_weight(tensors[3])
         agreement.agree_call(options.cp_group, check_ranks, failure, device,
                              lambda: _row(setup, tensors, check_ranks), names=_NAMES,
                              details={"documents": documents})

@@ -100,6 +100,15 @@ def kernel_later(rank):
     _layer(rank, kernel=("eager", "sdpa")[rank])
 
 
+def unrelated_optimizer(rank):
+    """Rank 1 steps an optimizer of its own mid-micro-batch: it holds no weight of a LAGA
+    call, so nothing settles (and no rank is left in another call)."""
+    _layer(rank)
+    if rank == 1:
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).step()
+    _layer(rank)
+
+
 def linear_without_code(rank):
     _layer(rank)
     _layer(rank, kv_up_linear=(_linear_a, _linear_b)[rank])
@@ -115,6 +124,7 @@ SCENARIOS = {  # name -> what the message names (None: no error)
     "kernel_later": "kernel (the attention kernel) in a later call (call 2 of the micro-batch):"
                     " ['eager', 'sdpa']",
     "linear_without_code": "kv_up_linear",
+    "unrelated_optimizer": None,
 }
 
 
