@@ -50,38 +50,52 @@ def _cpu_zeros():
     torch.zeros = cpu_zeros
 
 
-def _worker(rank, world, differ):
+def _worker(rank, world):
+    """{scenario: what it gave}: the host's losses, then the patched pass clean and with
+    rank 1's last layer differing in the last micro-batch, in one job."""
     import mindspeed_laga
+    from mindspeed_laga import agreement
     _cpu_zeros()
     mc.init_parallel(cp=world)
     tiny = mc.TinyMLA()
     model = mc.build_tiny_mla_gpt(tiny, cp=world)
     model.eval()
     batches = mc.make_batches(tiny, 2)
-    host = _evaluate(model, tiny, batches)  # the host's own forward, before the patch
+    report = {"host": _evaluate(model, tiny, batches)}  # the host's own forward
     mindspeed_laga.patch_megatron_mla(cp_algo="allgather")
     try:
         mc.eval_loss(model, batches[0])  # each module's first call: checked in full
+        report["clean"] = _evaluate(model, tiny, batches)
         attention = model.decoder.layers[-1].self_attention
 
         def differ_on_rank_1():  # the last micro-batch's last layer: no exchange follows
             attention.softmax_scale = attention.softmax_scale * 1.01
-        return host, _evaluate(model, tiny, batches,
-                               differ_on_rank_1 if differ and rank == 1 else None)
-    except ValueError as exc:
-        return host, str(exc)
+        try:
+            _evaluate(model, tiny, batches, differ_on_rank_1 if rank == 1 else None)
+            report["differ"] = None
+        except ValueError as exc:
+            report["differ"] = str(exc)
+        agreement.reset()
     finally:
         mindspeed_laga.unpatch_megatron_mla()
+    return report
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return run_on_ranks(_worker, 2, timeout_s=240)
 
 
 @pytest.mark.timeout(300)
-def test_a_later_call_difference_raises_when_the_forward_only_pass_ends():
-    for _, text in run_on_ranks(_worker, 2, True, timeout_s=240):
-        assert isinstance(text, str) and "softmax_scale in a later call" in text, text
+def test_a_later_call_difference_raises_when_the_forward_only_pass_ends(reports):
+    for report in reports:
+        text = report["differ"]
+        assert text and "softmax_scale in a later call" in text, text
 
 
 @pytest.mark.timeout(300)
-def test_a_clean_forward_only_pass_equals_the_host():
-    for host, laga in run_on_ranks(_worker, 2, False, timeout_s=240):
+def test_a_clean_forward_only_pass_equals_the_host(reports):
+    for report in reports:
+        host, laga = report["host"], report["clean"]
         assert len(laga) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(laga, host)), \
             (laga, host)
