@@ -113,8 +113,8 @@ def open_micro_batch(module, cp_group) -> None:
 def decide(cp_group, check_ranks) -> Mode:
     if check_ranks is True:
         return Mode.EXCHANGE
-    group = _STATES.get(cp_group)
-    if group is not None and group.per_micro_batch and check_ranks is None:
+    group = _STATES.get(cp_group)  # False on one rank of a micro-batch: recorded, then named
+    if group is not None and group.per_micro_batch and not (check_ranks is False and group.skips):
         return Mode.FOLD if group.agreed_epoch == group.epoch else Mode.EXCHANGE
     return Mode.SKIP if skips(cp_group) else Mode.EXCHANGE
 

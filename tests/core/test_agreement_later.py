@@ -109,6 +109,13 @@ def unrelated_optimizer(rank):
     _layer(rank)
 
 
+def check_ranks_one_rank(rank):
+    """check_ranks=False on rank 1 alone in a later call: both ranks still make the same
+    collectives; the next settle names it."""
+    _layer(rank)
+    _layer(rank, check_ranks=(None, False)[rank])
+
+
 def linear_without_code(rank):
     _layer(rank)
     _layer(rank, kv_up_linear=(_linear_a, _linear_b)[rank])
@@ -125,6 +132,8 @@ SCENARIOS = {  # name -> what the message names (None: no error)
                     " ['eager', 'sdpa']",
     "linear_without_code": "kv_up_linear",
     "unrelated_optimizer": None,
+    "check_ranks_one_rank": "check_ranks in a later call (call 2 of the micro-batch): "
+                            "[True, False]",
 }
 
 

@@ -268,7 +268,8 @@ def test_agreement_field_extension(tmp_path):
         anchor, '    Field("pad_v", "pad_v (V zero-padded for the NPU op)", bool),\n' + anchor))
     builder = '              "kernel": choice_code(KERNELS, o.kernel),\n'
     assert rows.read_text().count(builder) == 1
-    rows.write_text(rows.read_text().replace(builder, builder + '              "pad_v": int(o.pad_v),\n'))
+    line = '              "pad_v": int(o.pad_v),\n'
+    rows.write_text(rows.read_text().replace(builder, builder + line))
     script = tmp_path / "field_worker.py"
     script.write_text(FIELD_WORKER)
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
