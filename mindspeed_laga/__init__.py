@@ -13,9 +13,14 @@ _API = {"FORMS": ".api", "absorbed_attention": ".api", "explicit_attention": ".a
         "mla_attention_reference": ".reference",
         "SparseResult": ".sparse.form", "sparse_laga_attention": ".sparse.form",
         "new_micro_batch": ".agreement", "settle": ".agreement"}
+_LAZY = lazy(__name__, _API)
 
 
-__getattr__ = lazy(__name__, _API)
+def __getattr__(name):
+    if name == "handshake":  # the agreement's name before it became a package
+        from . import agreement
+        return agreement
+    return _LAZY(name)
 
 __version__ = "0.1.0"
 

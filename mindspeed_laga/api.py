@@ -42,7 +42,7 @@ them); without them the tensors must read unambiguously (d_n == d_v).
 every value that must agree across the group first, so a rank that differs
 raises on every rank instead of hanging; once every rank passes False in such
 an exchange the group skips it, and an explicit True exchanges again (every
-rank must pass True in that call; handshake.py, docs/DESIGN.md, section "Handshake").
+rank must pass True in that call; mindspeed_laga/agreement/, docs/DESIGN.md, section "Handshake").
 ``pad_v`` (default False): with kernel "npu", zero-pad V to the q/k head dim
 for ``npu_fusion_attention`` and slice the output back (exact; what
 MindSpeed-LLM does unless ``--mla-fa-without-pad``; unpadded V needs CANN

@@ -1,8 +1,8 @@
 """Argument checks shared by the three forms (the row the ranks agree on:
-agreement_row.py).
+agreement/rows.py).
 
 Every check runs before any data collective. With CP > 1 the ranks then
-exchange their verdict and every value that must agree (handshake.py): if
+exchange their verdict and every value that must agree (agreement/wire.py): if
 any rank rejected its arguments, or the ranks disagree, *every* rank raises
 the ``ValueError`` instead of some ranks waiting forever in a collective or
 returning wrong numbers. A local check that fails with another exception
@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from . import agreement, comm, handshake, kernels
+from . import agreement, comm, kernels
 from .cp_algos import ALGOS, algo
-from .agreement_row import agree_on_call
+from .agreement.rows import agree_on_call
 from .key_padding import check_empty_rows, check_key_padding
 from .options import AttnOptions
 from .kernels.registry import KERNELS
@@ -96,9 +96,9 @@ def _check_tensors(query, kv_latent, k_pos_emb, kv_up_weight):
                          f"{query.dtype}, {kv_latent.dtype}, {k_pos_emb.dtype}, {kv_up_weight.dtype}")
     if not query.dtype.is_floating_point:
         raise ValueError(f"inputs must be floating point, got {query.dtype}")
-    if query.dtype not in handshake.DTYPES:
+    if query.dtype not in agreement.DTYPES:
         raise ValueError(f"inputs of dtype {query.dtype} are not supported: the forms run "
-                         f"{[str(d) for d in handshake.DTYPES]}; cast query, kv_latent, k_pos_emb "
+                         f"{[str(d) for d in agreement.DTYPES]}; cast query, kv_latent, k_pos_emb "
                          "and kv_up_weight to bfloat16 (float8 recipes keep attention in bf16)")
     devices = {t.device for t in (query, kv_latent, k_pos_emb, kv_up_weight)}
     check_not_meta(devices)

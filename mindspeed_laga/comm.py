@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import skipped
+from .agreement import store
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 GROUPS = ("cp", "ulysses", "ring")
@@ -139,11 +139,11 @@ class Pending:
 @contextlib.contextmanager
 def _peer_failures(group):
     """A data collective that fails because a peer rejected its arguments in a call that
-    skipped the exchange raises that peer's error (skipped.py), not the backend's."""
+    skipped the exchange raises that peer's error (agreement/store.py), not the backend's."""
     try:
         yield
     except RuntimeError as exc:
-        cause = skipped.peer_failure(group)
+        cause = store.peer_failure(group)
         if cause is None:
             raise
         raise cause from exc

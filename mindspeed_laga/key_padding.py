@@ -1,5 +1,5 @@
 """Key padding (``key_padding_mask``): checking the mask, and what a row with no key returns
-(what the ranks agree on about it: key_padding_digest.py).
+(what the ranks agree on about it: agreement/content.py).
 
 The contract (docs/DESIGN.md, section "Key padding"): a bool tensor [b, S]
 (S = local length x CP, the full sequence) in global position order, True =

@@ -4,26 +4,58 @@ per-micro-batch agreement, the overlapped gather and the error an untested host 
 Every CP rank runs the same modules in the same order, so the ranks check a module
 in full on its first call (the warm-up: its row, and that every CP rank holds the
 same ``kv_up_weight``, one more small exchange: a checksum), and after that agree
-once per micro-batch (mindspeed_laga/agreement.py): a module called again outside
+once per micro-batch (mindspeed_laga/agreement/): a module called again outside
 backward opens the next micro-batch, whose first LAGA call exchanges; the others
 exchange nothing and read nothing from the device.
 """
 from __future__ import annotations
 
+import functools
 import os
 from datetime import timedelta
 from typing import Dict, Optional
 
 import torch.distributed as dist
 
-from mindspeed_laga import agreement, handshake
+from mindspeed_laga import agreement
 
 
 def first_call(module) -> bool:
     """True on the module's first LAGA call (the ranks check shapes then), False after."""
     first = not getattr(module, "_laga_checked", False)
     module._laga_checked = True
+    if first:
+        settle_after_schedules()
     return first
+
+
+# Megatron's schedules: each runs a step's micro-batches, or an evaluation's (forward_only)
+SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+             "forward_backward_pipelining_with_interleaving")
+
+
+def settle_after_schedules() -> None:
+    """The CP ranks settle when a Megatron schedule returns, where the host steps: a
+    forward-only pass (evaluation) is checked too. Installed on a module's first LAGA call,
+    after the host's own patches, once; ``get_forward_backward_func`` reads the names."""
+    try:
+        from megatron.core.pipeline_parallel import schedules
+    except ImportError:
+        return
+    for name in SCHEDULES:
+        run = getattr(schedules, name, None)
+        if run is not None and not getattr(run, "_laga_settles", False):
+            setattr(schedules, name, _settling(run))
+
+
+def _settling(run):
+    @functools.wraps(run)
+    def settling(*args, **kwargs):
+        result = run(*args, **kwargs)
+        agreement.settle()
+        return result
+    settling._laga_settles = True
+    return settling
 
 
 def agree_per_micro_batch(module, cp_group) -> Optional[bool]:
@@ -50,7 +82,7 @@ def check_weight_once(first: bool, read_weight, cp_group, settings=None):
         weight = read_weight()
     except Exception as exc:  # noqa: BLE001 -- whatever failed, the peers must hear of it
         failure = exc
-    handshake.check_same_weight(weight, cp_group, settings=settings, failure=failure)
+    agreement.check_same_weight(weight, cp_group, settings=settings, failure=failure)
     return weight
 
 

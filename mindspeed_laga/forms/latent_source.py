@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import agreement, comm, handshake
+from .. import agreement, comm
 from ..double_backward import once_differentiable
 from ..kernels.precision import autocast_dtype, to_autocast
 from ..vocab.attn_setup import AttnSetup
@@ -146,7 +146,7 @@ def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_
     Needs a CP group of size > 1 (there is nothing to overlap without CP).
     ``check_ranks`` (None, True or False, as in laga_attention): first agree
     across the group on what the gather moves (shapes, dtype, which of the two
-    need grads; a small blocking exchange, handshake.py), so a mismatch raises
+    need grads; a small blocking exchange, mindspeed_laga/agreement/), so a mismatch raises
     on every rank instead of corrupting the gather or hanging in backward.
     """
     if comm.check_group(cp_group) == 1:
@@ -158,14 +158,7 @@ def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_
     if dtype is not None:  # gather what laga_attention will run on (api.py, autocast)
         kv_latent, k_pos_emb = to_autocast(passed, dtype)
     error = _local_error(kv_latent, k_pos_emb, check_ranks)
-    values = {"stage": handshake.STAGES.index("start_latent_gather"),
-              "check_ranks": int(check_ranks is not False), "latent_gather": 1}
-    if error is None:
-        values.update(local_len=kv_latent.shape[0], micro_batch=kv_latent.shape[1],
-                      kv_lora_rank=kv_latent.shape[2], rope_dim=k_pos_emb.shape[2],
-                      dtype=handshake.dtype_code(kv_latent.dtype),
-                      requires_grad=handshake.grad_pattern({"kv_latent": kv_latent,
-                                                            "k_pos_emb": k_pos_emb}))
+    values = agreement.gather_row(kv_latent, k_pos_emb, check_ranks, error is None)
     device = kv_latent.device if isinstance(kv_latent, torch.Tensor) else "cpu"
     agreement.agree_call(cp_group, check_ranks, error, device, lambda: values)
     return LatentGather(kv_latent, k_pos_emb, cp_group, passed)
@@ -182,7 +175,7 @@ def _local_error(kv_latent, k_pos_emb, check_ranks):
     if kv_latent.device.type == "meta" or k_pos_emb.device.type == "meta":
         return ("kv_latent and k_pos_emb on the meta device have no values: materialize the "
                 "model (to_empty() and initialize, or load its checkpoint) first")
-    if kv_latent.dtype not in handshake.DTYPES:
+    if kv_latent.dtype not in agreement.DTYPES:
         return (f"kv_latent of dtype {kv_latent.dtype} is not supported: the forms run "
-                f"{[str(d) for d in handshake.DTYPES]}; cast it (and k_pos_emb) to bfloat16")
+                f"{[str(d) for d in agreement.DTYPES]}; cast it (and k_pos_emb) to bfloat16")
     return None

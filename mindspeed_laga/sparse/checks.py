@@ -4,7 +4,7 @@
 cannot run, from what this rank holds alone, so it runs no collective. What ranks must
 agree on beyond that (the same options and shapes on every rank) is
 :func:`agreed_values`: the integers the cross-rank agreement compares. :func:`check_call`
-runs both, the agreement through the dense forms' protocol (mindspeed_laga/agreement.py:
+runs both, the agreement through the dense forms' protocol (mindspeed_laga/agreement/:
 an exchange on the first call of a micro-batch, a digest folded on the others), so ranks
 that disagree, or a rank whose check failed, raise together before the gather.
 """
@@ -16,9 +16,9 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from .. import agreement, comm, handshake
-from ..agreement_row import documents_code
+from .. import agreement, comm
 from ..checks import check_cu_seqlens  # the dense forms' documents check
+from ..vocab.names import LAYOUTS as ALL_LAYOUTS
 from ..vocab.segments import Documents
 from .registry import SPARSE_KERNELS, SparseStages, kernel_index, sparse_stages
 from .stage import SparseDims
@@ -132,21 +132,21 @@ def check_call(tensors, options: SparseOptions, check_ranks=None,
     if cp_size > 1:
         device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else "cpu"
         documents = list(setup.documents or ()) if setup is not None else []
+        agreement.note_weight(tensors[3])
         agreement.agree_call(options.cp_group, check_ranks, failure, device,
                              lambda: _row(setup, tensors, check_ranks), names=_NAMES,
                              details={"documents": documents})
     return setup
 
 
-_NAMES = {"layout": LAYOUTS, "loss_target": LOSS_TARGETS, "indexer_kernel": SPARSE_KERNELS,
-          "attention_kernel": SPARSE_KERNELS, "loss_kernel": SPARSE_KERNELS,
-          "stage": handshake.STAGES}
+_NAMES = {"loss_target": LOSS_TARGETS, "indexer_kernel": SPARSE_KERNELS,
+          "attention_kernel": SPARSE_KERNELS, "loss_kernel": SPARSE_KERNELS}
 
 
 def _row(setup: Optional[SparseSetup], tensors, check_ranks) -> Dict[str, int]:
-    """The agreement's row of this call (handshake.FIELDS): the sparse values and the
+    """The agreement's row of this call (agreement.FIELDS): the sparse values and the
     shapes the gather and the attention read."""
-    row = {"stage": handshake.STAGES.index("sparse_attention"),
+    row = {"stage": agreement.STAGES.index("sparse_attention"),
            "check_ranks": int(check_ranks is not False)}
     if setup is None:
         return row
@@ -155,8 +155,8 @@ def _row(setup: Optional[SparseSetup], tensors, check_ranks) -> Dict[str, int]:
     query, o = tensors[0], setup.options
     # a hash of the boundaries, once per micro-batch (the later calls pass the same ones)
     row["documents"] = agreement.memo(o.cp_group, ("documents", setup.documents),
-                                      lambda: documents_code(setup.documents))
-    row.update(values, softmax_scale=handshake.float_bits(o.softmax_scale),
+                                      lambda: agreement.documents_code(setup.documents))
+    row.update(values, softmax_scale=agreement.float_bits(o.softmax_scale),
                heads=setup.dims.heads, qk_head_dim=o.qk_head_dim, v_head_dim=o.v_head_dim,
                rope_dim=setup.dims.k_pos_emb, kv_lora_rank=setup.dims.kv_latent)
     return row
@@ -170,11 +170,11 @@ def agreed_values(setup: SparseSetup, tensors) -> Dict[str, int]:
               "index_head_dim": dims.index_key,
               "loss_target": LOSS_TARGETS.index(o.loss_target),
               "indexer_loss_coeff": (0 if o.indexer_loss_coeff is None
-                                     else handshake.float_bits(o.indexer_loss_coeff)),
+                                     else agreement.float_bits(o.indexer_loss_coeff)),
               "given_topk": setup.given_topk,  # given picks' k, 0: the indexer picks
               "local_len": setup.local_len, "micro_batch": setup.micro_batch,
-              "layout": LAYOUTS.index(o.layout),
-              "dtype": handshake.dtype_code(tensors[0].dtype),
+              "layout": ALL_LAYOUTS.index(o.layout),  # coded as the dense forms code it
+              "dtype": agreement.dtype_code(tensors[0].dtype),
               "requires_grad": grad_pattern(tensors)}
     for stage, name in zip(("indexer_kernel", "attention_kernel", "loss_kernel"), setup.kernels):
         values[stage] = kernel_index(name)
@@ -234,9 +234,9 @@ def _check_tensors(named: Dict[str, object]) -> None:
                              f"{list(tensor.shape)}")
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{name} must be floating point, got {tensor.dtype}")
-        if tensor.dtype not in handshake.DTYPES:  # float8: no collective or matmul takes it
+        if tensor.dtype not in agreement.DTYPES:  # float8: no collective or matmul takes it
             raise ValueError(f"{name} of dtype {tensor.dtype} is not supported: sparse MLA "
-                             f"runs {[str(d) for d in handshake.DTYPES]}; cast the inputs "
+                             f"runs {[str(d) for d in agreement.DTYPES]}; cast the inputs "
                              "(query, kv_latent, k_pos_emb, kv_up_weight and the index "
                              "tensors) to bfloat16 (float8 recipes keep attention in bf16)")
     devices = {t.device for t in named.values()}

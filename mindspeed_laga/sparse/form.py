@@ -27,7 +27,8 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from .. import comm, layout as layouts
+from .. import agreement, comm, layout as layouts
+from ..agreement.fields import FLAGS
 from ..vocab.documents import doc_pieces, document_of
 from ..vocab.segments import Segment
 from .checks import SparseOptions, check_call
@@ -82,7 +83,12 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
     an earlier call's ``SparseResult.topk_indices`` over the same tokens, ``k <=
     index_topk``): the call runs no indexer and no loss (``index_query``, ``index_key``,
     ``index_weights`` and ``indexer_loss_coeff`` must be None), gathers no index key, and
-    returns these picks; the ranks agree on whether picks are given and on their k.
+    returns the picks it attended; the ranks agree on whether picks are given and on their
+    k. -1 is a legitimate pick, as the indexer gives it (a query with fewer visible keys
+    than k). Checked on the device, with no read: a row holding a pick no query may attend
+    (outside [0, S), past its position, before its document's start) attends nothing and
+    returns NaN, as a row of only -1 does; the next exchange or ``settle`` raises on every
+    rank naming ``topk_indices`` (without CP: this call raises).
     """
     tensors = (query, kv_latent, k_pos_emb, kv_up_weight, index_query, index_key,
                index_weights)
@@ -101,7 +107,7 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
                       chunks, softmax_scale, qk_head_dim, v_head_dim,
                       _query_starts(chunks, setup.documents, query.device))
     if topk_indices is not None:  # another layer's picks: no indexer, no scores, no loss
-        picks = TopK(topk_indices, None)
+        picks = TopK(given_picks(call, topk_indices, cp_group), None)
     else:
         picks = stages.indexer.topk(call, index_query, index_weights, index_topk)
     attended = stages.attention.attend(call, query, kv_up_weight, picks,
@@ -114,6 +120,24 @@ def sparse_laga_attention(query, kv_latent, k_pos_emb, kv_up_weight, index_query
         loss = stages.loss.loss(call, attended, picks, index_query, index_weights,
                                 indexer_loss_coeff, loss_tp_group)
     return SparseResult(attended.output, picks.indices, loss)
+
+
+def given_picks(call: SparseCall, picks: torch.Tensor, cp_group) -> torch.Tensor:
+    """Given picks as the stages read them, checked on the device (no read): a row holding a
+    pick no query may attend (outside [0, S), past its position, before its document's
+    start) becomes a row of -1, which attends nothing and returns NaN, as does a row of only
+    -1 (the indexer never gives one: a query sees itself). Either raises at the next
+    exchange or settle on every rank, naming topk_indices (at CP = 1: here)."""
+    pos = call.query_pos.view(1, -1, 1)
+    low = 0 if call.query_start is None else call.query_start.view(1, -1, 1)
+    visible = (picks >= low) & (picks <= pos)
+    bad_row = (~(visible | (picks == -1))).any(-1, keepdim=True)
+    wrong = (bad_row | ~visible.any(-1, keepdim=True)).any()
+    if comm.group_size(cp_group) > 1:
+        agreement.flag(cp_group, "topk_indices", wrong)
+    elif wrong:  # no peer to tell and no later agreement: this call raises
+        raise ValueError(f"topk_indices {FLAGS['topk_indices']}; pass valid picks")
+    return torch.where(bad_row, torch.full_like(picks, -1), picks)
 
 
 def query_chunks(layout: str, size: int, rank: int, local_len: int, documents) -> List[Chunk]:

@@ -233,7 +233,7 @@ def _apply_rope(module, x, table, mscale):
 def _core_options(settings: MegatronPatchSettings, first: bool) -> Dict:
     """The core's keywords; by default the ranks check a module in full on its first call
     (:func:`check_first_call` has checked the settings and kv_up_weight then) and agree
-    once per micro-batch after (``check_ranks=None``: mindspeed_laga/agreement.py)."""
+    once per micro-batch after (``check_ranks=None``: mindspeed_laga/agreement/)."""
     options = dict(settings.core_options)
     options.setdefault("check_ranks", True if first else None)
     return options

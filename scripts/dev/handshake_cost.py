@@ -6,7 +6,7 @@ On P spawned gloo ranks: times LAGA's forward+backward with ``check_ranks``
 forcing the exchange on every call, and again after every rank agreed on
 ``check_ranks=False`` (the group then skips it), and the exchange alone. Prints
 per-call milliseconds (median over calls, slowest rank) and the exchange's bytes.
-Also the adapters' first-call weight check (``handshake.check_same_weight``) on a
+Also the adapters' first-call weight check (``agreement.check_same_weight``) on a
 bfloat16 ``kv_up_weight`` of DeepSeek-V3's size at TP=1 (``--weight-rows`` 128
 heads x (128 + 128), ``--kv-lora-rank`` 512): the checksum, and checksum plus
 exchange.
@@ -23,7 +23,7 @@ import torch
 def _worker(rank, world, seq_len, calls, weight_shape):
     import torch.distributed as dist
 
-    from mindspeed_laga import handshake, count_bytes, laga_attention
+    from mindspeed_laga import agreement, count_bytes, laga_attention
     from mindspeed_laga import layout as layouts
 
     g = torch.Generator().manual_seed(0)
@@ -45,18 +45,18 @@ def _worker(rank, world, seq_len, calls, weight_shape):
         return time.perf_counter() - start
 
     row = {"stage": 0, "check_ranks": 1}
-    exchange = [timed(lambda: handshake.agree(row, None, dist.group.WORLD, "cpu"))
+    exchange = [timed(lambda: agreement.exchange(row, None, dist.group.WORLD, "cpu"))
                 for _ in range(calls)]
-    handshake.reset()
+    agreement.reset()
     with_check = [timed(lambda: step(True)) for _ in range(calls)]
     step(False)  # every rank passes False in an exchange: the group skips it from now on
     without = [timed(lambda: step(False)) for _ in range(calls)]
     with count_bytes() as counter:
-        handshake.reset()
+        agreement.reset()
         step(True)
     big = torch.randn(weight_shape, generator=g).to(torch.bfloat16)
-    checksum = [timed(lambda: handshake.weight_checksum(big)) for _ in range(calls)]
-    same = [timed(lambda: handshake.check_same_weight(big, dist.group.WORLD)) for _ in range(calls)]
+    checksum = [timed(lambda: agreement.weight_checksum(big)) for _ in range(calls)]
+    same = [timed(lambda: agreement.check_same_weight(big, dist.group.WORLD)) for _ in range(calls)]
     return {"exchange": exchange, "with": with_check, "without": without,
             "bytes": counter.bytes("handshake", measure="wire"), "checksum": checksum,
             "same_weight": same}

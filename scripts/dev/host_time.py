@@ -19,7 +19,8 @@ every layer past the first runs in steady state (the first opens the micro-batch
 two run interleaved, one repeat each in turn (their order alternating), after a barrier,
 so drifts in the machine's load fall on both alike. Printed: the median forward time of
 the steady-state layers, the median backward time per layer, their sum, for each, and
-LAGA's ratio to the host.
+LAGA's ratio to the host; then the part of LAGA's forward spent in the cross-rank
+agreement (``agree_on_call``: building and recording the call's row), median per call.
 """
 from __future__ import annotations
 
@@ -43,6 +44,20 @@ def _chain(attentions, forward, hidden):
     return times, time.perf_counter() - start
 
 
+def _timed_agreement(spent):
+    """Wrap the dense forms' agreement call so its time lands in ``spent`` (a list)."""
+    from mindspeed_laga import checks
+    inner = checks.agree_on_call
+
+    def agree_on_call(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - start)
+    checks.agree_on_call = agree_on_call
+
+
 def worker(rank, world_size, layers, repeats, warmup):
     import warnings
 
@@ -50,6 +65,8 @@ def worker(rank, world_size, layers, repeats, warmup):
     warnings.simplefilter("ignore")  # megatron-core's CPU fallbacks warn on every call
 
     import mindspeed_laga
+    spent = []
+    _timed_agreement(spent)
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from mindspeed_laga.tools import megatron_cpu as mc
 
@@ -73,6 +90,9 @@ def worker(rank, world_size, layers, repeats, warmup):
                 if repeat >= warmup:
                     samples[name]["forward"].extend(per_layer[1:])  # past the micro-batch's opening
                     samples[name]["backward"].append(backward / len(attentions))
+                    if name == "laga":  # the later calls' agreement (the first exchanges)
+                        samples[name].setdefault("agreement", []).extend(spent[-len(attentions) + 1:])
+                spent.clear()
         return {name: {phase: statistics.median(values) for phase, values in phases.items()}
                 for name, phases in samples.items()}
     finally:
@@ -100,6 +120,9 @@ def main(argv=None) -> int:
         print(f"{name:>6} {forward:9.3f} {backward:9.3f} {forward + backward:9.3f}")
     ratio = [l / h for l, h in zip(rows["laga"], rows["host"])]
     print(f"{'ratio':>6} {ratio[0]:9.2f} {ratio[1]:9.2f} {ratio[2]:9.2f}   (LAGA / host)")
+    agreement = max(r["laga"]["agreement"] for r in per_rank) * 1e3
+    print(f"agreement per later call: {agreement:.3f} ms ({agreement / rows['host'][0]:.1%} of "
+          "the host's forward)")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The agreement protocol (mindspeed_laga/agreement.py) on two gloo ranks.
+"""The agreement protocol (mindspeed_laga/agreement/) on two gloo ranks.
 
 In micro-batch mode (``new_micro_batch`` on every rank) the first call of a micro-batch
 exchanges and the others exchange nothing; a value that differs on one rank in such a
@@ -20,13 +20,15 @@ from support.key_padding import (SCALE, assemble, full_inputs, local_inputs, pad
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 
-def _layer(rank, **kw):
-    """One layer call, forward and backward: (output, grads, the collectives it ran)."""
+def _layer(rank, weight=None, **kw):
+    """One layer call, forward and backward: (output, grads, the collectives it ran);
+    ``weight``: the kv_up_weight leaf to use (a fresh copy when None)."""
     import torch.distributed as dist
     x = full_inputs()
     inputs, local = local_inputs(x, "zigzag", 2, rank)
     leaves = [t.detach().clone().requires_grad_() for t in inputs.values()]
-    weight = x["kv_up_weight"].clone().requires_grad_()
+    if weight is None:
+        weight = x["kv_up_weight"].clone().requires_grad_()
     with count_bytes() as counter:
         out = laga_attention(*leaves, weight, softmax_scale=kw.pop("softmax_scale", SCALE),
                              cp_group=dist.group.WORLD, **kw)
@@ -72,12 +74,13 @@ def _later_call_worker(rank, world, found_at, keywords):
     import torch.distributed as dist
     group = dist.group.WORLD
     report = {}
+    weight = full_inputs()["kv_up_weight"].clone().requires_grad_()  # the model's weight
     new_micro_batch(group)
-    _layer(rank)
+    _layer(rank, weight)
     try:
         if keywords.get("kv_up_linear") == "linear":
             keywords = dict(kv_up_linear=_linear)
-        _layer(rank, **(keywords if rank == 1 else {}))
+        _layer(rank, weight, **(keywords if rank == 1 else {}))
         report["later call"] = None
     except ValueError as exc:
         report["later call"] = str(exc)
@@ -85,8 +88,8 @@ def _later_call_worker(rank, world, found_at, keywords):
         if found_at == "next micro-batch":
             new_micro_batch(group)
             _layer(rank)
-        else:
-            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1).step()
+        else:  # the optimizer that steps the weight the calls used
+            torch.optim.SGD([weight], lr=0.1).step()
         report["found"] = None
     except ValueError as exc:
         report["found"] = str(exc)

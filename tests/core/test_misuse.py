@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_laga import (handshake, count_bytes, explicit_attention, absorbed_attention,
+from mindspeed_laga import (agreement, count_bytes, explicit_attention, absorbed_attention,
                             laga_attention, start_latent_gather)
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
@@ -108,7 +108,7 @@ def test_ranks_that_disagree_raise_together(scenario_reports, name):
 
 def _policy_worker(rank, world):
     """check_ranks=False on every rank, after one agreed exchange, skips the handshake."""
-    handshake.reset()
+    agreement.reset()
     with count_bytes() as counter:
         for check in (True, False, False, False):
             _one_call(rank, world, {"check_ranks": check})

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from mindspeed_laga import (handshake, count_bytes, explicit_attention, laga_attention,
+from mindspeed_laga import (agreement, count_bytes, explicit_attention, laga_attention,
                             start_latent_gather)
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
@@ -127,7 +127,7 @@ def skip_exchanges(rank, world):
     """Both ranks agree to skip (the setup of the next scenario)."""
     _attend(rank, world, check_ranks=False)
     _attend(rank, world, check_ranks=False)  # every rank passed False: skipping from now on
-    assert handshake.skips(_group())
+    assert agreement.skips(_group())
 
 
 def check_ranks_after_skip(rank, world):
@@ -202,7 +202,7 @@ def _same_weight_worker(rank, world, differ):
     if differ and rank == 1:
         weight[3, 5] = torch.nextafter(weight[3, 5], torch.tensor(2.0))  # one ulp, one element
     try:
-        handshake.check_same_weight(weight.to(torch.bfloat16 if differ == "bf16" else weight.dtype),
+        agreement.check_same_weight(weight.to(torch.bfloat16 if differ == "bf16" else weight.dtype),
                                     dist.group.WORLD)
         return None
     except ValueError as exc:
@@ -218,20 +218,20 @@ def test_kv_up_weight_that_differs_by_one_ulp_is_caught_on_every_rank():
 
 def test_weight_checksum_sees_swapped_rows_and_single_bits():
     w = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
-    base = handshake.weight_checksum(w)
-    assert handshake.weight_checksum(w.clone()) == base
-    assert handshake.weight_checksum(w[[1, 0] + list(range(2, 64))]) != base
+    base = agreement.weight_checksum(w)
+    assert agreement.weight_checksum(w.clone()) == base
+    assert agreement.weight_checksum(w[[1, 0] + list(range(2, 64))]) != base
     flipped = w.clone()
     flipped.view(torch.int32)[7, 3] ^= 1  # the lowest mantissa bit
-    assert handshake.weight_checksum(flipped) != base
-    assert handshake.weight_checksum(w.to(torch.bfloat16)) != base
+    assert agreement.weight_checksum(flipped) != base
+    assert agreement.weight_checksum(w.to(torch.bfloat16)) != base
 
 
 def _skip_policy_worker(rank, world):
     """The first call exchanges (every rank passes False: the group skips from then on);
     then None (the default) skips, an explicit True exchanges once (and the group keeps
     skipping), False skips."""
-    handshake.reset()
+    agreement.reset()
     kinds = []
     for check in (False, False, None, True, None, False):
         with count_bytes() as counter:

@@ -27,12 +27,12 @@ CASES = {  # name -> (rank 1's keywords, what rank 1 raises, its cause in rank 0
 }
 
 
-def _attend(rank, **kw):
+def _attend(rank, check_ranks=False, **kw):
     import torch.distributed as dist
     x = full_inputs()
     inputs, _ = local_inputs(x, "zigzag", 2, rank)
     out = laga_attention(*inputs.values(), x["kv_up_weight"], softmax_scale=SCALE,
-                         cp_group=dist.group.WORLD, check_ranks=False, **kw)
+                         cp_group=dist.group.WORLD, check_ranks=check_ranks, **kw)
     out.sum().backward()
 
 
@@ -51,3 +51,27 @@ def test_a_local_failure_in_a_skipped_call_names_its_cause_on_every_rank(tmp_pat
     assert failing.startswith(own) and "check_ranks=False" in failing, failing
     assert peer.startswith("ValueError: CP rank(s) [1]") and cause in peer, peer
     assert "check_ranks=False" in peer, peer
+
+
+def _later_worker(rank, world, out_dir, case):
+    """The same failure in a later call of a micro-batch (which exchanges nothing either)."""
+    import torch.distributed as dist
+
+    from mindspeed_laga import new_micro_batch
+    new_micro_batch(dist.group.WORLD)
+    _attend(rank, check_ranks=None)  # the micro-batch's first call exchanges
+    report_and_leave(out_dir, rank, lambda: _attend(rank, check_ranks=None,
+                                                    **(CASES[case][0] if rank else {})))
+
+
+@pytest.mark.timeout(300)
+def test_a_local_failure_in_a_later_call_names_its_cause_and_no_argument_nobody_passed(
+        tmp_path):
+    _, own, cause = CASES["kv_block_size"]
+    with pytest.raises(WorkerError):  # both ranks leave without reporting
+        run_on_ranks(_later_worker, 2, str(tmp_path), "kv_block_size", timeout_s=120)
+    failing, peer = (tmp_path / "rank1").read_text(), (tmp_path / "rank0").read_text()
+    for text in (failing, peer):
+        assert "a later call of a micro-batch" in text and "check_ranks=False" not in text, text
+    assert failing.startswith(own), failing
+    assert peer.startswith("ValueError: CP rank(s) [1]") and cause in peer, peer

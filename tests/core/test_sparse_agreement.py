@@ -1,4 +1,4 @@
-"""Sparse MLA joins the ranks' agreement (mindspeed_laga/agreement.py): the values every
+"""Sparse MLA joins the ranks' agreement (mindspeed_laga/agreement/): the values every
 CP rank must pass alike (index_topk, the index widths, the loss target and coefficient,
 each stage's kernel, the local length, layout, dtype, requires-grad pattern) are
 exchanged before the gather, so ranks that differ raise together, naming the argument,
@@ -31,6 +31,8 @@ def _call(rank, layout="contiguous", **kw):
                for k in LOCAL]
     if kw.pop("float32", False):
         tensors = [t.float() for t in tensors]
+    if kw.pop("index_grad", False):  # the index query needs a grad on this rank only
+        tensors[4] = tensors[4].detach().requires_grad_()
     options = dict(index_topk=TOPK, softmax_scale=SCALE, qk_head_dim=D_N, v_head_dim=D_V,
                    cp_group=dist.group.WORLD, layout=layout, indexer_loss_coeff=COEFF)
     options.update(kw)
@@ -51,6 +53,8 @@ CASES = {  # name -> (rank 1's change, what the message names)
     "indexer kernel": (dict(indexer_kernel="npu"), "indexer_kernel"),  # refused here: no NPU
     "layout": (dict(layout="zigzag"), "layout"),
     "dtype": (dict(float32=True), "dtype"),
+    "index grads": (dict(index_grad=True), "need grads (requires_grad under grad mode): "
+                                           "[[], ['index_query']]"),
 }
 
 

@@ -11,7 +11,7 @@ are refused by name, and ranks that disagree on them raise together before any g
 import pytest
 import torch
 
-from mindspeed_laga import handshake
+from mindspeed_laga import agreement
 from mindspeed_laga.sparse.form import sparse_laga_attention
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import sparse_given_picks as gp
@@ -67,7 +67,7 @@ def _check_bytes(per_rank, cp_size, dims):
     widths = (d["D_C"] + d["D_R"] + d["INDEX_DIM"], d["D_C"] + d["D_R"])
     if dims == GLM52:
         assert widths == (704, 576)
-    row = ("handshake", "forward", len(handshake.FIELDS) * 8)
+    row = ("handshake", "forward", len(agreement.FIELDS) * 8)
     for (layers, backward) in per_rank:
         for layer, width in zip(layers, widths):
             assert layer["records"] == [row, ("all_gather", "forward", width * tokens * 8)]
@@ -123,3 +123,81 @@ def disagreeing_worker(rank, world_size):
 def test_ranks_that_disagree_on_given_picks_raise_before_the_gather():
     for message, data in run_on_ranks(disagreeing_worker, 2, timeout_s=120):
         assert message is not None and "topk_indices" in message and data == [], message
+
+
+# ------------------------------------------------------- given picks checked on the device
+
+HALF = sm.S // 2  # rank 1 holds positions HALF.. under the contiguous layout
+BAD = {  # name -> (rank 1's local row, a pick put there, or None: the whole row -1)
+    "beyond the sequence": (0, sm.S),
+    "a row of only -1": (1, None),
+    "past the query's position": (2, HALF + 3),
+}
+
+
+def bad_picks_worker(rank, world_size):
+    """Per case, one micro-batch: a computing layer, then a reusing one whose picks rank 1
+    corrupts (no IndexError, no exchange in that call), then settle: what each raised, and
+    the reusing layer's output."""
+    import torch.distributed as dist
+
+    from mindspeed_laga import layout as layouts, new_micro_batch, settle
+    group, reports = dist.group.WORLD, {}
+    for name, (row, pick) in BAD.items():
+        agreement.reset()
+        dist.barrier()
+        new_micro_batch(group)
+        x, y = sm.full_inputs(0), sm.full_inputs(1)
+        local = {k: layouts.shard(x[k], "contiguous", world_size, rank) for k in sm.LOCAL}
+        first = sparse_laga_attention(*_args({**local, "kv_up_weight": x["kv_up_weight"]}),
+                                      *(local[k] for k in sm.LOCAL[3:]), **KW,
+                                      cp_group=group, layout="contiguous")
+        picks = first.topk_indices.clone()
+        if rank == 1:
+            picks[0, row] = -1 if pick is None else picks[0, row]
+            if pick is not None:
+                picks[0, row, 0] = pick
+        reused = {k: layouts.shard(y[k], "contiguous", world_size, rank) for k in sm.LOCAL[:3]}
+        try:
+            out = sparse_laga_attention(*_args({**reused, "kv_up_weight": y["kv_up_weight"]}),
+                                        *[None] * 3, **KW, cp_group=group, layout="contiguous",
+                                        topk_indices=picks).output
+            later = None
+        except Exception as exc:  # noqa: BLE001 -- the kind is what is checked
+            out, later = None, f"{type(exc).__name__}: {exc}"
+        try:
+            settle()
+            settled = None
+        except ValueError as exc:
+            settled = str(exc)
+        reports[name] = (later, settled, out, first.topk_indices)
+    return reports
+
+
+@pytest.mark.timeout(200)
+def test_wrong_given_picks_poison_their_rows_and_raise_at_settle_on_every_rank():
+    per_rank = run_on_ranks(bad_picks_worker, 2, timeout_s=150)
+    for name, (row, _) in BAD.items():
+        picks = torch.cat([per_rank[r][name][3] for r in range(2)], dim=1)
+        want = sm.reference(sm.full_inputs(1), picks=picks)["output"]
+        for rank in range(2):
+            later, settled, out, _ = per_rank[rank][name]
+            assert later is None, (name, rank, later)  # the later call itself ran
+            assert settled and "CP rank(s) [1]: topk_indices" in settled, (name, rank, settled)
+            expected = want[rank * HALF:(rank + 1) * HALF].clone()
+            if rank == 1:
+                assert torch.isnan(out[row, 0]).all(), name  # the wrong row is poisoned
+                expected[row, 0] = out[row, 0]
+            assert torch.allclose(out, expected, atol=1e-10, rtol=0, equal_nan=True), (name, rank)
+
+
+def test_wrong_given_picks_raise_by_name_without_cp():
+    x = sm.full_inputs(0)
+    picks = sparse_laga_attention(*_args(x), *(x[k] for k in sm.LOCAL[3:]), **KW).topk_indices
+    for row, pick in BAD.values():
+        bad = picks.clone()
+        bad[0, row + HALF] = -1
+        if pick is not None:
+            bad[0, row + HALF, 0] = pick  # global positions: the same rows as on rank 1
+        with pytest.raises(ValueError, match="topk_indices held picks no query may attend"):
+            sparse_laga_attention(*_args(x), *[None] * 3, **KW, topk_indices=bad)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mindspeed_laga.sparse import registry as sparse_registry
-from mindspeed_laga import handshake
+from mindspeed_laga import agreement
 from mindspeed_laga.sparse.form import sparse_laga_attention
 from mindspeed_laga.sparse.stage import Chunk, SparseCall
 from mindspeed_laga.tools.spawn import run_on_ranks
@@ -99,7 +99,7 @@ def test_one_gather_one_reduce_scatter(measured):
     cp_size, _, per_rank = measured
     d = sk.DIMS
     width = (d["D_C"] + d["D_R"] + d["INDEX_DIM"]) * d["S"] // cp_size * d["B"] * 8
-    expected = [("handshake", "forward", len(handshake.FIELDS) * 8),  # the ranks' agreement
+    expected = [("handshake", "forward", len(agreement.FIELDS) * 8),  # the ranks' agreement
                 ("all_gather", "forward", width), ("reduce_scatter", "backward", width)]
     for ranks in per_rank:
         for combo, run in ranks.items():

@@ -10,7 +10,7 @@ positions on every rank and CP size; the byte counter sees one all-gather of
 import pytest
 import torch
 
-from mindspeed_laga import handshake
+from mindspeed_laga import agreement
 from mindspeed_laga.sparse.form import sparse_laga_attention
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import sparse_mla as sm
@@ -75,7 +75,7 @@ def test_one_gather_one_reduce_scatter(measured):
     cp_size, _, per_rank = measured
     tokens = sm.S // cp_size * sm.B
     width = (sm.D_C + sm.D_R + sm.INDEX_DIM) * tokens * 8
-    expected = [("handshake", "forward", len(handshake.FIELDS) * 8),
+    expected = [("handshake", "forward", len(agreement.FIELDS) * 8),
                 ("all_gather", "forward", width), ("reduce_scatter", "backward", width)]
     for ranks in per_rank:
         for run in ranks:

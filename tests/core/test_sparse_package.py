@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mindspeed_laga
-from mindspeed_laga import handshake
+from mindspeed_laga import agreement
 from mindspeed_laga.sparse import checks, registry
 from mindspeed_laga.sparse.torch_stages import SparseTorch
 from support import sparse_mla as sm
@@ -107,8 +107,8 @@ def test_check_returns_the_typed_setup_and_the_agreed_ints():
     assert setup.kernels == ("torch", "torch", "torch") and setup.with_loss
     values = checks.agreed_values(setup, tensors)
     assert all(type(v) is int for v in values.values()), values
-    assert values["indexer_loss_coeff"] == handshake.float_bits(sm.COEFF)
-    assert values["dtype"] == handshake.dtype_code(torch.float64)
+    assert values["indexer_loss_coeff"] == agreement.float_bits(sm.COEFF)
+    assert values["dtype"] == agreement.dtype_code(torch.float64)
     with torch.no_grad():
         assert checks.agreed_values(setup, tensors)["requires_grad"] == 0
     needs = [t.clone().requires_grad_(i in (1, 5)) for i, t in enumerate(tensors)]

@@ -12,7 +12,7 @@ from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import pytest
 
-from mindspeed_laga import count_bytes, handshake
+from mindspeed_laga import agreement, count_bytes
 
 
 class Outcome(NamedTuple):
@@ -26,7 +26,7 @@ def outcome(call, *args, setup=None, **kw) -> Outcome:
     and with the handshake's skip state cleared; ``setup(*args)`` runs first, outside the
     byte count. Any exception is reported, not raised, so the ranks stay in step."""
     import torch.distributed as dist
-    handshake.reset()
+    agreement.reset()
     dist.barrier()
     if setup is not None:
         setup(*args)

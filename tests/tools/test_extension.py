@@ -237,20 +237,17 @@ def _add_release_row(path: Path) -> None:
     path.write_text(f"{head}\nROWS = (\n{body}\n{RELEASE_ROW})\n{rest}")
 
 
-def _add_preset(path: Path) -> bool:
-    """The line, first in ``MODELS``; False where the preset registry is not in the tree."""
-    if not path.is_file():
-        return False
+def _add_preset(path: Path) -> None:
+    """The line, first in ``MODELS``."""
     text = path.read_text()
     assert text.count(PRESET_ANCHOR) == 1, path
     path.write_text(text.replace(PRESET_ANCHOR, PRESET_ANCHOR + PRESET_LINE))
-    return True
 
 
 def _copy(tmp_path: Path):
     """The repository copied, the additions made; the installed package's mapping of
     ``features/`` and ``patches/`` under ``mindspeed_laga`` made by links in the copy.
-    Returns the copy and whether it holds the new preset."""
+    Returns the copy."""
     copy = tmp_path / "repo"
     shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(
         ".git", ".venv*", "__pycache__", "*.egg-info", ".pytest_cache", "bench_out"))
@@ -261,7 +258,8 @@ def _copy(tmp_path: Path):
     for path, *registration in REGISTRATIONS:
         _register(copy / path, *registration)
     _add_release_row(copy / "patches" / "mindspeed_llm" / "releases.py")
-    return copy, _add_preset(copy / PRESETS)
+    _add_preset(copy / PRESETS)
+    return copy
 
 
 def _archives(tmp_path: Path) -> Path:
@@ -296,11 +294,10 @@ def _env(copy: Path, tmp_path: Path) -> dict:
 
 @pytest.mark.timeout(1500)
 def test_the_extension_points_take_each_addition_as_documented(tmp_path):
-    copy, with_preset = _copy(tmp_path)
+    copy = _copy(tmp_path)
     env = _env(copy, tmp_path)
-    assert "probe done" in _run(copy, env, "-c", PROBE, str(copy),
-                                NEW_PRESET if with_preset else "", *NEW)
-    tests = TESTS + (PRESET_TESTS if with_preset else [])
+    assert "probe done" in _run(copy, env, "-c", PROBE, str(copy), NEW_PRESET, *NEW)
+    tests = TESTS + PRESET_TESTS
     out = _run(copy, env, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not hosts",
                "--durations=12", *tests, timeout=1200)
     print(out[-3000:])  # the durations of the registry-reading modules
@@ -308,9 +305,6 @@ def test_the_extension_points_take_each_addition_as_documented(tmp_path):
     collected = _run(copy, env, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                      *LOOP_MODULES)
     assert f"[{NEW_RELEASE}]" in collected, collected[-3000:]
-    if not with_preset:
-        pytest.xfail(f"the preset registry ({PRESETS}) is not in this tree: every other point "
-                     "passed; the preset point runs once it is")
 
 
 @pytest.mark.ascend
@@ -320,12 +314,65 @@ def test_the_new_release_runs_the_real_module(tmp_path):
     """The release identical to 2.3.0: the real-module cases accept it on 2.3.0's sources
     (the host shows 2.3.0's facts, which are the new release's)."""
     thirdparty.release_sources(SAME_AS)  # skips (fails under CI) without the archives
-    copy, _ = _copy(tmp_path)
+    copy = _copy(tmp_path)
     out = _run(copy, _env(copy, tmp_path), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                *REAL_MODULE_CASES, timeout=850)
     assert "2 passed" in out, out[-3000:]
 
 
-# --- an agreement field ----------------------------------------------------------------------
-# (its trial, with a 2-rank test that a disagreement on the new field raises naming it,
-# follows here)
+
+# --- an agreement field, added as documented -----------------------------------------------
+
+FIELD_WORKER = '''
+import sys
+import torch
+from mindspeed_laga import laga_attention
+from mindspeed_laga.tools.spawn import run_on_ranks
+
+
+def worker(rank, world):
+    import torch.distributed as dist
+    g = torch.Generator().manual_seed(0)
+    q, kv, kpe = (torch.randn(8, 1, *shape, generator=g, dtype=torch.float64)
+                  for shape in ((2, 12), (16,), (4,)))
+    w = torch.randn(2 * 16, 16, generator=g, dtype=torch.float64)
+    try:
+        laga_attention(q, kv, kpe, w, softmax_scale=0.3, cp_group=dist.group.WORLD,
+                       layout="contiguous", pad_v=bool(rank))
+        return None
+    except ValueError as exc:
+        return str(exc)
+
+
+if __name__ == "__main__":
+    print("messages:", run_on_ranks(worker, 2, timeout_s=120))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_agreement_field_extension(tmp_path):
+    """A field added as DESIGN.md's "Extension points" says (one ``Field`` row in
+    ``agreement/fields.py``, one line in the row builder ``agreement/rows.py``), in a copy
+    of the package: two ranks that differ on it raise, naming it, on every rank."""
+    import mindspeed_laga as package
+    source = Path(package.__file__).resolve().parent
+    copy = tmp_path / "mindspeed_laga"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    fields, rows = copy / "agreement" / "fields.py", copy / "agreement" / "rows.py"
+    anchor = '    Field("calls"),'
+    assert fields.read_text().count(anchor) == 1
+    fields.write_text(fields.read_text().replace(
+        anchor, '    Field("pad_v", "pad_v (V zero-padded for the NPU op)", bool),\n' + anchor))
+    builder = '              "kernel": choice_code(KERNELS, o.kernel),\n'
+    assert rows.read_text().count(builder) == 1
+    line = '              "pad_v": int(o.pad_v),\n'
+    rows.write_text(rows.read_text().replace(builder, builder + line))
+    script = tmp_path / "field_worker.py"
+    script.write_text(FIELD_WORKER)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env.pop("PYTEST_ADDOPTS", None)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("CP ranks disagree on pad_v (V zero-padded for the NPU op): "
+                             "[False, True]") == 2, proc.stdout[-3000:]

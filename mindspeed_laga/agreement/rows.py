@@ -1,0 +1,127 @@
+"""The rows of the dense forms' calls and of ``start_latent_gather``, from host facts only
+(options, shapes, document boundaries; key padding through ``content_code``). Sparse MLA's
+row is built beside its checks (sparse/checks.py)."""
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+import struct
+from typing import Dict, Optional
+
+import torch
+
+from .. import comm
+from ..cp_algos import ALGOS
+from ..options import AttnOptions
+from ..vocab.dims import MLADims
+from ..vocab.names import ATTN_CP_ALGOS, EMPTY_ROWS, FORMS, LAYOUTS
+from .content import documents_code, padding_code, padding_counts
+from .fields import (INPUTS, KERNELS, STAGES, UNKNOWN, choice_code, dtype_code, flag,
+                     float_bits, grad_pattern)
+from .schedule import agree_call, content_code, memo, note_weight
+
+
+def agree_on_call(o: AttnOptions, tensors, dims, documents, failure) -> None:
+    """The agreement of a dense form's call; raises ``failure`` on this rank."""
+    if comm.group_size(o.cp_group) == 1:
+        if failure is not None:
+            raise failure
+        return
+    query, mask = tensors[0], o.key_padding_mask
+    device = query.device if isinstance(query, torch.Tensor) else "cpu"
+    note_weight(tensors[3])
+
+    def row() -> Dict[str, int]:
+        values = _options_values(o)
+        values.update(_tensors_row(tensors, dims))
+        values["documents"] = memo(o.cp_group, ("documents", documents),
+                                   lambda: documents_code(documents))
+        values["key_padding"] = content_code(o.cp_group, "key_padding", mask,
+                                             lambda: padding_code(mask)) \
+            if isinstance(mask, torch.Tensor) else 0
+        return values
+
+    details = {"documents": list(documents or ()),
+               "key_padding": (lambda: []) if mask is None else (lambda: padding_counts(mask))}
+    agree_call(o.cp_group, o.check_ranks, failure, device, row, details=details)
+
+
+def _options_values(o: AttnOptions) -> Dict[str, int]:
+    values = {"stage": STAGES.index("attention"), "check_ranks": int(o.check_ranks is not False),
+              "form": choice_code(FORMS, o.form), "cp_algo": choice_code(ATTN_CP_ALGOS, o.cp_algo),
+              "layout": choice_code(LAYOUTS, o.layout),
+              "empty_rows": choice_code(EMPTY_ROWS, o.empty_rows),
+              "kernel": choice_code(KERNELS, o.kernel),
+              "ulysses_degree": _ulysses_degree(o.cp_algo, o.ulysses_group)}
+    if isinstance(o.causal, bool):
+        values["causal"] = int(o.causal)
+    scale = o.softmax_scale
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool) and _finite(scale):
+        values["softmax_scale"] = float_bits(scale)
+    if o.form == "laga":
+        block = o.kv_block_size
+        values.update(recompute_kv=flag(o.recompute_kv),
+                      trim_causal_prefix=flag(o.trim_causal_prefix),
+                      kv_block_size=block if isinstance(block, int) and not isinstance(block, bool)
+                      else 0, latent_gather=int(o.latent_gather is not None),
+                      kv_up_linear=kv_up_linear_code(o.kv_up_linear))
+    return values
+
+
+def _tensors_row(tensors, dims: Optional[MLADims]) -> Dict[str, int]:
+    if dims is None:
+        return {}
+    query = tensors[0]
+    return dict(local_len=query.shape[0], micro_batch=query.shape[1], heads=dims.heads,
+                qk_head_dim=dims.qk_head_dim, rope_dim=dims.rope_dim, v_head_dim=dims.v_head_dim,
+                kv_lora_rank=dims.kv_lora_rank, dtype=dtype_code(query.dtype),
+                requires_grad=grad_pattern(dict(zip(INPUTS, tensors))))
+
+
+def gather_row(kv_latent, k_pos_emb, check_ranks, ok: bool) -> Dict[str, int]:
+    """The row of ``start_latent_gather`` (``ok``: its local checks passed)."""
+    values = {"stage": STAGES.index("start_latent_gather"),
+              "check_ranks": int(check_ranks is not False), "latent_gather": 1}
+    if ok:
+        values.update(local_len=kv_latent.shape[0], micro_batch=kv_latent.shape[1],
+                      kv_lora_rank=kv_latent.shape[2], rope_dim=k_pos_emb.shape[2],
+                      dtype=dtype_code(kv_latent.dtype),
+                      requires_grad=grad_pattern({"kv_latent": kv_latent,
+                                                  "k_pos_emb": k_pos_emb}))
+    return values
+
+
+def kv_up_linear_code(linear) -> int:
+    """The up-projection as an int64: 0 for F.linear (None); else the function's
+    ``agreement_code`` (an adapter's code of its FP8 recipe), or a digest of what the
+    function is (module, name, bytecode), alike on every rank that runs the same code."""
+    if linear is None:
+        return 0
+    code = getattr(linear, "agreement_code", None)
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code
+    target = getattr(linear, "func", linear)  # functools.partial: what it calls
+    body = getattr(target, "__code__", None)
+    what = (getattr(target, "__module__", None), getattr(target, "__qualname__", None),
+            type(target).__qualname__, body.co_code if body is not None else None,
+            body.co_firstlineno if body is not None else None)
+    digest = hashlib.blake2b(repr(what).encode(), digest_size=8).digest()
+    return struct.unpack("<q", digest)[0] or 1
+
+
+def _ulysses_degree(cp_algo, ulysses_group) -> int:
+    known = ALGOS.get(cp_algo) if isinstance(cp_algo, str) else None
+    if not (known is not None and known.takes_ulysses_degree) and ulysses_group is None:
+        return 1
+    try:
+        return comm.group_size(ulysses_group)
+    except Exception:
+        return UNKNOWN
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float range (10**400)
+        return False

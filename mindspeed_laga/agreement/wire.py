@@ -1,0 +1,182 @@
+"""The exchange: one row of int64 per rank (fields.py), all-gathered, and the same error
+raised on every rank when any rank rejected its call (its message sent in one more small
+exchange) or any value differs. The row has one length for every call, so ranks in
+different calls meet in the same collective and the difference is reported, not hung on.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .. import comm
+from .fields import DIGESTS, FIELDS, FLAGS, UNKNOWN, label, show
+
+Names = Optional[Dict[str, Sequence[str]]]
+_INT64 = (-(1 << 63), 1 << 63)
+_MESSAGE_BYTES = 1500
+LATER = ("(a later call of the micro-batch, which exchanges nothing: found at the next "
+         "exchange or settle)")
+
+
+def exchange(values: Dict[str, int], failure, cp_group, device, names: Names = None,
+             details: Optional[Dict[str, object]] = None,
+             later: Optional[Callable[[], List[int]]] = None, content=None,
+             flags=None) -> List[List[int]]:
+    """Exchange ``values`` and this rank's verdict; raise alike on every rank, else return
+    the table (a row per rank). ``details``: per field, this rank's full value behind a
+    code (a list, or a function returning it), gathered only when ranks differ on it;
+    ``later()``: this rank's recorded later-call rows, flattened, gathered only when the
+    ``calls`` digests differ; ``content``, ``flags``: 0-d int64 device tensors sent as
+    those fields, unread before the exchange."""
+    row, failure = _pack(values, failure)
+    device = exchange_device(device, cp_group)
+    slot = None
+    if content is not None or flags is not None:
+        at, unknown = FIELDS.index("content"), torch.tensor(UNKNOWN, device=device)
+        both = [unknown if t is None else t.to(device) for t in (content, flags)]
+        slot = (slice(at, at + 2), torch.stack(both))
+    table = comm.handshake(row, cp_group, device, slot=slot)
+    raise_on_rejection(table, failure, cp_group, device)
+    _raise_on_flags(table)
+    _raise_on_difference(table, names, details or {}, cp_group, device)
+    _raise_on_later(table, names, later, cp_group, device)
+    return table
+
+
+def _pack(values: Dict[str, int], failure):
+    """(this rank's row, its failure): a value beyond int64 travels as unknown and becomes
+    this rank's failure, which reaches the peers like any other."""
+    row = [UNKNOWN] * len(FIELDS)
+    for key, value in values.items():
+        value = int(value)
+        if _INT64[0] <= value < _INT64[1]:
+            row[FIELDS.index(key)] = value
+        elif failure is None:
+            failure = ValueError(f"{key}={value} is beyond the int64 range the ranks exchange; "
+                                 f"pass a value below 2**63")
+    row[0] = 0 if failure is None else 1
+    return row, failure
+
+
+def exchange_device(device, cp_group):
+    """The call's device, unless it has no storage (meta), then the backend's."""
+    device = torch.device(device)
+    if device.type != "meta":
+        return device
+    backend = str(torch.distributed.get_backend(cp_group)).lower()
+    kind = {"nccl": "cuda", "hccl": "npu"}.get(backend)
+    if kind is None:
+        return torch.device("cpu")
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
+def as_exception(failure) -> BaseException:
+    return failure if isinstance(failure, BaseException) else ValueError(failure)
+
+
+def raise_failure(failure) -> None:
+    if failure is not None:
+        raise as_exception(failure)
+
+
+def raise_on_rejection(table, failure, cp_group, device) -> None:
+    """Every rank learns every rejecting rank's message; the rejecting ranks re-raise their
+    own exception and the others a ValueError carrying those messages."""
+    rejected = [r for r, row in enumerate(table) if row[0]]
+    if not rejected:
+        return
+    mine = _describe(failure).encode()[:_MESSAGE_BYTES] if failure is not None else b""
+    texts = gather_detail(list(mine), cp_group, device, shorten=False)
+    raise_failure(failure)
+    causes = "; ".join(f"CP rank {r}: {bytes(texts[r] or []).decode(errors='replace')}"
+                       for r in rejected)
+    raise ValueError(f"CP rank(s) {rejected} rejected their arguments (no collective was "
+                     f"issued): {causes}")
+
+
+def _describe(failure) -> str:
+    if isinstance(failure, ValueError) or not isinstance(failure, BaseException):
+        return str(failure)
+    return f"{type(failure).__name__}: {failure}"
+
+
+def _raise_on_difference(table, names: Names, details, cp_group, device) -> None:
+    stage = FIELDS.index("stage")
+    if len({row[stage] for row in table}) > 1:
+        by_rank = [show("stage", row[stage]) for row in table]
+        if set(by_rank) <= {"attention", "start_latent_gather"}:
+            raise ValueError(
+                f"CP ranks disagree on latent_gather: the ranks' calls are {by_rank}; every "
+                "rank must start the overlapped gather (start_latent_gather + latent_gather=) "
+                "or none")
+        raise ValueError(
+            f"CP ranks are in different calls: {by_rank} (by rank); every rank of cp_group "
+            "must make the same LAGA calls in the same order (the same modules, the same "
+            "micro-batches, settle on every rank alike)")
+    for i, name in enumerate(FIELDS[2:], start=2):
+        values = [row[i] for row in table]
+        if name not in DIGESTS and len(set(values)) > 1:
+            if name in details:  # every rank sees the same table, so all gather together
+                detail = details[name]
+                shown = gather_detail(detail() if callable(detail) else detail, cp_group, device)
+            else:
+                shown = [show(name, v, names) for v in values]
+            raise ValueError(f"CP ranks disagree on {label(name)}: {shown} (by rank); every "
+                             "rank of cp_group must pass the same value")
+
+
+def _raise_on_later(table, names: Names, later, cp_group, device) -> None:
+    """The later calls' digests differ: gather each rank's recorded rows (this path only)
+    and name the first field that differs in the first call that differs."""
+    calls, content = FIELDS.index("calls"), FIELDS.index("content")
+    if len({row[calls] for row in table}) > 1:
+        flat = gather_detail(later() if later is not None else [], cp_group, device,
+                             shorten=False)
+        width = len(FIELDS)
+        rows = [[tuple(f[i:i + width]) for i in range(0, len(f or []), width)] for f in flat]
+        for k in range(max(len(r) for r in rows)):
+            kth = [r[k] if k < len(r) else None for r in rows]
+            if any(row is None for row in kth):
+                counts = [len(r) for r in rows]
+                raise ValueError(f"CP ranks made different numbers of LAGA calls in a "
+                                 f"micro-batch: {counts} later calls (by rank) {LATER}; every "
+                                 "rank of cp_group must run the same modules in the same order")
+            for i, name in enumerate(FIELDS[1:], start=1):
+                values = [row[i] for row in kth]
+                if name not in DIGESTS and len(set(values)) > 1:
+                    shown = [show(name, v, names) for v in values]
+                    raise ValueError(f"CP ranks disagree on {label(name)} in a later call "
+                                     f"(call {k + 2} of the micro-batch): {shown} (by rank) "
+                                     f"{LATER}; every rank of cp_group must pass the same value")
+        raise ValueError(f"CP ranks disagree on their later calls beyond the ones recorded "
+                         f"{LATER}; every rank of cp_group must pass the same values")
+    if len({row[content] for row in table}) > 1:
+        raise ValueError(f"CP ranks disagree on {label('key_padding')} in a later call: its "
+                         f"contents differ (compared on the device) {LATER}; every rank of "
+                         "cp_group must pass the same value")
+
+
+def _raise_on_flags(table) -> None:
+    """Inputs a rank found wrong on the device in a call since the last exchange."""
+    bits = [max(row[FIELDS.index("flags")], 0) for row in table]
+    for i, (name, what) in enumerate(FLAGS.items()):
+        ranks = [r for r, b in enumerate(bits) if b >> i & 1]
+        if ranks:
+            raise ValueError(f"CP rank(s) {ranks}: {name} {what}, in a call since the last "
+                             "exchange (found on the device, read at this exchange or "
+                             f"settle; the rows that read them returned NaN); pass valid "
+                             f"{name} on every rank")
+
+
+def gather_detail(mine: Sequence[int], cp_group, device, shorten: bool = True) -> List[object]:
+    """Every rank's full value (a list of ints of any length): two small exchanges."""
+    lengths = [row[0] for row in comm.handshake([len(mine)], cp_group, device)]
+    padded = list(mine) + [UNKNOWN] * (max(lengths) - len(mine))
+    table = comm.handshake(padded or [UNKNOWN], cp_group, device)
+    keep = _shorten if shorten else list
+    return [keep(row[:n]) if n else None for row, n in zip(table, lengths)]
+
+
+def _shorten(values: List[int], keep: int = 12):
+    return values if len(values) <= keep else values[:keep // 2] + ["..."] + values[-keep // 2:]
