@@ -1,6 +1,7 @@
 """docs/RESULTS.md's ``$ mindspeed-laga plan ...`` excerpts are what the command prints: every
-excerpt line ('...' marks what is left out) is a line of the command's output, the lines
-between two '...' in the output's order (an excerpt may show the tables before the answer);
+excerpt line ('...' marks what is left out) is a line of the command's output, every
+line in the output's order, a part after '...' after the part before it (the answer comes
+before the tables);
 and the help of every command that takes --cp-algo states its default."""
 import re
 import shlex
@@ -31,8 +32,7 @@ def test_results_excerpt_is_what_plan_prints(capsys, argv, lines):
     at = 0
     for line in lines:
         if line.strip() == "...":
-            at = 0  # a new part of the excerpt: anywhere in the output
-            continue
+            continue  # lines left out: the next part comes later in the output
         assert line in printed[at:], f"not printed (in order) by plan {' '.join(argv)}: {line!r}"
         at = printed.index(line, at) + 1
 
