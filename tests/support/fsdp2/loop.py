@@ -1,0 +1,233 @@
+"""Run MindSpeed-LLM's unmodified ``train_fsdp2.py`` on gloo CPU ranks, as a user would.
+
+    torchrun --nproc-per-node N -m mindspeed_laga.launch train_fsdp2.py CONFIG.yaml [--section.key value ...]
+
+What a CPU machine needs for that, and nothing in the host sources changes:
+
+- a writable copy of MindSpeed-LLM 26.1.0 with its FSDP2 archive over it
+  (tests/support/thirdparty.py: fsdp2_sources): the backend builds its dataset helper with
+  ``make`` inside its source tree and runs its data converter by a path relative to the
+  working folder, so the ranks run in that copy (built once per source and Python);
+- a shrunk HF model folder: ``config.json`` from transformers' own config class and a
+  word-level tokenizer of :data:`VOCAB` words (``tokenizers``), both written here;
+- raw pretraining text (jsonl) that the backend converts itself, as it does a user's;
+- tests/support/fsdp2/bootstrap first on PYTHONPATH: its ``sitecustomize`` installs the CPU
+  stand-ins and records each rank's losses, grad norms and counters (``rank<R>.json``).
+
+The YAML is the host's own GLM-5.2 system test's, its model and data sections pointed at
+these files and its parallel sizes at one node of CPU ranks, fp32 (bf16 on CPU would hide
+small differences), NPU-only fusions off.
+
+``python tests/support/fsdp2/loop.py --cp 2 --cp-type ring [--laga]`` runs one case.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+TESTS = Path(__file__).resolve().parents[2]
+BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
+LOOP_BOOTSTRAP = TESTS / "support" / "loop" / "bootstrap"
+SYSTEM_TEST = "tests/pipeline/st/glm52/pretrain_glm52_38b_4k_fsdp2_A3.yaml"
+SEQ_LENGTH = 32
+VOCAB = 128
+STEPS = 3
+LAGA_KEY = "parallel.mla_latent_all_gather"
+
+# the shrunk HF DeepSeek-V3: MLA with q-lora, one dense and one MoE layer (shared expert,
+# grouped top-k router)
+DEEPSEEK_V3 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+    n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+    q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    max_position_embeddings=SEQ_LENGTH * 2, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=1, pad_token_id=0)
+
+
+def writable_llm(llm_src: Path) -> Path:
+    """A copy of the MindSpeed-LLM tree with its FSDP2 dataset helper built (once)."""
+    from support.loop.real_loop import _built_once
+    from support.thirdparty import cache_dir
+    import hashlib
+
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    key = hashlib.sha256(f"{Path(llm_src).resolve()}|{suffix}".encode()).hexdigest()[:16]
+    helper = Path("mindspeed_llm") / "fsdp2" / "data" / "megatron_data"
+
+    def build(staging: Path):
+        copy = staging / "MindSpeed-LLM"
+        shutil.copytree(llm_src, copy, symlinks=False)
+        includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], check=True,
+                                  capture_output=True, text=True).stdout.split()
+        subprocess.run([os.environ.get("CXX", "g++"), "-O3", "-Wall", "-shared", "-std=c++11",
+                        "-fPIC", *includes, "helpers.cpp", "-o", f"helpers_cpp{suffix}"],
+                       cwd=copy / helper, check=True, capture_output=True, timeout=300)
+        (copy / ".helper-built").touch()
+
+    target = cache_dir().parent / "fsdp2" / f"llm-{key}"
+    return _built_once(target, Path("MindSpeed-LLM") / ".helper-built", build) / "MindSpeed-LLM"
+
+
+def write_model(folder: Path, model_type: str = "deepseek_v3", **overrides) -> Path:
+    """config.json of the shrunk model and a word-level tokenizer of VOCAB words."""
+    import importlib
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config_module = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
+    config_class = getattr(config_module, "".join(p.capitalize() for p in model_type.split("_")) + "Config")
+    config_class(**{**DEEPSEEK_V3, **overrides}).save_pretrained(folder)
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                            unk_token="<unk>", bos_token="<eos>").save_pretrained(folder)
+    return folder
+
+
+def write_text(path: Path, documents: int = 60, seed: int = 7) -> Path:
+    """jsonl of documents of random words, most shorter than a sequence."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(documents):
+            words = [f"w{rng.randrange(3, VOCAB)}" for _ in range(rng.randint(5, 40))]
+            f.write(json.dumps({"text": " ".join(words)}) + "\n")
+    return path
+
+
+def config(llm: Path, model: Path, data: Path, cp: int, cp_type: str, nproc: int,
+           model_id: Optional[str] = None) -> dict:
+    """The system test's YAML, pointed at these files and shrunk to ``nproc`` CPU ranks."""
+    import yaml
+
+    cfg = yaml.safe_load((llm / SYSTEM_TEST).read_text())
+    cfg["model"].update(model_id=model_id, model_name_or_path=str(model), train_from_scratch=True,
+                        init_model_with_meta_device=False, tokenizer_name_or_path=str(model))
+    if model_id is None:
+        del cfg["model"]["model_id"]
+    cfg["data"].update(dataset={"file_name": str(data)}, cutoff_len=SEQ_LENGTH, max_samples=None,
+                       preprocessing_num_workers=None, append_eod=True)
+    cfg["parallel"].update(fsdp_size=nproc, ep_size=1, ep_fsdp_size=1, recompute=False,
+                           cp_size=cp, cp_type=cp_type, param_dtype="fp32", reduce_dtype="fp32")
+    cfg["training"].update(max_steps=STEPS, gradient_accumulation_steps=2, lr=3e-3, min_lr=3e-4,
+                           dataloader_num_workers=0, output_dir="output", save_steps=0)
+    cfg["optimization"] = {key: False for key, value in cfg["optimization"].items()
+                           if isinstance(value, bool)}
+    return cfg
+
+
+@dataclass
+class Fsdp2Run:
+    """One run: per optimizer step the micro-batch losses and grad norm (rank 0), the log,
+    each rank's counters and per-region steady-state record."""
+    log: str
+    steps: List[dict]
+    counts: List[dict]
+    steady: List[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def losses(self) -> List[float]:
+        return [sum(step["losses"]) for step in self.steps]
+
+    def grad_norms(self) -> List[float]:
+        return [step["grad_norm"] for step in self.steps]
+
+
+class Fsdp2Failed(RuntimeError):
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message)
+        self.log = log
+
+
+def run(llm: Path, sources: dict, workdir: Path, nproc: int, cfg: dict, overrides=(),
+        laga: bool = False, timeout_s: float = 300, every_rank_exits: bool = False,
+        attention: str = "DeepseekV3Attention") -> Fsdp2Run:
+    """torchrun ... -m mindspeed_laga.launch train_fsdp2.py CONFIG.yaml overrides, in ``llm``."""
+    import yaml
+    from support.loop.real_loop import EVERY_RANK_MONITOR_S, _free_port, python_shims
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    record = workdir / "record"
+    shutil.rmtree(record, ignore_errors=True)
+    record.mkdir()
+    config_path = workdir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(cfg))
+    path = [str(BOOTSTRAP), str(llm), sources["MINDSPEED_SRC"], sources["MEGATRON_SRC"]]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), LAGA_FSDP2_RECORD=str(record),
+               PATH=os.pathsep.join([str(python_shims(workdir)), os.environ.get("PATH", "")]),
+               LAGA_LOOP_TESTS=str(TESTS), LAGA_FSDP2_ATTENTION=attention,
+               TRAINING_BACKEND="mindspeed_fsdp", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    if every_rank_exits:
+        env["PET_MONITOR_INTERVAL"] = str(EVERY_RANK_MONITOR_S)
+    argv = [str(config_path), *overrides] + ([f"--{LAGA_KEY}", "true"] if laga else [])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               "-m", "mindspeed_laga.launch", "train_fsdp2.py", *argv]
+    start = time.monotonic()
+    log_path = workdir / "log.txt"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=llm, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise Fsdp2Failed(f"ran past {timeout_s} s; log: {log_path}",
+                              log_path.read_text(errors="replace"))
+    text = log_path.read_text(errors="replace")
+    if returncode != 0:
+        tail = "\n".join(text.splitlines()[-60:])
+        raise Fsdp2Failed(f"failed (exit {returncode}); log: {log_path}\n{tail}", text)
+    ranks = [json.loads((record / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return Fsdp2Run(log=text, steps=ranks[0]["steps"], counts=[r["counts"] for r in ranks],
+                    steady=[r["steady_state"] for r in ranks], seconds=time.monotonic() - start)
+
+
+def prepare(sources: dict, workdir: Path, model_type: str = "deepseek_v3", **overrides) -> dict:
+    """The writable host tree, the model folder and the raw text, for every case of a module."""
+    llm = writable_llm(Path(sources["MINDSPEED_LLM_SRC"]))
+    model = write_model(workdir / "model", model_type, **overrides)
+    data = write_text(workdir / "text.jsonl")
+    return dict(llm=llm, model=model, data=data, sources=sources)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--cp-type", default="ulysses")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--laga", action="store_true")
+    parser.add_argument("--workdir", default=None)
+    args, overrides = parser.parse_known_args()
+    sys.path.insert(0, str(TESTS))
+    from support.thirdparty import find_fsdp2_sources
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="laga-fsdp2-"))
+    ready = prepare(find_fsdp2_sources(), workdir)
+    cfg = config(ready["llm"], ready["model"], ready["data"], args.cp, args.cp_type, args.nproc)
+    result = run(ready["llm"], ready["sources"], workdir / "run", args.nproc, cfg, overrides,
+                 laga=args.laga)
+    for i, step in enumerate(result.steps):
+        print(i + 1, json.dumps(step))
+    print("counts per rank:", json.dumps(result.counts))
+    print(f"{result.seconds:.1f} s; workdir {workdir}")
+
+
+if __name__ == "__main__":
+    main()
