@@ -82,7 +82,9 @@ def install_fsdp2(args: Sequence[str]) -> Optional[str]:
         register.forward_of(config["model_type"])  # the form exists before training starts
         register.register([config["model_type"]])
     except (ValueError, RuntimeError, ImportError) as exc:
-        raise SystemExit(f"mindspeed_laga.launch: {exc}") from None
+        rank = os.environ.get("RANK")
+        where = f" (rank {rank})" if rank is not None else ""
+        raise SystemExit(f"mindspeed_laga.launch{where}: {exc}") from None
     return config["model_type"] if form else None
 
 

@@ -27,7 +27,7 @@ BACKEND_FILES = (
 )
 ENGINE = os.path.join("fsdp2", "distributed", "mindspeed_parallel_engine.py")
 # model_type (config.json) -> the LAGA form that covers it on this backend
-MODELS = {"deepseek_v3": "dense", "glm_moe_dsa": "sparse"}
+MODELS = {"deepseek_v3": "dense"}
 # parallel.cp_type -> (LAGA's CP algorithm, the layout of the host's split): ulysses slices the
 # sequence contiguously and splits heads, ring gives rank r chunks r and 2P-1-r
 CP_TYPES = {"ulysses": ("ulysses", "contiguous"), "ring": ("allgather", "zigzag")}

@@ -27,8 +27,6 @@ LOSS_TEMPLATE = "fixed_cross_entropy"
 FORWARDS = {
     "deepseek_v3": ("transformers.models.{model_id}.modeling_{model_id}.DeepseekV3Attention.forward",
                     "mindspeed_laga.patches.fsdp2.deepseek_v3.laga_forward"),
-    "glm_moe_dsa": ("transformers.models.{model_id}.modeling_{model_id}.GlmMoeDsaAttention.forward",
-                    "mindspeed_laga.patches.fsdp2.glm_dsa.laga_forward"),
 }
 
 
