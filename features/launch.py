@@ -2,7 +2,7 @@
 
     python -m mindspeed_laga.launch pretrain_gpt.py <its arguments>   (entry: mindspeed_laga/launch.py)
     torchrun <launcher arguments> -m mindspeed_laga.launch pretrain_gpt.py <its arguments>
-    torchrun <launcher arguments> -m mindspeed_laga.launch train_fsdp2.py CONFIG.yaml [--section.key value ...]
+    torchrun <launcher arguments> -m mindspeed_laga.launch train_fsdp2.py CONFIG.yaml [--s.key v ...]
 
 ``train_fsdp2.py`` (MindSpeed-LLM's FSDP2 backend) takes the YAML key
 ``parallel.mla_latent_all_gather`` instead of the flag (fsdp2_launch.py); every other

@@ -71,7 +71,8 @@ def _query_latent_rope(module, hidden_states, position_embeddings):
     q_states = q_states.view(b, s, -1, module.qk_head_dim).transpose(1, 2)
     q_pass, q_rot = torch.split(q_states, [module.qk_nope_head_dim, module.qk_rope_head_dim], -1)
     compressed_kv = module.kv_a_proj_with_mqa(hidden_states)
-    kv_latent, k_rot = torch.split(compressed_kv, [module.kv_lora_rank, module.qk_rope_head_dim], -1)
+    kv_latent, k_rot = torch.split(compressed_kv, [module.kv_lora_rank, module.qk_rope_head_dim],
+                                   -1)
     kv_latent = module.kv_a_layernorm(kv_latent)
     cos, sin = position_embeddings
     q_rot, k_rot = _rope(module)(q_rot, k_rot.view(b, 1, s, module.qk_rope_head_dim), cos, sin)

@@ -25,8 +25,9 @@ GROUP = "laga"
 LOSS_TEMPLATE = "fixed_cross_entropy"
 # model id -> (the method the host's table replaces, LAGA's forward for it)
 FORWARDS = {
-    "deepseek_v3": ("transformers.models.{model_id}.modeling_{model_id}.DeepseekV3Attention.forward",
-                    "mindspeed_laga.patches.fsdp2.deepseek_v3.laga_forward"),
+    "deepseek_v3": (
+        "transformers.models.{model_id}.modeling_{model_id}.DeepseekV3Attention.forward",
+        "mindspeed_laga.patches.fsdp2.deepseek_v3.laga_forward"),
 }
 
 

@@ -171,7 +171,8 @@ def find_fsdp2_sources(release: str = "26.1.0") -> dict:
     """{env var: source root} of a release pair with its FSDP2 archive unpacked over its
     MindSpeed-LLM one; raises HostsMissing naming what to provide."""
     if release not in FSDP2_OVERLAYS:
-        raise KeyError(f"no FSDP2 archive for release {release!r}; known: {', '.join(FSDP2_OVERLAYS)}")
+        raise KeyError(f"no FSDP2 archive for release {release!r}; "
+                       f"known: {', '.join(FSDP2_OVERLAYS)}")
     sources = find_host_sources(release)
     folder, overlay = archive_dir(), FSDP2_OVERLAYS[release]
     if not (folder / overlay).is_file():

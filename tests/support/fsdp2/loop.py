@@ -1,6 +1,6 @@
 """Run MindSpeed-LLM's unmodified ``train_fsdp2.py`` on gloo CPU ranks, as a user would.
 
-    torchrun --nproc-per-node N -m mindspeed_laga.launch train_fsdp2.py CONFIG.yaml [--section.key value ...]
+    torchrun --nproc-per-node N -m mindspeed_laga.launch train_fsdp2.py CONFIG.yaml [--s.key v ...]
 
 What a CPU machine needs for that, and nothing in the host sources changes:
 
@@ -35,7 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 TESTS = Path(__file__).resolve().parents[2]
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
@@ -88,8 +88,8 @@ def write_model(folder: Path, model_type: str = "deepseek_v3", **overrides) -> P
     from transformers import PreTrainedTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
-    config_module = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
-    config_class = getattr(config_module, "".join(p.capitalize() for p in model_type.split("_")) + "Config")
+    module = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
+    config_class = getattr(module, "".join(p.capitalize() for p in model_type.split("_")) + "Config")
     config_class(**{**DEEPSEEK_V3, **overrides}).save_pretrained(folder)
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
