@@ -25,7 +25,6 @@ their adjoints), and no host read (tests/support/loop/steady_state.py).
 """
 from __future__ import annotations
 
-
 import pytest
 
 from support.fsdp2 import loop
