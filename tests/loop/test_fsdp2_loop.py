@@ -90,8 +90,8 @@ def test_laga_cp2_equals_host_cp1(fsdp2, cp_type, data):
 def test_host_ulysses_cp2_equals_its_cp1(fsdp2):
     """The host's own CP 2 (ulysses: its all-to-all of per-head Q/K/V and fused attention)
     trains as its CP 1 does within the same bounds, and LAGA's ulysses run as it does.
-    The host's ring CP calls MindSpeed's fused ``npu_ring_attention_update``, which has no
-    CPU stand-in here: it is not compared."""
+    The host's ring CP calls MindSpeed's built kernels (``fusion_attention_v2``,
+    ``npu_ring_attention_update``), which have no CPU stand-ins here: it is not compared."""
     ref, host = fsdp2("host-cp1"), fsdp2("host-cp2-ulysses", cp=2)
     assert_ran(host, laga=False)
     assert_same_training(host, ref, cp=2)
