@@ -68,9 +68,12 @@ def assert_same_training(run, ref, cp: int):
         f"grad norms / {cp} {run.grad_norms()} vs CP 1 {ref.grad_norms()}: {norms}"
 
 
-def assert_ran(run, laga: bool):
+def assert_ran(run, laga: bool, recompute: bool = False):
+    """Every rank ran each layer's attention once per micro-batch (twice with recompute:
+    again in backward), all of them LAGA's (laga) or none."""
+    calls = MICRO_BATCHES * loop.STEPS * 2 * (2 if recompute else 1)
     for rank, counts in enumerate(run.counts):
-        assert counts.get("mla_forward", 0) == MICRO_BATCHES * loop.STEPS * 2, (rank, counts)
+        assert counts.get("mla_forward", 0) == calls, (rank, counts)
         if laga:
             assert counts.get("laga_attention", 0) == counts["mla_forward"], (rank, counts)
             assert counts.get("npu_fusion_attention", 0) == 0, (rank, counts)
@@ -78,11 +81,15 @@ def assert_ran(run, laga: bool):
             assert counts.get("laga_attention", 0) == 0, (rank, counts)
 
 
-@pytest.mark.parametrize("cp_type, data", [("ulysses", "heads"), ("ring", "allgather")])
-def test_laga_cp2_equals_host_cp1(fsdp2, cp_type, data):
+@pytest.mark.parametrize("cp_type, data, recompute", [("ulysses", "heads", False),
+                                                       ("ring", "allgather", True)])
+def test_laga_cp2_equals_host_cp1(fsdp2, cp_type, data, recompute):
+    """ring runs with the system test's own ``parallel.recompute: true`` (each layer's
+    forward again in backward: no exchange and no host read there either)."""
     ref = fsdp2("host-cp1")
-    run = fsdp2(f"laga-cp2-{cp_type}", cp=2, cp_type=cp_type, laga=True)
-    assert_ran(run, laga=True)
+    overrides = ["--parallel.recompute", "true"] if recompute else []
+    run = fsdp2(f"laga-cp2-{cp_type}", cp=2, cp_type=cp_type, laga=True, overrides=overrides)
+    assert_ran(run, laga=True, recompute=recompute)
     assert_same_training(run, ref, cp=2)
     assert_steady_state(run, MICRO_BATCHES, loop.STEPS, data=data)
 
