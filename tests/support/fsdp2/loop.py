@@ -57,6 +57,21 @@ DEEPSEEK_V3 = dict(
     bos_token_id=1, eos_token_id=1, pad_token_id=0)
 
 
+# the shrunk GLM-5.2 (``glm_moe_dsa``; model_id glm52, MindSpeed-LLM's own model): DSA with
+# fewer picks than keys, a layer that computes its picks and one that shares them, MoE
+GLM52 = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
+    indexer_types=["full", "shared", "full"], num_attention_heads=4, num_key_value_heads=4,
+    n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+    q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    head_dim=8, index_topk=8, index_head_dim=16, index_n_heads=2,
+    max_position_embeddings=SEQ_LENGTH * 2, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=1, pad_token_id=0)
+MODELS = {"deepseek_v3": ("deepseek_v3", DEEPSEEK_V3, None, "DeepseekV3Attention"),
+          "glm52": ("glm_moe_dsa", GLM52, "glm52", "GlmMoeDsaAttention")}
+
+
 def writable_llm(llm_src: Path) -> Path:
     """A copy of the MindSpeed-LLM tree with its FSDP2 dataset helper built (once)."""
     from support.loop.real_loop import _built_once
@@ -81,16 +96,18 @@ def writable_llm(llm_src: Path) -> Path:
     return _built_once(target, Path("MindSpeed-LLM") / ".helper-built", build) / "MindSpeed-LLM"
 
 
-def write_model(folder: Path, model_type: str = "deepseek_v3", **overrides) -> Path:
-    """config.json of the shrunk model and a word-level tokenizer of VOCAB words."""
+def write_model(folder: Path, model: str = "deepseek_v3", **overrides) -> Path:
+    """config.json of the shrunk model (a key of MODELS) and a word-level tokenizer of VOCAB
+    words."""
     import importlib
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
+    model_type = MODELS[model][0]
     module = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
     config_class = getattr(module, "".join(p.capitalize() for p in model_type.split("_")) + "Config")
-    config_class(**{**DEEPSEEK_V3, **overrides}).save_pretrained(folder)
+    config_class(**{**MODELS[model][1], **overrides}).save_pretrained(folder)
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -199,10 +216,10 @@ def run(llm: Path, sources: dict, workdir: Path, nproc: int, cfg: dict, override
                     steady=[r["steady_state"] for r in ranks], seconds=time.monotonic() - start)
 
 
-def prepare(sources: dict, workdir: Path, model_type: str = "deepseek_v3", **overrides) -> dict:
+def prepare(sources: dict, workdir: Path, model: str = "deepseek_v3", **overrides) -> dict:
     """The writable host tree, the model folder and the raw text, for every case of a module."""
     llm = writable_llm(Path(sources["MINDSPEED_LLM_SRC"]))
-    model = write_model(workdir / "model", model_type, **overrides)
+    model = write_model(workdir / "model", model, **overrides)
     data = write_text(workdir / "text.jsonl")
     return dict(llm=llm, model=model, data=data, sources=sources)
 
@@ -213,16 +230,19 @@ def main():
     parser.add_argument("--cp-type", default="ulysses")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--laga", action="store_true")
+    parser.add_argument("--model", default="deepseek_v3", choices=sorted(MODELS))
     parser.add_argument("--workdir", default=None)
     args, overrides = parser.parse_known_args()
     sys.path.insert(0, str(TESTS))
     from support.thirdparty import find_fsdp2_sources
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="laga-fsdp2-"))
-    ready = prepare(find_fsdp2_sources(), workdir)
-    cfg = config(ready["llm"], ready["model"], ready["data"], args.cp, args.cp_type, args.nproc)
+    ready = prepare(find_fsdp2_sources(), workdir, args.model)
+    _, _, model_id, attention = MODELS[args.model]
+    cfg = config(ready["llm"], ready["model"], ready["data"], args.cp, args.cp_type, args.nproc,
+                 model_id=model_id)
     result = run(ready["llm"], ready["sources"], workdir / "run", args.nproc, cfg, overrides,
-                 laga=args.laga)
+                 laga=args.laga, attention=attention)
     for i, step in enumerate(result.steps):
         print(i + 1, json.dumps(step))
     print("counts per rank:", json.dumps(result.counts))
