@@ -107,13 +107,27 @@ def write_model(folder: Path, model: str = "deepseek_v3", **overrides) -> Path:
     model_type = MODELS[model][0]
     module = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
     config_class = getattr(module, "".join(p.capitalize() for p in model_type.split("_")) + "Config")
-    config_class(**{**MODELS[model][1], **overrides}).save_pretrained(folder)
+    model_config = config_class(**{**MODELS[model][1], **overrides})
+    model_config.save_pretrained(folder)
+    if MODELS[model][2] is not None:  # a registered model_id loads weights: transformers' own
+        _write_weights(folder, model_config)
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
                             unk_token="<unk>", bos_token="<eos>").save_pretrained(folder)
     return folder
+
+
+def _write_weights(folder: Path, model_config, seed: int = 1234):
+    """Random weights of the HF model class (the names the host's model loads), in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(model_config, torch_dtype=torch.float32) \
+            .save_pretrained(folder)
 
 
 def write_text(path: Path, documents: int = 60, seed: int = 7) -> Path:
@@ -142,8 +156,10 @@ def config(llm: Path, model: Path, data: Path, cp: int, cp_type: str, nproc: int
                            cp_size=cp, cp_type=cp_type, param_dtype="fp32", reduce_dtype="fp32")
     cfg["training"].update(max_steps=STEPS, gradient_accumulation_steps=2, lr=3e-3, min_lr=3e-4,
                            dataloader_num_workers=0, output_dir="output", save_steps=0)
-    cfg["optimization"] = {key: False for key, value in cfg["optimization"].items()
-                           if isinstance(value, bool)}
+    # the NPU fusions off (their CPU stand-ins are the sparse-form tests' business); the
+    # indexer loss coefficient as the system test sets it
+    cfg["optimization"] = {key: False if isinstance(value, bool) else value
+                           for key, value in cfg["optimization"].items()}
     return cfg
 
 
@@ -156,6 +172,7 @@ class Fsdp2Run:
     counts: List[dict]
     steady: List[dict] = field(default_factory=list)
     seconds: float = 0.0
+    indexer_losses: List[Optional[float]] = field(default_factory=list)  # per step (DSA)
 
     def losses(self) -> List[float]:
         return [sum(step["losses"]) for step in self.steps]
@@ -213,6 +230,7 @@ def run(llm: Path, sources: dict, workdir: Path, nproc: int, cfg: dict, override
         raise Fsdp2Failed(f"failed (exit {returncode}); log: {log_path}\n{tail}", text)
     ranks = [json.loads((record / f"rank{r}.json").read_text()) for r in range(nproc)]
     return Fsdp2Run(log=text, steps=ranks[0]["steps"], counts=[r["counts"] for r in ranks],
+                    indexer_losses=ranks[0].get("indexer_losses", []),
                     steady=[r["steady_state"] for r in ranks], seconds=time.monotonic() - start)
 
 
@@ -244,7 +262,8 @@ def main():
     result = run(ready["llm"], ready["sources"], workdir / "run", args.nproc, cfg, overrides,
                  laga=args.laga, attention=attention)
     for i, step in enumerate(result.steps):
-        print(i + 1, json.dumps(step))
+        indexer = result.indexer_losses[i] if i < len(result.indexer_losses) else None
+        print(i + 1, json.dumps(dict(step, indexer_loss=indexer)))
     print("counts per rank:", json.dumps(result.counts))
     print(f"{result.seconds:.1f} s; workdir {workdir}")
 

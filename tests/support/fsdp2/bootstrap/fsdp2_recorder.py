@@ -9,7 +9,8 @@
   the collectives and host reads per attention-module call: ``steady_state``), with the HF
   attention class of the run (``LAGA_FSDP2_ATTENTION``) as the MLA module;
 - per optimizer step, the loss of every micro-batch and the grad norm the trainer clips
-  with, at full precision (``iterations``).
+  with (``steps``), and the DSA indexer's loss the monitor logs (``indexer_losses``), at
+  full precision.
 """
 import functools
 import json
@@ -18,6 +19,7 @@ import sys
 
 ATTENTION_ENV = "LAGA_FSDP2_ATTENTION"
 TRAINER = "mindspeed_llm.fsdp2.train.trainer"
+INDEXER_LOSS = "mindspeed_llm.fsdp2.models.common.indexer_loss"
 
 
 def start(folder):
@@ -37,6 +39,10 @@ def start(folder):
     steps = []
     loop_recorder.RECORD["steps"] = steps
     loop_recorder._after_import(TRAINER, functools.partial(_record_steps, steps))
+    indexer_losses = []
+    loop_recorder.RECORD["indexer_losses"] = indexer_losses
+    loop_recorder._after_import(INDEXER_LOSS, functools.partial(_record_indexer_loss,
+                                                                indexer_losses))
     import atexit
     atexit.register(_write, folder, torch_npu, loop_recorder)
 
@@ -94,6 +100,20 @@ def _record_steps(steps, trainer_module):
 
     trainer.training_step = recorded_step
     trainer_module.clip_grad_norm = recorded_clip
+
+
+def _record_indexer_loss(losses, module):
+    """The DSA indexer's loss the monitor logs each step (the tracker's mean over the
+    step's layers, micro-batches and ranks), at full precision."""
+    helper = module.IndexerLossLoggingHelper
+    pop_loss = helper.pop_loss
+
+    def recorded(*args, **kwargs):
+        loss = pop_loss(*args, **kwargs)
+        losses.append(loss)
+        return loss
+
+    helper.pop_loss = staticmethod(recorded)
 
 
 def _write(folder, torch_npu, loop_recorder):
