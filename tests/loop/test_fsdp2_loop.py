@@ -28,57 +28,19 @@ from __future__ import annotations
 import pytest
 
 from support.fsdp2 import loop
-from support.loop.compare import LOSS_RTOL, RUN_TIMEOUT_S, require_loop_modules
+from support.fsdp2.compare import MICRO_BATCHES, assert_ran, assert_same_training
+from support.loop.compare import RUN_TIMEOUT_S, require_loop_modules
 from support.loop.steady_state import assert_steady_state
 from support.thirdparty import fsdp2_sources
 
 pytestmark = [pytest.mark.ascend, pytest.mark.loop, pytest.mark.hosts]
 
-FIRST_NORM_RTOL = 2e-6   # step 1: measured 0 (the host's own CP 2: 7.1e-8)
-GRAD_NORM_RTOL = 3e-5    # later steps: measured 1.3e-5 (the host's own CP 2: 1.3e-5)
-MICRO_BATCHES = 2
-
 
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory):
-    """run(name, cp, cp_type, laga, nproc): each case run once on the shared model and text."""
+    """run(name, cp, cp_type, laga, ...): each case run once on the shared model and text."""
     require_loop_modules()
-    workdir = tmp_path_factory.mktemp("fsdp2")
-    ready = loop.prepare(fsdp2_sources(), workdir)
-    runs = {}
-
-    def run(name, cp=1, cp_type="ulysses", laga=False, nproc=None, overrides=(), **kwargs):
-        if name not in runs:
-            nproc = nproc or cp
-            cfg = loop.config(ready["llm"], ready["model"], ready["data"], cp, cp_type, nproc)
-            runs[name] = loop.run(ready["llm"], ready["sources"], workdir / name, nproc, cfg,
-                                  overrides, laga=laga, timeout_s=RUN_TIMEOUT_S, **kwargs)
-        return runs[name]
-
-    run.ready, run.workdir = ready, workdir
-    return run
-
-
-def assert_same_training(run, ref, cp: int):
-    assert len(run.steps) == len(ref.steps) == loop.STEPS, (run.steps, ref.steps)
-    losses = [abs(g - w) / abs(w) for g, w in zip(run.losses(), ref.losses())]
-    assert max(losses) <= LOSS_RTOL, f"losses {run.losses()} vs CP 1 {ref.losses()}: {losses}"
-    norms = [abs(g / cp - w) / abs(w) for g, w in zip(run.grad_norms(), ref.grad_norms())]
-    assert norms[0] <= FIRST_NORM_RTOL and max(norms) <= GRAD_NORM_RTOL, \
-        f"grad norms / {cp} {run.grad_norms()} vs CP 1 {ref.grad_norms()}: {norms}"
-
-
-def assert_ran(run, laga: bool, recompute: bool = False):
-    """Every rank ran each layer's attention once per micro-batch (twice with recompute:
-    again in backward), all of them LAGA's (laga) or none."""
-    calls = MICRO_BATCHES * loop.STEPS * 2 * (2 if recompute else 1)
-    for rank, counts in enumerate(run.counts):
-        assert counts.get("mla_forward", 0) == calls, (rank, counts)
-        if laga:
-            assert counts.get("laga_attention", 0) == counts["mla_forward"], (rank, counts)
-            assert counts.get("npu_fusion_attention", 0) == 0, (rank, counts)
-        else:
-            assert counts.get("laga_attention", 0) == 0, (rank, counts)
+    return loop.runner(fsdp2_sources(), tmp_path_factory.mktemp("fsdp2"), RUN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("cp_type, data, recompute", [("ulysses", "heads", False),

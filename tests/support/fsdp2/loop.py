@@ -242,6 +242,28 @@ def prepare(sources: dict, workdir: Path, model: str = "deepseek_v3", **override
     return dict(llm=llm, model=model, data=data, sources=sources)
 
 
+def runner(sources: dict, workdir: Path, timeout_s: float, model: str = "deepseek_v3"):
+    """case(name, cp=1, cp_type="ulysses", laga=False, nproc=cp, overrides=(), ...): each
+    name run once in ``workdir / name``, all on one model folder and text (:func:`prepare`);
+    ``run.workdir`` is ``workdir``."""
+    ready = prepare(sources, workdir, model)
+    _, _, model_id, attention = MODELS[model]
+    runs = {}
+
+    def case(name, cp=1, cp_type="ulysses", laga=False, nproc=None, overrides=(), **kwargs):
+        if name not in runs:
+            nproc = nproc or cp
+            cfg = config(ready["llm"], ready["model"], ready["data"], cp, cp_type, nproc,
+                         model_id=model_id)
+            runs[name] = run(ready["llm"], ready["sources"], workdir / name, nproc, cfg,
+                             overrides, laga=laga, timeout_s=timeout_s, attention=attention,
+                             **kwargs)
+        return runs[name]
+
+    case.workdir = workdir
+    return case
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, default=1)
