@@ -23,14 +23,16 @@ def assert_same_training(run, ref, cp: int):
         f"grad norms / {cp} {run.grad_norms()} vs CP 1 {ref.grad_norms()}: {norms}"
 
 
-def assert_ran(run, laga: bool, recompute: bool = False, layers: int = 2):
+def assert_ran(run, laga: bool, recompute: bool = False, layers: int = 2,
+               counter: str = "laga_attention"):
     """Every rank ran each layer's attention once per micro-batch (twice with recompute:
-    again in backward), all of them LAGA's (laga) or none."""
+    again in backward), all of them LAGA's (laga; ``counter``: the dense or the sparse
+    form's count) or none."""
     calls = MICRO_BATCHES * loop.STEPS * layers * (2 if recompute else 1)
     for rank, counts in enumerate(run.counts):
         assert counts.get("mla_forward", 0) == calls, (rank, counts)
         if laga:
-            assert counts.get("laga_attention", 0) == counts["mla_forward"], (rank, counts)
+            assert counts.get(counter, 0) == counts["mla_forward"], (rank, counts)
             assert counts.get("npu_fusion_attention", 0) == 0, (rank, counts)
         else:
-            assert counts.get("laga_attention", 0) == 0, (rank, counts)
+            assert counts.get(counter, 0) == 0, (rank, counts)
