@@ -21,7 +21,9 @@ rolled by one: 9.4e-6, ulysses) and ring's chunks read as contiguous slices (lay
 Every rank counts its calls: LAGA ran on every attention forward and the host's fused
 attention never. After the first step, every later layer call does 1 latent all-gather
 (ring; ulysses adds the all-to-alls of Q and O), its backward 1 reduce-scatter (and
-their adjoints), and no host read (tests/support/loop/steady_state.py).
+their adjoints), and no host read (tests/support/loop/steady_state.py). The gather carries
+d_c + d_r values per token and layer (40 here, 576 at DeepSeek-V3's dims); ulysses' all-to-alls
+carry the queries (n x (d_n + d_r)) out and the outputs (n x d_v) back.
 """
 from __future__ import annotations
 
@@ -54,6 +56,17 @@ def test_laga_cp2_equals_host_cp1(fsdp2, cp_type, data, recompute):
     assert_ran(run, laga=True, recompute=recompute)
     assert_same_training(run, ref, cp=2)
     assert_steady_state(run, MICRO_BATCHES, loop.STEPS, data=data)
+    # what crosses the wire per token and layer: the latent and rope key (d_c + d_r; 576 at
+    # DeepSeek-V3's dims), and under ulysses the queries out and the outputs back
+    dims = loop.DEEPSEEK_V3
+    latent = dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
+    n = dims["num_attention_heads"]
+    query_and_output = {n * (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]),
+                        n * dims["v_head_dim"]}
+    local = loop.SEQ_LENGTH // 2
+    assert run.values_per_token("all_gather", local) == {latent}
+    assert run.values_per_token("all_to_all", local) == \
+        (query_and_output if data == "heads" else set())
 
 
 def test_host_ulysses_cp2_equals_its_cp1(fsdp2):

@@ -173,6 +173,14 @@ class Fsdp2Run:
     steady: List[dict] = field(default_factory=list)
     seconds: float = 0.0
     indexer_losses: List[Optional[float]] = field(default_factory=list)  # per step (DSA)
+    payloads: List[dict] = field(default_factory=list)  # per rank: region -> [[kind, bytes]]
+
+    def values_per_token(self, kind: str, tokens: int, itemsize: int = 4) -> set:
+        """Values per local token of every ``kind`` collective LAGA's layer calls issued
+        outside backward, as a set over ranks and calls."""
+        return {payload // (tokens * itemsize) for rank in self.payloads
+                for region, calls in rank.items() if region.startswith("forward.")
+                for k, payload in calls if k == kind}
 
     def losses(self) -> List[float]:
         return [sum(step["losses"]) for step in self.steps]
@@ -231,6 +239,7 @@ def run(llm: Path, sources: dict, workdir: Path, nproc: int, cfg: dict, override
     ranks = [json.loads((record / f"rank{r}.json").read_text()) for r in range(nproc)]
     return Fsdp2Run(log=text, steps=ranks[0]["steps"], counts=[r["counts"] for r in ranks],
                     indexer_losses=ranks[0].get("indexer_losses", []),
+                    payloads=[r.get("payloads", {}) for r in ranks],
                     steady=[r["steady_state"] for r in ranks], seconds=time.monotonic() - start)
 
 

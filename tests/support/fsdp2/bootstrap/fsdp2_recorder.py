@@ -6,8 +6,9 @@
   capture (torch's Adam asks), and the
   ``hccl`` backend the entry asks for on an NPU host served by gloo;
 - the real-loop counters of tests/support/loop/bootstrap/loop_recorder.py (LAGA's calls,
-  the collectives and host reads per attention-module call: ``steady_state``), with the HF
-  attention class of the run (``LAGA_FSDP2_ATTENTION``) as the MLA module;
+  the collectives and host reads per attention-module call: ``steady_state``; the bytes of
+  its floating-point collectives: ``payloads``), with the HF attention class of the run
+  (``LAGA_FSDP2_ATTENTION``) as the MLA module;
 - per optimizer step, the loss of every micro-batch and the grad norm the trainer clips
   with (``steps``), and the DSA indexer's loss the monitor logs (``indexer_losses``), at
   full precision.
@@ -120,7 +121,13 @@ def _write(folder, torch_npu, loop_recorder):
     record = loop_recorder.RECORD
     for call in torch_npu.calls:
         loop_recorder.COUNTS[call["name"]] += 1
-    record["steady_state"] = record.pop("steady").summary()
+    steady = record.pop("steady")
+    record["steady_state"] = steady.summary()
+    # the data collectives' payloads (comm's convention: an all-gather's input) per region
+    payloads = record["payloads"] = {}
+    for call in steady.calls.calls:
+        if call.region is not None and call.dtype is not None and "int" not in str(call.dtype):
+            payloads.setdefault(call.region, []).append([call.kind, call.payload])
     path = os.path.join(folder, f"rank{os.environ['RANK']}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(record, f, indent=1)
