@@ -68,8 +68,12 @@ GLM52 = dict(
     head_dim=8, index_topk=8, index_head_dim=16, index_n_heads=2,
     max_position_embeddings=SEQ_LENGTH * 2, tie_word_embeddings=False,
     bos_token_id=1, eos_token_id=1, pad_token_id=0)
-MODELS = {"deepseek_v3": ("deepseek_v3", DEEPSEEK_V3, None, "DeepseekV3Attention"),
-          "glm52": ("glm_moe_dsa", GLM52, "glm52", "GlmMoeDsaAttention")}
+# name -> (model_type, shrunk config, model.model_id, attention class, environment): the DSA
+# indexer's ReLU scores tie at 0 across the k-th pick, whose order torch.topk leaves open;
+# the GLM runs order ties by position in every rank, as LAGA's sparse form does
+POSITION_ORDERED_TOPK = {"LAGA_LOOP_POSITION_ORDERED_TOPK": "1"}
+MODELS = {"deepseek_v3": ("deepseek_v3", DEEPSEEK_V3, None, "DeepseekV3Attention", {}),
+          "glm52": ("glm_moe_dsa", GLM52, "glm52", "GlmMoeDsaAttention", POSITION_ORDERED_TOPK)}
 
 
 def writable_llm(llm_src: Path) -> Path:
@@ -197,7 +201,7 @@ class Fsdp2Failed(RuntimeError):
 
 def run(llm: Path, sources: dict, workdir: Path, nproc: int, cfg: dict, overrides=(),
         laga: bool = False, timeout_s: float = 300, every_rank_exits: bool = False,
-        attention: str = "DeepseekV3Attention") -> Fsdp2Run:
+        attention: str = "DeepseekV3Attention", extra_env=None) -> Fsdp2Run:
     """torchrun ... -m mindspeed_laga.launch train_fsdp2.py CONFIG.yaml overrides, in ``llm``."""
     import yaml
     from support.loop.real_loop import EVERY_RANK_MONITOR_S, _free_port, python_shims
@@ -214,6 +218,7 @@ def run(llm: Path, sources: dict, workdir: Path, nproc: int, cfg: dict, override
                LAGA_LOOP_TESTS=str(TESTS), LAGA_FSDP2_ATTENTION=attention,
                TRAINING_BACKEND="mindspeed_fsdp", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env.update(extra_env or {})
     if every_rank_exits:
         env["PET_MONITOR_INTERVAL"] = str(EVERY_RANK_MONITOR_S)
     argv = [str(config_path), *overrides] + ([f"--{LAGA_KEY}", "true"] if laga else [])
@@ -256,7 +261,7 @@ def runner(sources: dict, workdir: Path, timeout_s: float, model: str = "deepsee
     name run once in ``workdir / name``, all on one model folder and text (:func:`prepare`);
     ``run.workdir`` is ``workdir``."""
     ready = prepare(sources, workdir, model)
-    _, _, model_id, attention = MODELS[model]
+    _, _, model_id, attention, model_env = MODELS[model]
     runs = {}
 
     def case(name, cp=1, cp_type="ulysses", laga=False, nproc=None, overrides=(), **kwargs):
@@ -266,7 +271,7 @@ def runner(sources: dict, workdir: Path, timeout_s: float, model: str = "deepsee
                          model_id=model_id)
             runs[name] = run(ready["llm"], ready["sources"], workdir / name, nproc, cfg,
                              overrides, laga=laga, timeout_s=timeout_s, attention=attention,
-                             **kwargs)
+                             extra_env=model_env, **kwargs)
         return runs[name]
 
     case.workdir = workdir
@@ -287,11 +292,11 @@ def main():
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="laga-fsdp2-"))
     ready = prepare(find_fsdp2_sources(), workdir, args.model)
-    _, _, model_id, attention = MODELS[args.model]
+    _, _, model_id, attention, model_env = MODELS[args.model]
     cfg = config(ready["llm"], ready["model"], ready["data"], args.cp, args.cp_type, args.nproc,
                  model_id=model_id)
     result = run(ready["llm"], ready["sources"], workdir / "run", args.nproc, cfg, overrides,
-                 laga=args.laga, attention=attention)
+                 laga=args.laga, attention=attention, extra_env=model_env)
     for i, step in enumerate(result.steps):
         indexer = result.indexer_losses[i] if i < len(result.indexer_losses) else None
         print(i + 1, json.dumps(dict(step, indexer_loss=indexer)))

@@ -1,6 +1,8 @@
 """What the FSDP2 loop's bootstrap does in each rank (see sitecustomize.py beside it).
 
-- tests/support/npu_host.py's stand-ins, and for this backend's start-up on a CPU host:
+- tests/support/npu_host.py's stand-ins (with ``LAGA_LOOP_POSITION_ORDERED_TOPK``: ties of
+  ``torch.topk`` in position order, as LAGA's sparse form picks them), and for this
+  backend's start-up on a CPU host:
   ``torch.npu.current_accelerator`` (the CPU: the device mesh and FSDP2 then use gloo),
   ``set_device_index``/``current_device_index`` (checked like ``set_device``), no stream
   capture (torch's Adam asks), and the
@@ -31,6 +33,8 @@ def start(folder):
     from support.loop.bootstrap import loop_recorder
 
     torch_npu = npu_host.install()
+    if os.environ.get(loop_recorder.ORDERED_TOPK_ENV):  # the DSA loops (npu_host's docstring)
+        npu_host.install_position_ordered_topk()
     _accelerator_on_cpu()
     _hccl_is_gloo()
     loop_recorder.MLA_CLASS = os.environ.get(ATTENTION_ENV, "DeepseekV3Attention")
