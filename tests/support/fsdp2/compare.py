@@ -12,10 +12,10 @@ GRAD_NORM_RTOL = 3e-5    # later steps: measured 1.3e-5 (the host's own CP 2: 1.
 MICRO_BATCHES = 2  # gradient_accumulation_steps (loop.config)
 
 
-def assert_same_training(run, ref, cp: int):
+def assert_same_training(run, ref, cp: int, steps: int = loop.STEPS):
     """Every step ran; losses within LOSS_RTOL of ``ref``'s, grad norms divided by ``cp``
     (the host's clip_grad_norm multiplies by the CP size) within the norm tolerances."""
-    assert len(run.steps) == len(ref.steps) == loop.STEPS, (run.steps, ref.steps)
+    assert len(run.steps) == len(ref.steps) == steps, (run.steps, ref.steps)
     losses = [abs(g - w) / abs(w) for g, w in zip(run.losses(), ref.losses())]
     assert max(losses) <= LOSS_RTOL, f"losses {run.losses()} vs CP 1 {ref.losses()}: {losses}"
     norms = [abs(g / cp - w) / abs(w) for g, w in zip(run.grad_norms(), ref.grad_norms())]
@@ -24,11 +24,11 @@ def assert_same_training(run, ref, cp: int):
 
 
 def assert_ran(run, laga: bool, recompute: bool = False, layers: int = 2,
-               counter: str = "laga_attention"):
+               counter: str = "laga_attention", steps: int = loop.STEPS):
     """Every rank ran each layer's attention once per micro-batch (twice with recompute:
     again in backward), all of them LAGA's (laga; ``counter``: the dense or the sparse
     form's count) or none."""
-    calls = MICRO_BATCHES * loop.STEPS * layers * (2 if recompute else 1)
+    calls = MICRO_BATCHES * steps * layers * (2 if recompute else 1)
     for rank, counts in enumerate(run.counts):
         assert counts.get("mla_forward", 0) == calls, (rank, counts)
         if laga:
