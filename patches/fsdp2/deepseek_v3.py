@@ -39,8 +39,9 @@ def _refuse(module, what: str, fix: str):
 def _check_call(module, past_key_values, kwargs):
     # transformers hands every training forward an empty cache (use_cache defaults to
     # true); nothing reads it back in training, so only a cache in use is refused
-    if past_key_values is not None and (not module.training
-                                        or past_key_values.get_seq_length(module.layer_idx)):
+    if past_key_values is not None and (
+            not module.training or not hasattr(past_key_values, "get_seq_length")
+            or past_key_values.get_seq_length(module.layer_idx)):
         _refuse(module, "a KV cache in use (generation) is not a CP training call",
                 "drop the key for inference")
     packed = [k for k in PACKED_KEYS if kwargs.get(k) is not None]
