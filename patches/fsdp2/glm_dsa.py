@@ -50,9 +50,12 @@ def laga_glm_dsa_forward(self, hidden_states, position_embeddings, attention_mas
     ``hidden_states`` [b, s, hidden] and ``position_embeddings`` (cos, sin) [b, s, d_r] are
     this rank's tokens; ``prev_topk_indices``: a shared layer's picks (this forward's return
     on the layer that computed them)."""
+    _refuse(self, past_key_values, prev_topk_indices)
     host = sys.modules[type(self).__module__]
     args = host.get_args()
-    _refuse(self, past_key_values, prev_topk_indices, args)
+    if args.cp_type not in LAYOUTS:
+        raise ValueError(f"LAGA's GLM-5.2 forward maps parallel.cp_type {sorted(LAYOUTS)}; "
+                         f"got {args.cp_type!r}")
     cp_group = _cp_group()
     query, kv_latent, k_pos_emb, q_resid = _mla_inputs(self, host, hidden_states,
                                                        position_embeddings)
@@ -132,7 +135,7 @@ def glm_kernels(module, args, query) -> dict:
                 with_loss=with_loss)
 
 
-def _refuse(module, past_key_values, prev_topk_indices, args):
+def _refuse(module, past_key_values, prev_topk_indices):
     """What LAGA's GLM-5.2 forward cannot take, refused alike on every rank before any
     collective (each condition is the same on every CP rank of a layer call)."""
     name = type(module).__name__
@@ -151,6 +154,3 @@ def _refuse(module, past_key_values, prev_topk_indices, args):
         raise ValueError(f"{name} layer {module.layer_idx} is a shared DSA layer "
                          f"(indexer_types 'shared') and got no prev_topk_indices: its "
                          f"picks come from the full layer before it")
-    if args.cp_type not in LAYOUTS:
-        raise ValueError(f"LAGA's GLM-5.2 forward maps parallel.cp_type {sorted(LAYOUTS)}; "
-                         f"got {args.cp_type!r}")
