@@ -89,3 +89,16 @@ def test_no_sequence_square(case):
     assert ref["square"], "the watcher sees the host's [b, 1, S, S] mask"
     for r in per_rank:
         assert r["square"] == []
+
+
+REFUSED = {"transformers' class": "model.model_id: glm52", "a KV cache": "use_cache=False",
+           "a shared layer without picks": "prev_topk_indices",
+           "an unknown cp_type": "parallel.cp_type"}
+
+
+@pytest.mark.timeout(600)
+def test_refusals_name_the_fix_on_every_rank_before_any_collective(harness, roots):
+    for errors, collectives in harness.refusals(roots):
+        assert collectives == {}
+        for name, words in REFUSED.items():
+            assert errors[name] is not None and words in errors[name], (name, errors[name])

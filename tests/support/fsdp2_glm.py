@@ -362,3 +362,44 @@ def mismatches(ref, per_rank, size) -> list:
         elif want is not None and abs(sum(got) / size - want) > LOSS_TOLERANCE * abs(want):
             bad.append(f"layer {i} indexer loss: {sum(got) / size} vs the host's {want}")
     return bad
+
+
+def refusal_worker(rank, size, roots):
+    """{case: the error each call raised} and the collectives all of them issued: what LAGA's
+    forward refuses, on every rank, before any collective."""
+    prepare(roots)
+    importlib.import_module(HOST)
+    set_host_args("ulysses", False)
+    _parallel_state(size)
+    from transformers.models.glm_moe_dsa import configuration_glm_moe_dsa as hf_config
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_model
+
+    from mindspeed_laga.patches.fsdp2.glm_dsa import laga_glm_dsa_forward
+    from support.collectives import count_collectives
+    config, layers, rope = build_layers()
+    hidden, (cos, sin), _ = inputs(config, rope)
+    rows = rank_rows("ulysses", size, rank)
+    local = (hidden[:, rows], (cos[:, rows], sin[:, rows]), None)
+    hf_kwargs = {k: v for k, v in CONFIG.items() if k != "index_topk_pattern"}
+    transformers_layer = hf_model.GlmMoeDsaAttention(hf_config.GlmMoeDsaConfig(**hf_kwargs), 0)
+    calls = {
+        "transformers' class": lambda: laga_glm_dsa_forward(transformers_layer.double(), *local),
+        "a KV cache": lambda: laga_glm_dsa_forward(layers[0], *local, past_key_values=object()),
+        "a shared layer without picks": lambda: laga_glm_dsa_forward(layers[1], *local),
+        "an unknown cp_type": lambda: (set_host_args("ring_attn", False),
+                                       laga_glm_dsa_forward(layers[0], *local)),
+    }
+    errors = {}
+    with count_collectives() as counted:
+        for name, call in calls.items():
+            try:
+                call()
+                errors[name] = None
+            except ValueError as error:
+                errors[name] = str(error)
+    return errors, counted.kinds()
+
+
+def refusals(roots, size=2, timeout_s=300.0):
+    from mindspeed_laga.tools.spawn import run_on_ranks
+    return run_on_ranks(refusal_worker, size, roots, timeout_s=timeout_s)
