@@ -102,3 +102,19 @@ def test_refusals_name_the_fix_on_every_rank_before_any_collective(harness, root
         assert collectives == {}
         for name, words in REFUSED.items():
             assert errors[name] is not None and words in errors[name], (name, errors[name])
+
+
+@pytest.mark.timeout(600)
+def test_the_hosts_cp_path_gathers_every_hidden_state(harness, roots):
+    """The host's figures, for comparison: its ``dsa_forward`` (on transformers' class, as
+    its CP table maps it) all-gathers per token the hidden state, the query latent, cos and
+    sin, then moves per-head Q, K, V and the output by all-to-all, and builds tensors with
+    two dims of the sequence's length (its indexer's scores, its dense mask)."""
+    c = harness.CONFIG
+    heads, qk = c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    for per_token, square in harness.host_cp(roots):
+        assert per_token["all_gather"] == [c["hidden_size"], c["q_lora_rank"],
+                                           c["qk_rope_head_dim"], c["qk_rope_head_dim"]]
+        assert per_token["all_to_all"] == [heads * qk, heads * qk, heads * c["v_head_dim"],
+                                           heads * c["v_head_dim"]]
+        assert square

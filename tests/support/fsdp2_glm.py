@@ -403,3 +403,42 @@ def refusal_worker(rank, size, roots):
 def refusals(roots, size=2, timeout_s=300.0):
     from mindspeed_laga.tools.spawn import run_on_ranks
     return run_on_ranks(refusal_worker, size, roots, timeout_s=timeout_s)
+
+
+def host_cp_worker(rank, size, roots):
+    """The host's own CP path for GLM-5 (its mapping's ``dsa_forward`` on transformers'
+    ``GlmMoeDsaAttention``) on this rank's tokens, counted: {kind: [values per token of each
+    call]} forward, and the ops that made a tensor with two dims of the sequence's length."""
+    prepare(roots)
+    set_host_args("ulysses", False)
+    _parallel_state(size)
+    from mindspeed_llm.fsdp2.distributed.context_parallel.ulysses_context_parallel import (
+        dsa_attention)
+    from transformers.models.glm_moe_dsa import configuration_glm_moe_dsa as hf_config
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_model
+
+    from support.collectives import count_collectives
+    hf_kwargs = {k: v for k, v in CONFIG.items() if k != "index_topk_pattern"}
+    config = hf_config.GlmMoeDsaConfig(**hf_kwargs)
+    torch.manual_seed(SEED)
+    layer = hf_model.GlmMoeDsaAttention(config, 0)  # float32: the fused attention's widest
+    rope = hf_model.GlmMoeDsaRotaryEmbedding(config)
+    hidden, _, _ = inputs(config, rope)
+    hidden = hidden.float()
+    cos, sin = rope(hidden, torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1))
+    rows = rank_rows("ulysses", size, rank)
+    tokens = rows.numel() * BATCH
+    torch.cuda.current_device = lambda: torch.device("cpu")  # Megatron's gather allocates there
+    with count_collectives() as counted, watch_shapes() as shapes:
+        dsa_attention.dsa_forward(layer, hidden[:, rows], (cos[:, rows], sin[:, rows]), None,
+                                  None, None)
+    per_token = {}
+    for call in counted.select():
+        itemsize = torch.tensor([], dtype=call.dtype).element_size() if call.dtype else 1
+        per_token.setdefault(call.kind, []).append(call.payload / itemsize / tokens)
+    return per_token, shapes.square(BATCH, SEQ)
+
+
+def host_cp(roots, size=2, timeout_s=300.0):
+    from mindspeed_laga.tools.spawn import run_on_ranks
+    return run_on_ranks(host_cp_worker, size, roots, timeout_s=timeout_s)
