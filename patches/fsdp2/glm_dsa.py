@@ -21,8 +21,9 @@ hidden state and fills a dense ``[b, S, S]`` mask instead.
 The host's flags pick each stage's kernel as they pick the host's ops
 (:func:`glm_kernels`). The host's ``attention_mask`` is not read: LAGA attends causally by
 global position, which is what the host's CP 1 forward computes for a batch without
-padding or with padding after the tokens (right padding: a pad key is never before a
-real query).
+padding or with padding after the tokens (the backend's tokenizer pads on the right: a
+pad key is never before a real query). The glm52 model reads no document boundaries
+(its forward attends across packed documents), and neither does this one.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import torch
 
 from mindspeed_laga.sparse.form import sparse_laga_attention
 
-from ..common import agree_per_micro_batch
+from ..common import agree_per_micro_batch, check_weight_once
 
 # where the host's flags turn its fused ops on (its forward tests the query's device type)
 FUSED_DEVICE_TYPES = ("npu",)
@@ -65,13 +66,17 @@ def laga_glm_dsa_forward(self, hidden_states, position_embeddings, attention_mas
     index = (None,) * 3 if shared else _index_inputs(self, hidden_states, q_resid,
                                                      position_embeddings, kv_latent.dtype,
                                                      with_loss)
+    check_ranks = agree_per_micro_batch(self, cp_group)
+    # on the module's first call every CP rank must hold the same (unsharded) up-projection
+    kv_up_weight = check_weight_once(bool(check_ranks),
+                                     lambda: host._as_local_tensor(self.kv_b_proj.weight), cp_group)
     result = sparse_laga_attention(
-        query, kv_latent, k_pos_emb, host._as_local_tensor(self.kv_b_proj.weight), *index,
+        query, kv_latent, k_pos_emb, kv_up_weight, *index,
         index_topk=self.config.index_topk, softmax_scale=self.scaling,
         qk_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim, cp_group=cp_group,
         layout=LAYOUTS[args.cp_type],
         indexer_loss_coeff=args.indexer_loss_coeff if with_loss and not shared else None,
-        check_ranks=agree_per_micro_batch(self, cp_group),
+        check_ranks=check_ranks,
         topk_indices=prev_topk_indices if shared else None, **kernels)
     core_out = result.output  # [s, b, n * v_head_dim]
     if result.indexer_loss is not None:  # what the host's forward does with its own

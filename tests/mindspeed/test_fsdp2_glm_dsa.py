@@ -42,7 +42,12 @@ def references(harness, roots):
     return {fused: harness.host_reference(roots, fused) for fused in (False, True)}
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{'fused' if c[1] else 'torch'}-cp{c[2]}")
+def _case_id(case):
+    cp_type, fused, size = case
+    return f"{cp_type}-{'fused' if fused else 'torch'}-cp{size}"
+
+
+@pytest.fixture(scope="module", params=CASES, ids=_case_id)
 def case(request, harness, roots, references):
     cp_type, fused, size = request.param
     return references[fused], harness.run_laga(roots, cp_type, fused, size), size

@@ -123,7 +123,8 @@ def rank_rows(cp_type: str, size: int, rank: int) -> torch.Tensor:
         chunk = SEQ // size
         return torch.arange(rank * chunk, (rank + 1) * chunk)
     chunk = SEQ // (2 * size)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * size - 1 - rank)])
+    chunks = (rank, 2 * size - 1 - rank)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunks])
 
 
 def run_chain(layers, hidden, rope_rows, positions, grad_out, regions=None):
@@ -163,8 +164,9 @@ def _host_fused_forward(host):
     """The host's forward and ``select_topk`` with their NPU device test read as true (the
     stand-in ops run on CPU); nothing else of their source changes."""
     saved = {}
-    for owner, name, test in ((host.GlmMoeDsaAttention, "forward", 'q_states.device.type == "npu"'),
-                              (host.GlmMoeDsaIndexer, "select_topk", 'q.device.type == "npu"')):
+    tests = ((host.GlmMoeDsaAttention, "forward", 'q_states.device.type == "npu"'),
+             (host.GlmMoeDsaIndexer, "select_topk", 'q.device.type == "npu"'))
+    for owner, name, test in tests:
         source = textwrap.dedent(inspect.getsource(getattr(owner, name)))
         if source.count(test) != 1:
             raise RuntimeError(f"the host's {owner.__name__}.{name} no longer tests {test}")
