@@ -40,6 +40,10 @@ FUSED_DEVICE_TYPES = ("npu",)
 # the host's ``parallel.cp_type`` -> how its batch split lays the sequence over the CP ranks
 # (trainer.py: ulysses slices contiguously, ring takes chunks r and 2*CP-1-r)
 LAYOUTS = {"ulysses": "contiguous", "ring": "zigzag"}
+# what this forward uses of the glm52 model's module (release 26.1.0): missing ones name the
+# host the forward was not written for
+HOST_PIECES = ("get_args", "apply_rotary_pos_emb_interleave", "_as_local_tensor",
+               "IndexerLossAutoScaler", "IndexerLossLoggingHelper")
 
 
 def laga_glm_dsa_forward(self, hidden_states, position_embeddings, attention_mask,
@@ -52,11 +56,9 @@ def laga_glm_dsa_forward(self, hidden_states, position_embeddings, attention_mas
     this rank's tokens; ``prev_topk_indices``: a shared layer's picks (this forward's return
     on the layer that computed them)."""
     _refuse(self, past_key_values, prev_topk_indices)
-    host = sys.modules[type(self).__module__]
+    host = _host(self)
     args = host.get_args()
-    if args.cp_type not in LAYOUTS:
-        raise ValueError(f"LAGA's GLM-5.2 forward maps parallel.cp_type {sorted(LAYOUTS)}; "
-                         f"got {args.cp_type!r}")
+    layout = _layout(args)
     cp_group = _cp_group()
     query, kv_latent, k_pos_emb, q_resid = _mla_inputs(self, host, hidden_states,
                                                        position_embeddings)
@@ -74,16 +76,42 @@ def laga_glm_dsa_forward(self, hidden_states, position_embeddings, attention_mas
         query, kv_latent, k_pos_emb, kv_up_weight, *index,
         index_topk=self.config.index_topk, softmax_scale=self.scaling,
         qk_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim, cp_group=cp_group,
-        layout=LAYOUTS[args.cp_type],
+        layout=layout,
         indexer_loss_coeff=args.indexer_loss_coeff if with_loss and not shared else None,
         check_ranks=check_ranks,
         topk_indices=prev_topk_indices if shared else None, **kernels)
-    core_out = result.output  # [s, b, n * v_head_dim]
-    if result.indexer_loss is not None:  # what the host's forward does with its own
-        host.IndexerLossLoggingHelper.save_loss_to_tracker(result.indexer_loss)
-        core_out = host.IndexerLossAutoScaler.apply(core_out, result.indexer_loss)
+    core_out = _attach_loss(host, result.output, result.indexer_loss)  # [s, b, n * v]
     attn_output = self.o_proj(core_out.transpose(0, 1).contiguous())
     return attn_output, None, result.topk_indices
+
+
+def _attach_loss(host, core_out, loss):
+    """What the host's forward does with its indexer loss: track it, and give it its
+    gradient (the main loss's backward scale) through the attention output."""
+    if loss is None:
+        return core_out
+    host.IndexerLossLoggingHelper.save_loss_to_tracker(loss)
+    return host.IndexerLossAutoScaler.apply(core_out, loss)
+
+
+def _host(module):
+    """The module's own model file, with every piece this forward reads from it."""
+    host = sys.modules[type(module).__module__]
+    missing = [name for name in HOST_PIECES if not hasattr(host, name)]
+    if module.indexer is not None and not hasattr(module.indexer, "build_index_tensors"):
+        missing.append("GlmMoeDsaIndexer.build_index_tensors")
+    if missing:
+        raise ValueError(f"LAGA's GLM-5.2 forward was written for MindSpeed-LLM 26.1.0's glm52 "
+                         f"model; {host.__name__} lacks {', '.join(missing)}")
+    return host
+
+
+def _layout(args) -> str:
+    """LAGA's layout of the backend's batch split (``LAYOUTS``)."""
+    if args.cp_type not in LAYOUTS:
+        raise ValueError(f"LAGA's GLM-5.2 forward maps parallel.cp_type {sorted(LAYOUTS)}; "
+                         f"got {args.cp_type!r}")
+    return LAYOUTS[args.cp_type]
 
 
 def _cp_group():
