@@ -30,6 +30,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from mindspeed_laga.sparse.form import sparse_laga_attention
 
@@ -183,6 +184,10 @@ def _refuse(module, past_key_values, prev_topk_indices):
     if module.training and module.attention_dropout:
         raise ValueError(f"LAGA's GLM-5.2 forward has no attention dropout: set the model's "
                          f"attention_dropout to 0 (got {module.attention_dropout})")
+    weight = module.kv_b_proj.weight
+    if isinstance(weight, DTensor) and any(p.is_shard() for p in weight.placements):
+        raise ValueError(f"LAGA's GLM-5.2 forward needs {name}'s whole kv_b_proj weight in its "
+                         f"forward; it is split ({weight.placements}): set parallel.tp_size 1")
     if module.indexer is None and prev_topk_indices is None:
         raise ValueError(f"{name} layer {module.layer_idx} is a shared DSA layer "
                          f"(indexer_types 'shared') and got no prev_topk_indices: its "

@@ -384,7 +384,9 @@ def refusal_worker(rank, size, roots):
     local = (hidden[:, rows], (cos[:, rows], sin[:, rows]), None)
     hf_kwargs = {k: v for k, v in CONFIG.items() if k != "index_topk_pattern"}
     transformers_layer = hf_model.GlmMoeDsaAttention(hf_config.GlmMoeDsaConfig(**hf_kwargs), 0)
+    split_layer = _tp_split(build_layers()[1][0], size)
     calls = {
+        "a split kv_b_proj": lambda: laga_glm_dsa_forward(split_layer, *local),
         "transformers' class": lambda: laga_glm_dsa_forward(transformers_layer.double(), *local),
         "a KV cache": lambda: laga_glm_dsa_forward(layers[0], *local, past_key_values=object()),
         "a shared layer without picks": lambda: laga_glm_dsa_forward(layers[1], *local),
@@ -400,6 +402,17 @@ def refusal_worker(rank, size, roots):
             except ValueError as error:
                 errors[name] = str(error)
     return errors, counted.kinds()
+
+
+def _tp_split(layer, size):
+    """The layer with its kv_b_proj weight a DTensor split over the ranks (what tensor
+    parallelism would hand the forward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (size,))
+    weight = distribute_tensor(layer.kv_b_proj.weight.detach(), mesh, [Shard(0)])
+    layer.kv_b_proj.weight = torch.nn.Parameter(weight)
+    return layer
 
 
 def refusals(roots, size=2, timeout_s=300.0):
