@@ -96,7 +96,8 @@ def test_no_sequence_square(case):
         assert r["square"] == []
 
 
-REFUSED = {"transformers' class": "model.model_id: glm52", "a split kv_b_proj": "parallel.tp_size 1", "a KV cache": "use_cache=False",
+REFUSED = {"transformers' class": "model.model_id: glm52",
+           "a split kv_b_proj": "parallel.tp_size 1", "a KV cache": "use_cache=False",
            "a shared layer without picks": "prev_topk_indices",
            "an unknown cp_type": "parallel.cp_type"}
 
