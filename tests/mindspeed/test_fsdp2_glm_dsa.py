@@ -124,3 +124,12 @@ def test_the_hosts_cp_path_gathers_every_hidden_state(harness, roots):
         assert per_token["all_to_all"] == [heads * qk, heads * qk, heads * c["v_head_dim"],
                                            heads * c["v_head_dim"]]
         assert square
+
+
+@pytest.mark.timeout(600)
+def test_the_hosts_cp_table_leaves_the_glm52_model_as_it_is(harness, roots):
+    """The recipe's model (``model_id: glm52``) is MindSpeed-LLM's own class; the host's CP
+    table replaces transformers' ``GlmMoeDsaAttention.forward`` only, so under its
+    ``cp_size`` > 1 the glm52 attention is not made context parallel: LAGA's forward is
+    what gives it CP."""
+    assert harness.hosts_mapping(roots) == (False, True)

@@ -457,3 +457,24 @@ def host_cp_worker(rank, size, roots):
 def host_cp(roots, size=2, timeout_s=300.0):
     from mindspeed_laga.tools.spawn import run_on_ranks
     return run_on_ranks(host_cp_worker, size, roots, timeout_s=timeout_s)
+
+
+def mapped_worker(rank, size, roots):
+    """(glm52's forward replaced?, transformers' forward replaced?) after the host's own CP
+    table is applied to a ``glm_moe_dsa`` model, as ``cp_size`` > 1 applies it."""
+    prepare(roots)
+    host = importlib.import_module(HOST)
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_model
+
+    from mindspeed_llm.fsdp2.distributed.context_parallel import context_parallel_manager as cpm
+    before = host.GlmMoeDsaAttention.forward, hf_model.GlmMoeDsaAttention.forward
+    model = SimpleNamespace(config=SimpleNamespace(model_type="glm_moe_dsa"))
+    manager = cpm.ContextParallelMappingManager()
+    manager.apply_transformers_modules(model, cpm.CPTypeConfig("ulysses"))
+    return (host.GlmMoeDsaAttention.forward is not before[0],
+            hf_model.GlmMoeDsaAttention.forward is not before[1])
+
+
+def hosts_mapping(roots, timeout_s=300.0):
+    from mindspeed_laga.tools.spawn import run_on_ranks
+    return run_on_ranks(mapped_worker, 1, roots, timeout_s=timeout_s)[0]
