@@ -33,6 +33,12 @@ def harness():
 
 
 @pytest.fixture(scope="module")
+def around():
+    from support import fsdp2_glm_host
+    return fsdp2_glm_host
+
+
+@pytest.fixture(scope="module")
 def roots(harness):
     return harness.sources()
 
@@ -103,22 +109,22 @@ REFUSED = {"transformers' class": "model.model_id: glm52",
 
 
 @pytest.mark.timeout(600)
-def test_refusals_name_the_fix_on_every_rank_before_any_collective(harness, roots):
-    for errors, collectives in harness.refusals(roots):
+def test_refusals_name_the_fix_on_every_rank_before_any_collective(around, roots):
+    for errors, collectives in around.refusals(roots):
         assert collectives == {}
         for name, words in REFUSED.items():
             assert errors[name] is not None and words in errors[name], (name, errors[name])
 
 
 @pytest.mark.timeout(600)
-def test_the_hosts_cp_path_gathers_every_hidden_state(harness, roots):
+def test_the_hosts_cp_path_gathers_every_hidden_state(harness, around, roots):
     """The host's figures, for comparison: its ``dsa_forward`` (on transformers' class, as
     its CP table maps it) all-gathers per token the hidden state, the query latent, cos and
     sin, then moves per-head Q, K, V and the output by all-to-all, and builds tensors with
     two dims of the sequence's length (its indexer's scores, its dense mask)."""
     c = harness.CONFIG
     heads, qk = c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-    for per_token, square in harness.host_cp(roots):
+    for per_token, square in around.host_cp(roots):
         assert per_token["all_gather"] == [c["hidden_size"], c["q_lora_rank"],
                                            c["qk_rope_head_dim"], c["qk_rope_head_dim"]]
         assert per_token["all_to_all"] == [heads * qk, heads * qk, heads * c["v_head_dim"],
@@ -127,9 +133,9 @@ def test_the_hosts_cp_path_gathers_every_hidden_state(harness, roots):
 
 
 @pytest.mark.timeout(600)
-def test_the_hosts_cp_table_leaves_the_glm52_model_as_it_is(harness, roots):
+def test_the_hosts_cp_table_leaves_the_glm52_model_as_it_is(around, roots):
     """The recipe's model (``model_id: glm52``) is MindSpeed-LLM's own class; the host's CP
     table replaces transformers' ``GlmMoeDsaAttention.forward`` only, so under its
     ``cp_size`` > 1 the glm52 attention is not made context parallel: LAGA's forward is
     what gives it CP."""
-    assert harness.hosts_mapping(roots) == (False, True)
+    assert around.hosts_mapping(roots) == (False, True)
