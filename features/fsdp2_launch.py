@@ -71,7 +71,8 @@ def install_fsdp2(args: Sequence[str]) -> Optional[str]:
     try:
         host.check_release()
         config = host.model_config(str(setting(args, "model.model_name_or_path", "")))
-        form = host.check_model(config)
+        host.check_model(config)
+        host.check_model_id(config["model_type"], setting(args, "model.model_id", None))
         cp_type = str(setting(args, "parallel.cp_type", "ulysses"))
         host.cp_algo(cp_type)
         check_sequence(args, cp_type)
@@ -85,7 +86,7 @@ def install_fsdp2(args: Sequence[str]) -> Optional[str]:
         rank = os.environ.get("RANK")
         where = f" (rank {rank})" if rank is not None else ""
         raise SystemExit(f"mindspeed_laga.launch{where}: {exc}") from None
-    return config["model_type"] if form else None
+    return config["model_type"]
 
 
 def check_sequence(args: Sequence[str], cp_type: str) -> None:

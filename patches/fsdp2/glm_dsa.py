@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from mindspeed_laga.sparse.form import sparse_laga_attention
 
+from . import host as fsdp2_host
 from ..common import agree_per_micro_batch, check_weight_once
 
 # where the host's flags turn its fused ops on (its forward tests the query's device type)
@@ -60,7 +61,7 @@ def laga_glm_dsa_forward(self, hidden_states, position_embeddings, attention_mas
     host = _host(self)
     args = host.get_args()
     layout = _layout(args)
-    cp_group = _cp_group()
+    cp_group = fsdp2_host.cp_group()
     query, kv_latent, k_pos_emb, q_resid = _mla_inputs(self, host, hidden_states,
                                                        position_embeddings)
     kernels = glm_kernels(self, args, query)
@@ -113,12 +114,6 @@ def _layout(args) -> str:
         raise ValueError(f"LAGA's GLM-5.2 forward maps parallel.cp_type {sorted(LAYOUTS)}; "
                          f"got {args.cp_type!r}")
     return LAYOUTS[args.cp_type]
-
-
-def _cp_group():
-    """The CP group the host's ``dsa_forward`` gathers over: its ParallelState's "cp" mesh."""
-    from mindspeed_llm.fsdp2.distributed.parallel_state import ParallelState
-    return ParallelState().get_group("cp")
 
 
 def _mla_inputs(self, host, hidden_states, position_embeddings):
@@ -178,7 +173,11 @@ def _refuse(module, past_key_values, prev_topk_indices):
             f"LAGA's GLM-5.2 forward is for MindSpeed-LLM's glm52 {name} (model.model_id: "
             f"glm52); this {name} (transformers' glm_moe_dsa) scores its indexer without "
             f"the ReLU LAGA's sparse form applies: use model.model_id: glm52")
-    if past_key_values is not None:
+    # the model hands every training forward an empty cache (use_cache defaults to true);
+    # nothing reads it back in training, so only a cache in use is refused
+    if past_key_values is not None and (
+            not module.training or not hasattr(past_key_values, "get_seq_length")
+            or past_key_values.get_seq_length(module.layer_idx)):
         raise ValueError(f"LAGA's GLM-5.2 forward trains without a KV cache: {name} got "
                          f"past_key_values; run it with use_cache=False")
     if module.training and module.attention_dropout:

@@ -27,7 +27,10 @@ BACKEND_FILES = (
 )
 ENGINE = os.path.join("fsdp2", "distributed", "mindspeed_parallel_engine.py")
 # model_type (config.json) -> the LAGA form that covers it on this backend
-MODELS = {"deepseek_v3": "dense"}
+MODELS = {"deepseek_v3": "dense", "glm_moe_dsa": "sparse"}
+# model_type -> the model.model_id whose model class LAGA's forward is written for (GLM-5.2:
+# MindSpeed-LLM's own glm52 model, whose indexer scores with the ReLU the sparse form applies)
+MODEL_IDS = {"glm_moe_dsa": "glm52"}
 # parallel.cp_type -> (LAGA's CP algorithm, the layout of the host's split): ulysses slices the
 # sequence contiguously and splits heads, ring gives rank r chunks r and 2P-1-r
 CP_TYPES = {"ulysses": ("ulysses", "contiguous"), "ring": ("allgather", "zigzag")}
@@ -99,6 +102,14 @@ def check_model(config: dict) -> str:
         _refuse(f"attention_dropout={config['attention_dropout']} in the model config: LAGA "
                 "does not compute attention dropout", "set attention_dropout to 0 or drop the key")
     return MODELS[model_type]
+
+
+def check_model_id(model_type: str, model_id) -> None:
+    """A model LAGA covers through one model class of the backend names it by model_id."""
+    want = MODEL_IDS.get(model_type)
+    if want is not None and model_id != want:
+        _refuse(f"model_type {model_type!r} is covered as MindSpeed-LLM's own {want} model, "
+                f"not with model.model_id {model_id!r}", f"set model.model_id: {want}")
 
 
 def cp_algo(cp_type: str):

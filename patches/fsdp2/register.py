@@ -28,6 +28,11 @@ FORWARDS = {
     "deepseek_v3": (
         "transformers.models.{model_id}.modeling_{model_id}.DeepseekV3Attention.forward",
         "mindspeed_laga.patches.fsdp2.deepseek_v3.laga_forward"),
+    # GLM-5/5.2: the backend's own model (model_id glm52), not transformers' class the host's
+    # own table names
+    "glm_moe_dsa": (
+        "mindspeed_llm.fsdp2.models.glm52.modeling_glm_moe_dsa.GlmMoeDsaAttention.forward",
+        "mindspeed_laga.patches.fsdp2.glm_dsa.laga_glm_dsa_forward"),
 }
 
 

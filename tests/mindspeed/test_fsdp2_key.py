@@ -77,8 +77,18 @@ def test_models_refused_by_name(config, message):
     assert "drop the key" in str(refused.value) or "set attention_dropout" in str(refused.value)
 
 
-def test_deepseek_v3_takes_the_dense_form():
+def test_forms_by_model():
     assert host.check_model({"model_type": "deepseek_v3", "kv_lora_rank": 512}) == "dense"
+    assert host.check_model({"model_type": "glm_moe_dsa", "kv_lora_rank": 512}) == "sparse"
+
+
+def test_glm_needs_the_backends_own_model():
+    host.check_model_id("glm_moe_dsa", "glm52")
+    host.check_model_id("deepseek_v3", None)
+    with pytest.raises(ValueError, match="parallel.mla_latent_all_gather: model_type "
+                                         "'glm_moe_dsa' is covered as MindSpeed-LLM's own "
+                                         "glm52 model.*; set model.model_id: glm52"):
+        host.check_model_id("glm_moe_dsa", None)
 
 
 @pytest.mark.parametrize("cp_type, length, ok", [
@@ -101,22 +111,27 @@ def _host_table(llm_root):
 
 @pytest.mark.ascend
 def test_laga_group_in_the_host_table():
-    """deepseek_v3 leaves the host's common group for LAGA's, which keeps the host's CP loss
-    and replaces DeepseekV3Attention.forward; the other models stay where they were."""
+    """deepseek_v3 and glm_moe_dsa leave the host's groups for LAGA's, which keeps the
+    host's CP loss and replaces their attention's forward (GLM-5.2: the backend's own
+    glm52 class); the other models stay where they were."""
     table = _host_table(fsdp2_sources()["MINDSPEED_LLM_SRC"])
     before = copy.deepcopy(table.MODEL_CP_CONFIG)
-    register.add_laga_group(table, ["deepseek_v3"])
-    register.add_laga_group(table, ["deepseek_v3"])  # idempotent
+    models = ["deepseek_v3", "glm_moe_dsa"]
+    register.add_laga_group(table, models)
+    register.add_laga_group(table, models)  # idempotent
     groups = table.MODEL_CP_CONFIG
-    assert "deepseek_v3" not in groups["cp_attention_common"]["models"]
     assert groups["cp_attention_common"]["models"] == \
         before["cp_attention_common"]["models"] - {"deepseek_v3"}
+    assert groups["dsa"]["models"] == before["dsa"]["models"] - {"glm_moe_dsa"}
+    assert "glm_moe_dsa" not in groups["dsa"]["model_specific"]  # the host's dsa_forward
     assert groups["laga"] == {
-        "models": {"deepseek_v3"}, "cp_to_att_template": {"fixed_cross_entropy"},
-        "model_specific": {"deepseek_v3": [register.FORWARDS["deepseek_v3"]]}}
-    assert {k: v for k, v in groups.items() if k not in ("laga", "cp_attention_common")} == \
-        {k: v for k, v in before.items() if k != "cp_attention_common"}
+        "models": set(models), "cp_to_att_template": {"fixed_cross_entropy"},
+        "model_specific": {m: [register.FORWARDS[m]] for m in models}}
+    untouched = ("laga", "cp_attention_common", "dsa")
+    assert {k: v for k, v in groups.items() if k not in untouched} == \
+        {k: v for k, v in before.items() if k not in untouched}
     assert register.forward_of("deepseek_v3").__name__ == "laga_forward"
+    assert register.forward_of("glm_moe_dsa").__name__ == "laga_glm_dsa_forward"
 
 
 def _release_of(sources) -> str:
