@@ -10,10 +10,10 @@ ReLU scores tie at 0 across the k-th pick; loop.POSITION_ORDERED_TOPK). Measured
 equal (loss 0, grad norm 6.4e-8), step 2 6.9e-7 and 6.9e-6. The runs stop after two steps:
 at step 3 an index score near a tie crosses it in fp32 and one pick differs (loss 2.4e-5,
 grad norm 8.4e-4; ``python tests/support/fsdp2/loop.py --model glm52 --cp 2 --cp-type ring
---laga``). Ring's chunks read as contiguous slices (layout ``contiguous`` for ``zigzag``) fail
-it at step 1 (loss 1.9e-3). On a CPU tensor the host's GLM-5.2 takes its torch path, which computes no indexer
-loss (only its fused NPU path does): the logged indexer loss is absent on both sides, and
-tests/mindspeed/test_fsdp2_glm_dsa.py compares it on the module.
+--laga``). Ring's chunks read as contiguous slices (layout ``contiguous`` for ``zigzag``)
+fail it at step 1 (loss 1.9e-3). On a CPU tensor the host's GLM-5.2 takes its torch path,
+which computes no indexer loss (only its fused NPU path does): the logged indexer loss is
+absent on both sides, and tests/mindspeed/test_fsdp2_glm_dsa.py compares it on the module.
 
 The host's own CP is no reference here: its table replaces transformers'
 ``GlmMoeDsaAttention.forward`` while ``model_id: glm52`` builds MindSpeed-LLM's own class,

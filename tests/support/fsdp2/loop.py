@@ -110,7 +110,8 @@ def write_model(folder: Path, model: str = "deepseek_v3", **overrides) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model_type = MODELS[model][0]
     module = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
-    config_class = getattr(module, "".join(p.capitalize() for p in model_type.split("_")) + "Config")
+    class_name = "".join(p.capitalize() for p in model_type.split("_")) + "Config"
+    config_class = getattr(module, class_name)
     model_config = config_class(**{**MODELS[model][1], **overrides})
     model_config.save_pretrained(folder)
     if MODELS[model][2] is not None:  # a registered model_id loads weights: transformers' own
