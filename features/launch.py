@@ -2,6 +2,11 @@
 
     python -m mindspeed_laga.launch pretrain_gpt.py <its arguments>   (entry: mindspeed_laga/launch.py)
     torchrun <launcher arguments> -m mindspeed_laga.launch pretrain_gpt.py <its arguments>
+    torchrun <launcher arguments> -m mindspeed_laga.launch train_fsdp2.py CONFIG.yaml [--s.key v ...]
+
+``train_fsdp2.py`` (MindSpeed-LLM's FSDP2 backend) takes the YAML key
+``parallel.mla_latent_all_gather`` instead of the flag (fsdp2_launch.py); every other
+script gets the flag as follows.
 
 MindSpeed-LLM builds its argument parser from
 ``MindSpeedFeaturesManager.FEATURES_LIST`` and rejects unknown flags, and it
@@ -22,6 +27,8 @@ import os
 import runpy
 import sys
 
+from .fsdp2_launch import install_fsdp2, is_fsdp2
+
 MANAGER_MODULE = "mindspeed.features_manager.features_manager"
 USAGE = ("usage: python -m mindspeed_laga.launch <training script> [script arguments]\n"
          "   or: torchrun <torchrun arguments> -m mindspeed_laga.launch <training script> "
@@ -31,7 +38,10 @@ USAGE = ("usage: python -m mindspeed_laga.launch <training script> [script argum
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     script, script_args = split_script(argv)
-    install_laga_feature()
+    if is_fsdp2(script):  # MindSpeed-LLM's FSDP2 backend: a YAML key, not a Megatron flag
+        install_fsdp2(script_args)
+    else:
+        install_laga_feature()
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
     runpy.run_path(script, run_name="__main__")

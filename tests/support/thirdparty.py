@@ -24,6 +24,10 @@ unpacked once), ``release_sources(release)`` the same for a test (skip, or
 fail under CI), and ``RELEASE_NAMES`` parametrizes a test over them. The three
 environment variables override the ``master`` pair only.
 
+A release whose FSDP2 backend (``train_fsdp2.py``, ``examples/fsdp2/``) ships as a second
+archive lists it in ``FSDP2_OVERLAYS``; ``fsdp2_sources(release)`` gives the pair's roots with
+that archive unpacked over the MindSpeed-LLM one (once per pair of checksums, the same way).
+
 ``python tests/support/thirdparty.py [release]`` prints ``export NAME=path`` lines for a shell.
 """
 from __future__ import annotations
@@ -53,6 +57,8 @@ ARCHIVES = {
     "MEGATRON_SRC": ("megatron-lm-core_v0.12.1.tar.gz", "Megatron-LM"),
 }
 MEGATRON = ARCHIVES["MEGATRON_SRC"]
+# release -> the archive of its FSDP2 backend, unpacked over its MindSpeed-LLM archive
+FSDP2_OVERLAYS = {"26.1.0": "mindspeed-llm-26.1.0-ad615b3b-fsdp2.tar.gz"}
 RELEASE_NAMES = tuple(RELEASES)
 HOST_MODULES = {"six": "six", "regex": "regex", "yaml": "pyyaml", "tqdm": "tqdm",
                 "einops": "einops"}  # import name -> pip name
@@ -96,17 +102,24 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def unpack(archive: Path, top: str) -> Path:
-    """The archive's top folder, unpacked under the cache (once per checksum)."""
-    target = cache_dir() / f"{archive.name[:-len('.tar.gz')]}-{_sha256(archive)[:16]}"
+def unpack(archive: Path, top: str, *overlays: Path) -> Path:
+    """The archive's top folder, unpacked under the cache (once per checksum); ``overlays``:
+    archives of the same top folder unpacked over it in order (the folder is then named by
+    every archive and keyed by all their checksums)."""
+    layers = (archive, *overlays)
+    names = "+".join(a.name[:-len(".tar.gz")] for a in layers)
+    key = hashlib.sha256("".join(_sha256(a) for a in layers).encode()).hexdigest() \
+        if overlays else _sha256(archive)
+    target = cache_dir() / f"{names}-{key[:16]}"
     if not (target / top).is_dir():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=target.parent))
         try:
-            with tarfile.open(archive) as tar:
-                # the "data" filter refuses links and paths that leave the folder
-                kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-                tar.extractall(staging, **kwargs)
+            for layer in layers:
+                with tarfile.open(layer) as tar:
+                    # the "data" filter refuses links and paths that leave the folder
+                    kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+                    tar.extractall(staging, **kwargs)
             if not (staging / top).is_dir():
                 raise HostsMissing(f"{archive} does not unpack into {top}/")
             try:
@@ -152,6 +165,30 @@ def find_host_sources(release: str = "master") -> dict:
         raise HostsMissing(f"the host frameworks import modules that are missing: "
                            f"pip install {' '.join(modules)}")
     return {key: str(path) for key, path in sources.items()}
+
+
+def find_fsdp2_sources(release: str = "26.1.0") -> dict:
+    """{env var: source root} of a release pair with its FSDP2 archive unpacked over its
+    MindSpeed-LLM one; raises HostsMissing naming what to provide."""
+    if release not in FSDP2_OVERLAYS:
+        raise KeyError(f"no FSDP2 archive for release {release!r}; "
+                       f"known: {', '.join(FSDP2_OVERLAYS)}")
+    sources = find_host_sources(release)
+    folder, overlay = archive_dir(), FSDP2_OVERLAYS[release]
+    if not (folder / overlay).is_file():
+        raise HostsMissing(f"MindSpeed-LLM {release}'s FSDP2 backend is needed: put {overlay} "
+                           f"in {folder} (or point LAGA_THIRDPARTY at its folder)")
+    llm = RELEASES[release][0]
+    sources["MINDSPEED_LLM_SRC"] = str(unpack(folder / llm, "MindSpeed-LLM", folder / overlay))
+    return sources
+
+
+def fsdp2_sources(release: str = "26.1.0") -> dict:
+    """For a test: :func:`find_fsdp2_sources`; skips when absent, fails under CI=true."""
+    try:
+        return find_fsdp2_sources(release)
+    except HostsMissing as missing:
+        skip_or_fail(str(missing))
 
 
 def release_sources(release: str) -> dict:
