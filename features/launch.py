@@ -21,11 +21,12 @@ right after the script's own imports load it, so the script's import order
 """
 from __future__ import annotations
 
-import importlib.abc
 import importlib.util
 import os
 import runpy
 import sys
+
+from mindspeed_laga.patches.after_import import after_import
 
 from .fsdp2_launch import install_fsdp2, is_fsdp2
 
@@ -70,7 +71,7 @@ def install_laga_feature() -> None:
     if module is not None:
         keep_laga_in_features_list(module)
     else:
-        sys.meta_path.insert(0, _AfterImport(MANAGER_MODULE, keep_laga_in_features_list))
+        after_import(MANAGER_MODULE, keep_laga_in_features_list)
 
 
 def keep_laga_in_features_list(manager_module) -> None:
@@ -95,31 +96,6 @@ def _add_laga(features_list) -> None:
     if not any(isinstance(f, LAGAFeature) for f in features_list):
         # last, so its validate_args sees the values MLA and CP features settled
         features_list.append(LAGAFeature())
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls ``callback(module)`` once ``name`` has been imported (by anyone)."""
-
-    def __init__(self, name, callback):
-        self.name = name
-        self.callback = callback
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # one shot; also keeps find_spec below from finding us
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-        callback = self.callback
-
-        def exec_then_callback(module):
-            exec_module(module)
-            callback(module)
-
-        spec.loader.exec_module = exec_then_callback
-        return spec
 
 
 if __name__ == "__main__":

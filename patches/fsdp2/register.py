@@ -14,10 +14,9 @@ starts before the host's per-head Q/K/V exist.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
 import sys
 
+from ..after_import import after_import
 from ..common import UnsupportedHostError
 
 MAPPINGS = "mindspeed_llm.fsdp2.distributed.context_parallel.context_parallel_mappings"
@@ -47,7 +46,7 @@ def register(model_ids) -> None:
     if module is not None:
         add_laga_group(module, model_ids)
         return
-    sys.meta_path.insert(0, _AfterImport(MAPPINGS, lambda m: add_laga_group(m, model_ids)))
+    after_import(MAPPINGS, lambda m: add_laga_group(m, model_ids))
 
 
 def add_laga_group(mappings, model_ids) -> None:
@@ -72,28 +71,3 @@ def forward_of(model_id: str):
     """LAGA's forward for a model id (imported), e.g. to check it exists before training."""
     path, name = FORWARDS[model_id][1].rsplit(".", 1)
     return getattr(importlib.import_module(path), name)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls ``callback(module)`` once ``name`` has been imported (by the host's own
-    imports: registering imports nothing of MindSpeed-LLM, whose package imports would
-    run before the entry script's ``torch_npu`` set-up)."""
-
-    def __init__(self, name, callback):
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # one shot; also keeps find_spec below from finding us
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module, callback = spec.loader.exec_module, self.callback
-
-        def exec_then_callback(module):
-            exec_module(module)
-            callback(module)
-
-        spec.loader.exec_module = exec_then_callback
-        return spec
