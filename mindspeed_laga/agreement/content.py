@@ -84,3 +84,19 @@ def documents_code(documents) -> int:
         return 0
     digest = hashlib.blake2b(repr(documents).encode(), digest_size=8).digest()
     return struct.unpack("<q", digest)[0] or 1
+
+
+SAMPLED = 4096  # values of a larger tensor hashed (evenly spaced) by values_code
+
+
+def values_code(tensors) -> torch.Tensor:
+    """A 0-d int64 device tensor hashing the exact bits of ``tensors`` (a weight, FP8
+    scales; at most SAMPLED evenly spaced values of each), in order: no host read."""
+    code = None
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.numel() > SAMPLED:
+            flat = flat[::flat.numel() // SAMPLED][:SAMPLED]
+        one = device_code(flat.contiguous().view(torch.uint8))
+        code = one if code is None else code * ODD + one
+    return code
