@@ -171,3 +171,16 @@ def test_a_mixed_call_is_nan_on_every_rank_and_the_others_exact(reports, name, m
         assert torch.isnan(calls[mixed]["grads"]["kv_up_weight"]).all()
     for call, seed in right.items():
         assert _right(per_rank, call, seed), (name, call)
+
+
+def test_the_fp8_hook_hands_its_held_scales_to_the_in_band_code():
+    """Delayed scaling holds the latent's and the weight's scales between calls: the hook's
+    ``agreement_tensors`` hands them (the gradient's, which follows each rank's own
+    queries, is left out); block and MX scaling hold none."""
+    from types import SimpleNamespace as NS
+
+    from patches.mindspeed_llm.fp8 import held_scales
+    scales = {key: torch.full((1,), float(i)) for i, key in enumerate(("inputs", "weight", "grads"))}
+    meta = NS(**{key: NS(scale=NS(scale=t)) for key, t in scales.items()})
+    assert [id(t) for t in held_scales(meta)] == [id(scales["inputs"]), id(scales["weight"])]
+    assert held_scales(NS(inputs=NS(), weight=None, grads=None)) == []
