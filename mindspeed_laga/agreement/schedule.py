@@ -155,7 +155,7 @@ def agree_call(cp_group, check_ranks, failure, device, row: Callable[[], Dict[st
             group.folding = True
             try:
                 _record(group, row())
-                group.call_values = _values_code(cp_group, values()) if values else None
+                group.call_values = values_code(values()) if values is not None else None
             finally:
                 group.folding = False
         return
@@ -229,17 +229,6 @@ def flag(cp_group, name: str, wrong: torch.Tensor) -> None:
         return
     group, bit = state(cp_group), wrong.to(torch.int64) << list(FLAGS).index(name)
     group.flags = bit if group.flags is None else group.flags | bit
-
-
-def _values_code(cp_group, tensors):
-    """The in-band device hash of ``tensors``; a leaf's (a weight) once per micro-batch:
-    the memo holds it, and a leaf is alive anyway (a LoRA sum is hashed per call)."""
-    codes = [memo(cp_group, ("values",) + tensor_key(t), lambda t=t: values_code([t]))
-             if t.grad_fn is None else values_code([t]) for t in tensors]
-    code = None
-    for one in codes:
-        code = one if code is None else code * ODD + one
-    return code
 
 
 def _record(group: GroupAgreement, values: Dict[str, int]) -> None:
