@@ -8,7 +8,7 @@ the cause (docs/DESIGN.md, "Handshake").
 - ``content.py``: key padding and documents as codes; ``rows.py``: the dense forms' rows;
 - ``inband.py``: a later call's code and verdict carried in its latent all-gather.
 
-Imports go one way: rows -> schedule -> wire -> fields (inband -> schedule); nothing here imports back. The
+Imports go one way: rows -> inband -> schedule -> wire -> fields; nothing imports back. The
 names below are imported on first use, so that ``comm`` can import ``store`` alone.
 """
 from ..lazy import lazy

@@ -1,13 +1,15 @@
 """The in-band check of a later call: no extra collective, no read.
 
 In micro-batch mode each later call's latent all-gather carries two int64 values per rank
-after the latent (their bits, as the latent's dtype): the call's code (its row's digest and its place in the
-micro-batch) and this rank's verdict (0, or WRONG: its latent is not the shape or dtype
-the micro-batch's first gather of that kind moved). After the gather every rank compares
-them on the device; on any difference the gathered latent becomes NaN (so the outputs
-are) and the ``latent`` flag is set, read at the next exchange or settle, which names the
-field from the recorded rows. A rank whose latent has another shape or dtype sends a
-stand-in of the agreed one (so no peer aborts on a size mismatch), then raises.
+after the latent (their bits, as the latent's dtype): the call's code (its row's hash, its
+place in the micro-batch, a device hash of its weight and a linear's agreement_tensors)
+and this rank's verdict (0, or WRONG: its latent is not the shape or dtype of the
+micro-batch's first gather of that kind, or its call failed). After the gather every rank
+compares them on the device; on any difference the gathered latent becomes NaN (so the
+outputs are) and the ``latent`` flag is set, read at the next exchange or settle, which
+names the field from the recorded rows when they differ. A rank that knows its call is
+wrong sends a stand-in of the agreed shape (so no peer aborts on a size mismatch or waits
+in the gather), then raises.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def joined(group, kind: Optional[str]):
     they return NaN at once and name it at the next settle, instead of waiting in it."""
     try:
         yield
-    except BaseException:
+    except Exception:
         found = schedule._STATES.get(group) if group is not None and kind else None
         if found is not None and found.call_code is not None and kind in found.wires:
             shape, dtype, device = found.wires[kind]
@@ -95,7 +97,8 @@ def _send_stand_in(group, band, agreed: Tuple) -> None:
 def _stand_in(x, group, band, agreed: Tuple, wire: Tuple) -> None:
     """Send a stand-in of the agreed shape, then raise naming what differs."""
     _send_stand_in(group, band, agreed)
-    what = "dtype" if agreed[0] == wire[0] else "shape [s, b, d] (local length, micro-batch, widths)"
+    what = ("dtype" if agreed[0] == wire[0]
+            else "shape [s, b, d] (local length, micro-batch, widths)")
     failure = ValueError(
         f"CP ranks disagree on the latent's {what} in a later call: this rank gathers "
         f"{list(wire[0])} {wire[1]}, the micro-batch's first call of this kind gathered "

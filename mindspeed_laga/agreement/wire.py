@@ -166,6 +166,11 @@ def _raise_on_flags(table, last: bool) -> None:
         if (name == "latent") != last:
             continue
         ranks = [r for r, b in enumerate(bits) if b >> i & 1]
+        if ranks and last:
+            raise ValueError(f"CP ranks' later calls differ: the {name} {what}; those calls "
+                             "returned NaN on every rank (read at this exchange or settle); "
+                             "every rank of cp_group must make the same LAGA calls (layers, "
+                             "weights, kv_up_linear scales, shapes) in the same order")
         if ranks:
             raise ValueError(f"CP rank(s) {ranks}: {name} {what}, in a call since the last "
                              "exchange (found on the device, read at this exchange or "

@@ -13,15 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mindspeed_laga import agreement, laga_attention, new_micro_batch, settle
+from mindspeed_laga import (agreement, laga_attention, new_micro_batch, settle,
+                            start_latent_gather)
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support.key_padding import SCALE, assemble, full_inputs, local_inputs, padding_mask, reference
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 
-def _call(rank, seed=0, backward=True, cast=None, drop=0, linear=None, **kw):
-    """One layer call of layer ``seed`` on this rank's shard: its output and grads."""
+def _call(rank, seed=0, backward=True, cast=None, drop=0, linear=None, overlap=False, **kw):
+    """One layer call of layer ``seed`` on this rank's shard: its output and grads
+    (``overlap``: the latent gathered by start_latent_gather first)."""
     import torch.distributed as dist
     x = full_inputs(seed)
     inputs, local = local_inputs(x, "zigzag", 2, rank)
@@ -31,6 +33,9 @@ def _call(rank, seed=0, backward=True, cast=None, drop=0, linear=None, **kw):
         leaves, weight = [t.to(cast) for t in leaves], weight.to(cast)
     leaves = [t.requires_grad_() for t in leaves]
     weight.requires_grad_()
+    if overlap:
+        kw["latent_gather"] = start_latent_gather(leaves[1], leaves[2],
+                                                  cp_group=dist.group.WORLD)
     out = laga_attention(*leaves, weight, softmax_scale=SCALE, cp_group=dist.group.WORLD,
                          kv_up_linear=linear, **kw)
     if not backward:
@@ -41,11 +46,12 @@ def _call(rank, seed=0, backward=True, cast=None, drop=0, linear=None, **kw):
     return {"out": out.detach(), "grads": grads}
 
 
-def _one_rank_raises(rank, **wrong):
+def _one_rank_raises(rank, overlap=False, **wrong):
     """Call 2 differs on rank 1 only, forward-only (rank 1 raises there; rank 0 goes on)."""
-    calls = [_call(rank, backward=False)]
+    calls = [_call(rank, backward=False, overlap=overlap)]
     try:
-        calls.append(_call(rank, backward=False, **(wrong if rank == 1 else {})))
+        calls.append(_call(rank, backward=False, overlap=overlap,
+                           **(wrong if rank == 1 else {})))
     except ValueError as exc:
         calls.append(str(exc))
     return calls
@@ -57,6 +63,10 @@ def later_dtype(rank):
 
 def later_length(rank):
     return _one_rank_raises(rank, drop=2)
+
+
+def overlapped_length(rank):
+    return _one_rank_raises(rank, drop=2, overlap=True)
 
 
 def later_local_failure(rank):
@@ -96,10 +106,11 @@ def scales_off(rank):
 SCENARIOS = {  # name -> what every rank's error names
     "later_dtype": "latent's dtype in a later call",
     "later_length": "latent's shape [s, b, d]",
+    "overlapped_length": "latent's shape [s, b, d]",
     "later_local_failure": "no-such-layout",
     "later_check_ranks": "check_ranks in a later call (call 2 of the micro-batch)",
-    "layer_mixup": "latent gathered in a later call differed in band",
-    "scales_off": "latent gathered in a later call differed in band",
+    "layer_mixup": "later calls differ: the latent gathered in a later call differed in band",
+    "scales_off": "later calls differ: the latent gathered in a later call differed in band",
 }
 
 
@@ -151,7 +162,8 @@ def test_every_rank_names_the_later_difference(reports, name):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("name", ["later_dtype", "later_length", "later_local_failure"])
+@pytest.mark.parametrize("name", ["later_dtype", "later_length", "overlapped_length",
+                                  "later_local_failure"])
 def test_a_rank_that_knows_its_call_is_wrong_still_joins_it(reports, name):
     """Rank 1 raises in call 2 naming it; rank 0's call 2 returned (no abort, no wait) NaN."""
     (calls0, _), (calls1, _) = reports[0][name], reports[1][name]
@@ -180,7 +192,8 @@ def test_the_fp8_hook_hands_its_held_scales_to_the_in_band_code():
     from types import SimpleNamespace as NS
 
     from patches.mindspeed_llm.fp8 import held_scales
-    scales = {key: torch.full((1,), float(i)) for i, key in enumerate(("inputs", "weight", "grads"))}
+    keys = ("inputs", "weight", "grads")
+    scales = {key: torch.full((1,), float(i)) for i, key in enumerate(keys)}
     meta = NS(**{key: NS(scale=NS(scale=t)) for key, t in scales.items()})
     assert [id(t) for t in held_scales(meta)] == [id(scales["inputs"]), id(scales["weight"])]
     assert held_scales(NS(inputs=NS(), weight=None, grads=None)) == []
