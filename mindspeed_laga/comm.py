@@ -47,6 +47,7 @@ class CommRecord:
     tag: str = ""
     seconds: float = 0.0  # time the caller was blocked: the call, or the wait of an async op
     group: str = "cp"     # which group it ran over (GROUPS)
+    side: int = 0         # bytes per rank sent beside the payload (agreement/inband.py)
 
 
 @dataclass
@@ -207,13 +208,16 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 # ---------------------------------------------------------------- raw collectives
 
 def all_gather_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_op: bool = False,
-                   label: str = "cp"):
-    """Concatenate every rank's ``x`` along dim 0, in rank order (``label``: GROUPS)."""
+                   label: str = "cp", side: int = 0):
+    """Concatenate every rank's ``x`` along dim 0, in rank order (``label``: GROUPS);
+    ``side``: bytes at the end of ``x`` that are not payload (counted apart)."""
     size = group_size(group)
     x = x.contiguous()
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    records = _record("all_gather", direction, _nbytes(x), (size - 1) * _nbytes(x), size, tag,
-                      label)
+    payload = _nbytes(x) - side
+    records = _record("all_gather", direction, payload, (size - 1) * payload, size, tag, label)
+    for record in records:
+        record.side = side
     pending = _run(lambda a: _all_gather_tensor(out, x, group=group, async_op=a), records, async_op,
                    group)
     return (out, pending) if async_op else out

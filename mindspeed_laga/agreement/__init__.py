@@ -5,9 +5,10 @@ the cause (docs/DESIGN.md, "Handshake").
 - ``wire.py``: the exchange and its messages; ``store.py``: a failure told through the
   process group's store; ``weights.py``: the same weight on every rank;
 - ``schedule.py``: when a call exchanges, records or skips; ``settle``, ``reset``;
-- ``content.py``: key padding and documents as codes; ``rows.py``: the dense forms' rows.
+- ``content.py``: key padding and documents as codes; ``rows.py``: the dense forms' rows;
+- ``inband.py``: a later call's code and verdict carried in its latent all-gather.
 
-Imports go one way: rows -> schedule -> wire -> fields; nothing here imports back. The
+Imports go one way: rows -> inband -> schedule -> wire -> fields; nothing imports back. The
 names below are imported on first use, so that ``comm`` can import ``store`` alone.
 """
 from ..lazy import lazy
@@ -21,7 +22,8 @@ _API.update({name: ".schedule" for name in (
     "note_weight")})
 _API.update({name: ".content" for name in (
     "tensor_key", "device_code", "padding_code", "padding_counts", "documents_code")})
-_API.update({name: ".rows" for name in ("agree_on_call", "gather_row", "kv_up_linear_code")})
+_API.update({name: ".rows" for name in ("agree_on_call", "gather_row", "kv_up_linear_code",
+                                              "call_tensors")})
 _API.update({"check_same_weight": ".weights", "weight_checksum": ".weights",
              "exchange": ".wire", "exchange_device": ".wire", "as_exception": ".wire"})
 

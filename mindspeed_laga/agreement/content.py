@@ -84,3 +84,34 @@ def documents_code(documents) -> int:
         return 0
     digest = hashlib.blake2b(repr(documents).encode(), digest_size=8).digest()
     return struct.unpack("<q", digest)[0] or 1
+
+
+SAMPLED = 4096  # values of a larger tensor hashed (evenly spaced) by values_code
+_PROBES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+
+
+def values_code(tensors) -> torch.Tensor:
+    """A 0-d int64 device tensor, the bits of a dot product of ``tensors``' values (a
+    weight, FP8 scales; at most SAMPLED evenly spaced values of each) with fixed
+    pseudo-random weights: equal values give equal codes on every rank, a value off by
+    any amount changes it (but for a chance cancellation). A few launches, no read."""
+    code = None
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.numel() > SAMPLED:
+            flat = flat[::flat.numel() // SAMPLED][:SAMPLED]
+        one = torch.dot(flat.to(torch.float64), _probe(flat.device, flat.numel()))
+        code = one if code is None else code * 1.000003 + one
+    return code.view(torch.int64) if code is not None else None
+
+
+def _probe(device, n: int) -> torch.Tensor:
+    key = (device, n)
+    probe = _PROBES.pop(key, None)
+    if probe is None:
+        g = torch.Generator().manual_seed(n)
+        probe = (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).to(device)
+    _PROBES[key] = probe
+    while len(_PROBES) > WEIGHTS_KEPT:
+        _PROBES.popitem(last=False)
+    return probe

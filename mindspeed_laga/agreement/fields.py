@@ -102,7 +102,9 @@ FIELDS = tuple(f.name for f in TABLE)
 DIGESTS = ("calls", "content", "flags")  # compared apart from the call's own values
 # What a call can find wrong on the device only (no read), and how the message says it.
 FLAGS = {"topk_indices": "held picks no query may attend (outside [0, S), past the query's "
-                         "position or before its document's start) or a row of only -1"}
+                         "position or before its document's start) or a row of only -1",
+         "latent": "gathered in a later call differed in band (the calls' codes or a rank's "
+                   "verdict, compared on the device)"}
 BY_NAME = {f.name: f for f in TABLE}
 
 

@@ -16,6 +16,7 @@ from ..cp_algos import ALGOS
 from ..options import AttnOptions
 from ..vocab.dims import MLADims
 from ..vocab.names import ATTN_CP_ALGOS, EMPTY_ROWS, FORMS, LAYOUTS
+from . import inband
 from .content import documents_code, padding_code, padding_counts
 from .fields import (INPUTS, KERNELS, STAGES, UNKNOWN, choice_code, dtype_code, flag,
                      float_bits, grad_pattern)
@@ -44,7 +45,19 @@ def agree_on_call(o: AttnOptions, tensors, dims, documents, failure) -> None:
 
     details = {"documents": list(documents or ()),
                "key_padding": (lambda: []) if mask is None else (lambda: padding_counts(mask))}
-    agree_call(o.cp_group, o.check_ranks, failure, device, row, details=details)
+    gathers = o.form in ("laga", "absorbed") and o.cp_algo == "allgather"  # its 1st collective
+    with inband.joined(o.cp_group, "latent" if gathers and o.latent_gather is None else None):
+        agree_call(o.cp_group, o.check_ranks, failure, device, row, details=details,
+                   values=lambda: call_tensors(tensors[3], o.kv_up_linear))
+
+
+def call_tensors(kv_up_weight, linear) -> list:
+    """What a later call's in-band code hashes on the device: the weight (which layer it
+    is) and ``linear.agreement_tensors()`` (an FP8 hook's scales), if any."""
+    found = [kv_up_weight] if isinstance(kv_up_weight, torch.Tensor) else []
+    more = getattr(linear, "agreement_tensors", None)
+    return found + [t for t in (more() if callable(more) else more or ())
+                    if isinstance(t, torch.Tensor)]
 
 
 def _options_values(o: AttnOptions) -> Dict[str, int]:

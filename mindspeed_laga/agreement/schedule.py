@@ -21,12 +21,13 @@ import torch
 
 from .. import comm
 from . import store
-from .content import ODD, device_code, tensor_key
+from .content import ODD, device_code, tensor_key, values_code
 from .fields import CONTENT, FIELDS, FLAGS, STAGES, row_of
 from .wire import as_exception, exchange, exchange_device
 
 ROWS_KEPT = 256  # later-call rows kept per micro-batch to name a difference (the digest: all)
 _MIX = (1 << 61) - 1
+_MIX_CALL = 1000033
 
 
 class Mode(str, enum.Enum):
@@ -51,6 +52,11 @@ class GroupAgreement:
     memo: Dict[tuple, object] = field(default_factory=dict)  # this micro-batch's reads
     deferred: Optional[BaseException] = None  # an adapter's local failure for the next call
     folding: bool = False          # a later call is building its row now
+    call_code: Optional[int] = None  # this later call's in-band code (None: it exchanged)
+    later: int = 0                 # later calls since the last exchange or settle
+    call_values: Optional[torch.Tensor] = None  # its device code of weights, FP8 scales
+    wires: Dict[str, tuple] = field(default_factory=dict)  # gathers' agreed (shape, dtype)
+    failure: Optional[str] = None  # a later call's local failure, told at the next settle
 
     @property
     def per_micro_batch(self) -> bool:
@@ -91,6 +97,7 @@ def new_micro_batch(cp_group) -> None:
     group = state(cp_group)
     group.epoch += 1
     group.memo.clear()
+    group.wires.clear()
     group.deferred = None
     _install_optimizer_hook()
 
@@ -127,24 +134,33 @@ def defer_failure(cp_group, failure: BaseException) -> None:
 
 
 def agree_call(cp_group, check_ranks, failure, device, row: Callable[[], Dict[str, int]],
-               names=None, details: Optional[Dict[str, object]] = None) -> None:
+               names=None, details: Optional[Dict[str, object]] = None,
+               values: Optional[Callable[[], list]] = None) -> None:
     """The agreement of one call on a group of size > 1: ``row()`` builds the call's values
     from host facts; raises ``failure`` (this rank's, or a deferred one) after the peers
-    learnt of it (exchanged, or through the store)."""
+    learnt of it (exchanged, or through the store). ``values()``: device tensors (a weight,
+    FP8 scales) a later call folds into its in-band code (inband.py), unread."""
     group = state(cp_group)
     failure, group.deferred = failure or group.deferred, None
     how = decide(cp_group, check_ranks)
     if how is not Mode.EXCHANGE:
         store.count(cp_group)
+        group.later += 1
+        group.call_code = group.later * _MIX_CALL % _MIX  # SKIP: no row
+        group.call_values = None
         if failure is not None:
+            group.failure = group.failure or str(as_exception(failure))
             raise store.tell_peers(as_exception(failure), cp_group, how.value)
         if how is Mode.FOLD:
             group.folding = True
             try:
                 _record(group, row())
+                group.call_values = values_code(values()) if values is not None else None
             finally:
                 group.folding = False
         return
+    group.call_code = group.call_values = None
+    failure = failure or group.failure  # a later call's, told now
     try:  # a failed rank still sends what it can (the peers name it as rejecting)
         values = row()
     except Exception:  # noqa: BLE001 -- the failure itself is what the peers hear
@@ -168,14 +184,14 @@ def settle(cp_group=None) -> None:
     groups = [cp_group] if cp_group is not None else list(_STATES.keys())
     for key in groups:
         group = _STATES.get(key)
-        if group is None or (group.flags is None and (
+        if group is None or (group.flags is None and group.failure is None and (
                 not group.per_micro_batch or group.settled_epoch == group.epoch)):
             continue
         group.settled_epoch = group.epoch  # before the exchange: a raise leaves it settled
         device = group.device or exchange_device("meta", key)
         values = {"stage": STAGES.index("settle"), "calls": group.digest}
         try:
-            exchange(values, None, key, device, later=_later_rows(group),
+            exchange(values, group.failure, key, device, later=_later_rows(group),
                      content=group.content, flags=group.flags)
         finally:
             _clear(group)
@@ -218,12 +234,14 @@ def flag(cp_group, name: str, wrong: torch.Tensor) -> None:
 def _record(group: GroupAgreement, values: Dict[str, int]) -> None:
     row = row_of(values)
     group.digest = (group.digest * 1000003 + hash(row)) % _MIX
+    group.call_code = (hash(row) * _MIX_CALL + group.later) % _MIX  # in band: this call
     if len(group.rows) < ROWS_KEPT:
         group.rows.append(row)
 
 
 def _clear(group: GroupAgreement) -> None:
     group.digest, group.rows, group.content, group.flags = 0, [], None, None
+    group.failure, group.later = None, 0
 
 
 def _later_rows(group: GroupAgreement):  # flattened, gathered only when digests differ

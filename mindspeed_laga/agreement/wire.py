@@ -38,9 +38,10 @@ def exchange(values: Dict[str, int], failure, cp_group, device, names: Names = N
         slot = (slice(at, at + 2), torch.stack(both))
     table = comm.handshake(row, cp_group, device, slot=slot)
     raise_on_rejection(table, failure, cp_group, device)
-    _raise_on_flags(table)
+    _raise_on_flags(table, last=False)
     _raise_on_difference(table, names, details or {}, cp_group, device)
     _raise_on_later(table, names, later, cp_group, device)
+    _raise_on_flags(table, last=True)  # in band: after the rows had their chance to name it
     return table
 
 
@@ -157,11 +158,19 @@ def _raise_on_later(table, names: Names, later, cp_group, device) -> None:
                          "cp_group must pass the same value")
 
 
-def _raise_on_flags(table) -> None:
-    """Inputs a rank found wrong on the device in a call since the last exchange."""
+def _raise_on_flags(table, last: bool) -> None:
+    """Inputs a rank found wrong on the device in a call since the last exchange (``last``:
+    the in-band flag alone, else the others)."""
     bits = [max(row[FIELDS.index("flags")], 0) for row in table]
     for i, (name, what) in enumerate(FLAGS.items()):
+        if (name == "latent") != last:
+            continue
         ranks = [r for r, b in enumerate(bits) if b >> i & 1]
+        if ranks and last:
+            raise ValueError(f"CP ranks' later calls differ: the {name} {what}; those calls "
+                             "returned NaN on every rank (read at this exchange or settle); "
+                             "every rank of cp_group must make the same LAGA calls (layers, "
+                             "weights, kv_up_linear scales, shapes) in the same order")
         if ranks:
             raise ValueError(f"CP rank(s) {ranks}: {name} {what}, in a call since the last "
                              "exchange (found on the device, read at this exchange or "

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm, layout as layouts
+from ..agreement import inband
 from ..cp_algos import AllGather
 from ..vocab.attn_setup import AttnSetup
 
@@ -165,7 +166,7 @@ def gathered_latent(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, setup: Att
     latent = concat_latent(kv_latent, k_pos_emb)
     if setup.cp_size == 1:
         return latent
-    return to_position_order(comm.gather_seq(latent, setup.cp_group, "latent"), setup)
+    return to_position_order(inband.gather_seq(latent, setup.cp_group, "latent"), setup)
 
 
 def split_latent(latent: torch.Tensor, setup: AttnSetup):

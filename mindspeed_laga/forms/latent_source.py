@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .. import agreement, comm
+from ..agreement import inband
 from ..double_backward import once_differentiable
 from ..kernels.precision import autocast_dtype, to_autocast
 from ..vocab.attn_setup import AttnSetup
@@ -110,8 +111,7 @@ class LatentGather:
         self.grad_mode = torch.is_grad_enabled()  # a gather started under no_grad has no backward
         latent = concat_latent(kv_latent, k_pos_emb)
         self._latent = _WaitForGradient.apply(latent, self._state)
-        self._buffer, self._pending = comm.all_gather_raw(self._latent.detach(), cp_group, "forward",
-                                                          "latent", async_op=True)
+        self._finish = inband.start(self._latent.detach(), cp_group, "latent")
         self._used = False
 
     def latent(self, setup) -> torch.Tensor:
@@ -119,8 +119,7 @@ class LatentGather:
         if self._used:
             raise ValueError("a LatentGather feeds one laga_attention call; start a new one per call")
         self._used = True
-        self._pending.wait()
-        gathered = _GatheredLatent.apply(self._latent, self._state, self._buffer)
+        gathered = _GatheredLatent.apply(self._latent, self._state, self._finish())
         return to_position_order(gathered, setup)
 
     def parts(self, setup):
@@ -160,7 +159,8 @@ def start_latent_gather(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, *, cp_
     error = _local_error(kv_latent, k_pos_emb, check_ranks)
     values = agreement.gather_row(kv_latent, k_pos_emb, check_ranks, error is None)
     device = kv_latent.device if isinstance(kv_latent, torch.Tensor) else "cpu"
-    agreement.agree_call(cp_group, check_ranks, error, device, lambda: values)
+    with inband.joined(cp_group, "latent"):
+        agreement.agree_call(cp_group, check_ranks, error, device, lambda: values)
     return LatentGather(kv_latent, k_pos_emb, cp_group, passed)
 
 

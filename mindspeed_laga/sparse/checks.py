@@ -17,6 +17,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from .. import agreement, comm
+from ..agreement import inband
 from ..checks import check_cu_seqlens  # the dense forms' documents check
 from ..vocab.names import LAYOUTS as ALL_LAYOUTS
 from ..vocab.segments import Documents
@@ -133,9 +134,12 @@ def check_call(tensors, options: SparseOptions, check_ranks=None,
         device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else "cpu"
         documents = list(setup.documents or ()) if setup is not None else []
         agreement.note_weight(tensors[3])
-        agreement.agree_call(options.cp_group, check_ranks, failure, device,
-                             lambda: _row(setup, tensors, check_ranks), names=_NAMES,
-                             details={"documents": documents})
+        kind = "sparse_latent" if topk_indices is None else "sparse_latent/given_picks"
+        with inband.joined(options.cp_group, kind):
+            agreement.agree_call(options.cp_group, check_ranks, failure, device,
+                                 lambda: _row(setup, tensors, check_ranks), names=_NAMES,
+                                 details={"documents": documents},
+                                 values=lambda: agreement.call_tensors(tensors[3], None))
     return setup
 
 

@@ -28,6 +28,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from .. import agreement, comm, layout as layouts
+from ..agreement import inband
 from ..agreement.fields import FLAGS
 from ..vocab.documents import doc_pieces, document_of
 from ..vocab.segments import Segment
@@ -166,7 +167,8 @@ def _gather_keys(kv_latent, k_pos_emb, index_key, cp_group, layout):
     local = [t for t in (kv_latent, k_pos_emb, index_key) if t is not None]
     widths = [t.shape[-1] for t in local]
     packed = torch.cat(local, dim=-1)
-    gathered = comm.gather_seq(packed, cp_group, tag="sparse_latent")
+    kind = "sparse_latent" if index_key is not None else "sparse_latent/given_picks"
+    gathered = inband.gather_seq(packed, cp_group, "sparse_latent", kind)
     size = comm.group_size(cp_group)
     if not layouts.is_identity(layout, size):
         order = layouts.to_position_order(layout, size, kv_latent.shape[0])

@@ -57,7 +57,21 @@ def kv_up_linear(attention):
         return FP8UpProjection.apply(latent, weight_rows, fp8_meta)
 
     linear.agreement_code = recipe_code(fp8_meta)  # the CP ranks agree on the FP8 recipe
+    linear.agreement_tensors = lambda: held_scales(fp8_meta)  # and on its held scales
     return linear
+
+
+def held_scales(fp8_meta) -> list:
+    """The scales the recipe holds between calls (delayed scaling: the latent's and the
+    weight's ``scale``), which a later call's in-band code hashes on the device. Block and
+    MX scales are computed in the call from the gathered latent and the weight, alike on
+    every rank; the gradient's scale follows each rank's own queries, so it is left out."""
+    found = []
+    for key in ("inputs", "weight"):
+        scale = getattr(getattr(getattr(fp8_meta, key, None), "scale", None), "scale", None)
+        if isinstance(scale, torch.Tensor):
+            found.append(scale)
+    return found
 
 
 def recipe_code(fp8_meta) -> int:

@@ -210,7 +210,9 @@ def test_steady_state_collectives_and_host_syncs(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_steady_state_data_moves_the_latent_only(name):
     """The data all-gather forward and the reduce-scatter backward move this rank's latent
-    (sparse: latent, rope and index key), the same bytes each way, every call."""
+    (sparse: latent, rope and index key), the same bytes each way, every call; a later
+    call's gather adds the in-band check's two int64 values per rank (agreement/inband.py)."""
+    from mindspeed_laga.agreement.inband import BAND
     case = CASES[name]
     sizes = sp if case["form"] == "sparse" else (docs if case.get("documents") else kp)
     batch = 1 if case.get("documents") else sizes.B
@@ -220,7 +222,7 @@ def test_steady_state_data_moves_the_latent_only(name):
         for run in per_case[name]:
             if run["call"] == 0:
                 continue
-            assert run["counts"]["forward"]["payload"] == [latent]
+            assert run["counts"]["forward"]["payload"] == [latent + BAND * 8]
             assert run["counts"]["backward"]["payload"][-1] == latent
 
 

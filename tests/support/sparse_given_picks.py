@@ -16,12 +16,16 @@ from .sparse_mla import COEFF, LOCAL, SCALE, TOPK, full_inputs
 MLA = LOCAL[:3]  # the inputs a reusing layer takes: query, kv_latent, k_pos_emb
 
 
-def chain_worker(rank, world_size, layout, seed, dims=None):
+def chain_worker(rank, world_size, layout, seed, dims=None, micro_batch=False):
     """[computing layer's results, reusing layer's]: output, picks, loss, grads, and the
-    byte counter's records of its forward; plus the backward's records."""
+    byte counter's records of its forward; plus the backward's records. ``micro_batch``:
+    both layers in one micro-batch (the reusing one a later call), settled after."""
     import torch.distributed as dist
 
+    from mindspeed_laga import new_micro_batch, settle
     group = dist.group.WORLD
+    if micro_batch:
+        new_micro_batch(group)
     runs, backward = [], 0
     for layer, names in ((0, LOCAL), (1, MLA)):
         x = full_inputs(seed + layer, dims=dims)
@@ -45,6 +49,8 @@ def chain_worker(rank, world_size, layout, seed, dims=None):
                          records=[(r.kind, r.direction, r.payload) for r in counter.records]))
     with count_bytes() as counter:
         backward.backward()
+    if micro_batch:
+        settle()
     out = []
     for run in runs:
         got = run["result"]
