@@ -91,6 +91,7 @@ def test_text_shows_the_json_figures(capsys):
     code, out, _ = run_cli(capsys, "plan", "--backend", "fsdp2", "--dsa", "glm-5.2", "--cp", "4",
                            "--seq-len", "131072")
     assert code == 0
+    assert max(len(line) for line in out.splitlines()) <= 100  # plan fits a 100-column terminal
     for name, row in t["paths"].items():
         line = next(x for x in out.splitlines() if x.startswith(name + " "))
         assert line.split()[-3].replace(",", "") == str(row["values_per_token"]), line

@@ -11,6 +11,7 @@ refused in one line. Nothing runs.
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import replace
 
 from ..costmodel import dsa, fsdp2
@@ -23,6 +24,7 @@ from .shapes import check_seq_len_bound
 from .typed import given, typed_outside
 
 BACKENDS = ("megatron", "fsdp2")
+WIDTH = 100  # plan's lines fit a 100-column terminal
 MODELLED = ("backend", "cp_type", "preset", "dsa", "index_heads", "index_head_dim", "seq_len",
             "micro_batch", "cp", "dtype", "json") + tuple(d.dest for d in DIM_FLAGS)
 
@@ -40,6 +42,11 @@ def add_args(p) -> None:
     p.set_defaults(fsdp2_unmodelled=tuple(
         (a.dest, a.option_strings[0], parsed_default(a)) for a in p._actions
         if a.option_strings and a.dest not in MODELLED + ("help",)))
+
+
+def _say(text: str, indent: str = "") -> None:
+    print(textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "    ",
+                        break_on_hyphens=False))
 
 
 def wanted(args) -> bool:
@@ -114,33 +121,33 @@ def run(args) -> int:
 
 def print_table(t: dict) -> None:
     d = t["dims"]
-    print(f"plan --backend fsdp2 {t['model']} ({t['model_type']}): n={d['heads']} "
-          f"d_n={d['qk_head_dim']} d_r={d['rope_dim']} d_v={d['v_head_dim']} "
-          f"d_c={d['kv_lora_rank']} hidden={d['hidden_size']} q_lora={d['q_lora_rank']}")
-    print(f"S={t['seq_len']}, b={t['micro_batch']}, CP={t['cp_size']}, parallel.cp_type "
-          f"{t['cp_type']} (LAGA: {t['laga_cp_algo']}), {t['dtype']}; forward, per layer and "
-          "per CP rank (model)")
+    _say(f"plan --backend fsdp2 {t['model']} ({t['model_type']}): n={d['heads']} "
+         f"d_n={d['qk_head_dim']} d_r={d['rope_dim']} d_v={d['v_head_dim']} "
+         f"d_c={d['kv_lora_rank']} hidden={d['hidden_size']} q_lora={d['q_lora_rank']}")
+    _say(f"S={t['seq_len']}, b={t['micro_batch']}, CP={t['cp_size']}, parallel.cp_type "
+         f"{t['cp_type']} (LAGA: {t['laga_cp_algo']}), {t['dtype']}; forward, per layer and per "
+         "CP rank (model)")
     print(f"{'path':<22} {'collectives':>12} {'values/token':>14} {'received':>12}")
     print("-" * 63)
     for name, row in t["paths"].items():
         print(f"{name:<22} {row['collectives']:>12} {row['values_per_token']:>14,} "
               f"{fmt_bytes(row['received_bytes']):>12}")
-        print("    " + "; ".join(f"{x['kind']} {x['what']} {x['width']:,}" for x in row["transfers"]))
+        _say("; ".join(f"{x['kind']} {x['what']} {x['width']:,}" for x in row["transfers"]), "    ")
     host, laga = list(t["paths"].values())[:2]
     if laga["received_bytes"]:
         print(f"host / laga: {host['received_bytes'] / laga['received_bytes']:.2f}x the bytes")
     if "layer_mix" in t:
-        print(mix_line(t["layer_mix"]))
+        _say(mix_line(t["layer_mix"]))
     if "host_squares" in t:
         _print_squares(t)
-    print("received: bytes one rank receives (= sends): all-gather and ring (P-1) x the local "
-          "payload, all-to-all (P-1)/P x.")
+    _say("received: bytes one rank receives (= sends): all-gather and ring (P-1) x the local "
+         "payload, all-to-all (P-1)/P x.")
 
 
 def _print_squares(t: dict) -> None:
     s, dtype, heads = t["host_squares"], t["dtype"], t["index_heads"]
-    print(f"tensors with two dims of the full sequence, per rank (the host builds them on every "
-          f"rank; LAGA: none, {fmt_bytes(t['laga_squares'])}):")
+    _say(f"tensors with two dims of the full sequence, per rank (the host builds them on every "
+         f"rank; LAGA: none, {fmt_bytes(t['laga_squares'])}):")
     for what, key in ((f"index mask [b, S, S] {dtype}", "index_mask"),
                       ("its bool copy [b, S, S]", "index_mask_bool"),
                       ("mask peak (both alive)", "mask_peak"),
