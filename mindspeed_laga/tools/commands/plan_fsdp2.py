@@ -14,7 +14,7 @@ import json
 import textwrap
 from dataclasses import replace
 
-from ..costmodel import dsa, fsdp2
+from ..costmodel import fsdp2
 from ..costmodel.config import DTYPE_BYTES
 from ..costmodel.presets import FSDP2_MODELS, MODELS
 from .output import fmt_bytes, mix_line
