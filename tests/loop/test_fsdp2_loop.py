@@ -67,6 +67,30 @@ def test_laga_cp2_equals_host_cp1(fsdp2, cp_type, data, recompute):
     assert run.values_per_token("all_gather", local) == {latent}
     assert run.values_per_token("all_to_all", local) == \
         (query_and_output if data == "heads" else set())
+    # and ``mindspeed-laga plan --backend fsdp2`` at these dims plans what was counted
+    planned = plan_laga_widths(dims, cp_type, loop.SEQ_LENGTH)
+    for kind in ("all_gather", "all_to_all"):
+        assert run.values_per_token(kind, local) == planned.get(kind, set())
+
+
+def plan_laga_widths(dims, cp_type, seq_len):
+    """{collective kind: the widths} of LAGA's row in ``plan --backend fsdp2 --json`` at
+    ``dims`` (a config.json's keys), CP 2."""
+    from mindspeed_laga.tools.commands import plan_fsdp2
+    from mindspeed_laga.tools.cli import build_parser
+    flags = {"--heads": "num_attention_heads", "--qk-head-dim": "qk_nope_head_dim",
+             "--qk-pos-emb-head-dim": "qk_rope_head_dim", "--v-head-dim": "v_head_dim",
+             "--kv-lora-rank": "kv_lora_rank", "--hidden-size": "hidden_size",
+             "--q-lora-rank": "q_lora_rank"}
+    argv = ["plan", "--backend", "fsdp2", "--cp", "2", "--cp-type", cp_type, "--seq-len", str(seq_len)]
+    for flag, key in flags.items():
+        argv += [flag, str(dims[key])]
+    table = plan_fsdp2.table_from_args(build_parser().parse_args(argv))
+    laga = next(row for name, row in table["paths"].items() if name.startswith("laga"))
+    widths = {}
+    for t in laga["transfers"]:
+        widths.setdefault(t["kind"], set()).add(t["width"])
+    return widths
 
 
 def test_host_ulysses_cp2_equals_its_cp1(fsdp2):

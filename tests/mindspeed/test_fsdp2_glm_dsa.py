@@ -19,6 +19,9 @@ Mutants tried (fused, ulysses, CP 2), each failing the comparison: the index key
 neighbouring position (output 0.63 relative), the rope one position off (output 0.17),
 the index inputs built without a gradient (every indexer weight's grad missing).
 """
+import json
+import math
+
 import pytest
 
 pytestmark = [pytest.mark.ascend, pytest.mark.hosts]
@@ -87,11 +90,23 @@ def test_steady_state_per_later_layer_call(case):
         assert (r["syncs"]["layer1"], r["syncs"]["layer2"], r["syncs"]["backward"]) == (0, 0, 0)
 
 
+def planned(harness, capsys, *more):
+    """``mindspeed-laga plan --backend fsdp2 --json`` at the harness's dims."""
+    from support.cli_runs import run_cli
+    code, out, err = run_cli(capsys, "plan", "--backend", "fsdp2", "--json", *harness.plan_flags(),
+                             *more)
+    assert code == 0, err
+    return json.loads(out)["fsdp2"]
+
+
 @pytest.mark.timeout(900)
-def test_values_per_token(case):
+def test_values_per_token(case, harness, capsys):
     _, per_rank, _ = case
+    plan = planned(harness, capsys)["paths"]
+    computing, reusing = (plan[p]["values_per_token"] for p in ("laga", "laga, reusing picks"))
     for r in per_rank:
         assert r["values_per_token"] == {"layer0": 704.0, "layer1": 576.0, "layer2": 704.0}
+        assert r["values_per_token"] == {"layer0": computing, "layer1": reusing, "layer2": computing}
 
 
 @pytest.mark.timeout(900)
@@ -117,7 +132,7 @@ def test_refusals_name_the_fix_on_every_rank_before_any_collective(around, roots
 
 
 @pytest.mark.timeout(600)
-def test_the_hosts_cp_path_gathers_every_hidden_state(harness, around, roots):
+def test_the_hosts_cp_path_gathers_every_hidden_state(harness, around, roots, capsys):
     """The host's figures, for comparison: its ``dsa_forward`` (on transformers' class, as
     its CP table maps it) all-gathers per token the hidden state, the query latent, cos and
     sin, then moves per-head Q, K, V and the output by all-to-all, and builds tensors with
@@ -130,6 +145,15 @@ def test_the_hosts_cp_path_gathers_every_hidden_state(harness, around, roots):
         assert per_token["all_to_all"] == [heads * qk, heads * qk, heads * c["v_head_dim"],
                                            heads * c["v_head_dim"]]
         assert square
+        plan = planned(harness, capsys, "--dtype", "fp32")  # the layer runs in float32
+        host = plan["paths"]["host dsa_forward"]["transfers"]
+        assert {kind: [x["width"] for x in host if x["kind"] == kind] for kind in per_token} == per_token
+        made = {op: [math.prod(shape) for o, shape in square if o == op] for op, _ in square}
+        index_scores = harness.BATCH * harness.SEQ * c["index_n_heads"] * harness.SEQ
+        assert [n * 4 for n in made["aten.full.default"]] == [plan["host_squares"]["index_mask"]]
+        assert made["aten._to_copy.default"] == [plan["host_squares"]["index_mask_bool"]]
+        assert index_scores in made["aten.mul.Tensor"]  # the indexer's [b, S, heads, S] scores
+        assert index_scores * 4 == plan["host_squares"]["indexer_scores"]
 
 
 @pytest.mark.timeout(600)

@@ -365,3 +365,18 @@ def mismatches(ref, per_rank, size) -> list:
             bad.append(f"layer {i} indexer loss: {sum(got) / size} vs the host's {want}")
     return bad
 
+
+
+def plan_flags(cp_size: int = 2) -> list:
+    """The flags after ``mindspeed-laga plan --backend fsdp2`` that ask the cost model about the
+    layers measured here: ``--dsa glm-5.2`` at ``CONFIG``'s dims, ``SEQ`` and ``BATCH``."""
+    dims = {"--heads": "num_attention_heads", "--qk-head-dim": "qk_nope_head_dim",
+            "--qk-pos-emb-head-dim": "qk_rope_head_dim", "--v-head-dim": "v_head_dim",
+            "--kv-lora-rank": "kv_lora_rank", "--hidden-size": "hidden_size",
+            "--q-lora-rank": "q_lora_rank", "--index-heads": "index_n_heads",
+            "--index-head-dim": "index_head_dim"}
+    flags = ["--dsa", "glm-5.2", "--seq-len", str(SEQ), "--cp", str(cp_size),
+             "--micro-batch", str(BATCH)]
+    for flag, key in dims.items():
+        flags += [flag, str(CONFIG[key])]
+    return flags

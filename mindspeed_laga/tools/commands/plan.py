@@ -22,7 +22,7 @@ from .. import costmodel as cm
 from ...kernels.registry import CPU_KERNELS, KERNEL_NAMES, canonical
 from ...vocab.names import LAYOUTS
 from .output import dtype_arg, finite_float
-from . import plan_dsa
+from . import plan_dsa, plan_fsdp2
 from .parsers import add_cp_algo_args, command_parser
 from .plan_args import DEFAULT_CP, DIM_FLAGS, DTYPES
 from .plan_build import build_plan
@@ -90,8 +90,12 @@ def add_parser(sub):
                    help="also list every saved tensor of every variant (rank 0, last kernel)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan_dsa.add_args(p)
+    plan_fsdp2.add_args(p)  # last: it refuses the flags added before it does not model
 
 def run(args) -> int:
+    if plan_fsdp2.wanted(args):
+        return plan_fsdp2.run(args)
+    plan_fsdp2.refuse_elsewhere(args)
     if plan_dsa.wanted(args):
         return plan_dsa.run(args, DIM_FLAGS, DTYPES, DEFAULT_CP)
     plan = build_plan(args)

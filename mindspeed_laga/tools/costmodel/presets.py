@@ -3,7 +3,8 @@
 Each preset declares the MindSpeed-LLM pretrain recipe its dims come from (a path under
 the host's ``examples/mcore/``; the preset test reads the recipe's flags against it), or
 ``recipe=None`` with ``no_recipe`` saying why there is none. A sparse (DSA) model also
-declares its indexer, and a model whose layers share picks its :class:`IndexShare`.
+declares its indexer, and a model whose layers share picks its :class:`IndexShare`; a model
+LAGA covers on MindSpeed-LLM's FSDP2 backend, its HF ``model_type``.
 Adding a preset: one ``Preset`` line in ``MODELS``.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Preset:
     no_recipe: str = ""            # why there is none (recipe None)
     indexer: Optional[IndexerDims] = None   # sparse MLA (DSA): the lightning indexer
     share: Optional[IndexShare] = None      # layers that reuse an earlier layer's picks
+    hf_model_type: Optional[str] = None     # config.json's model_type LAGA covers on FSDP2
 
     def __post_init__(self):
         if (self.recipe is None) == (not self.no_recipe):
@@ -37,7 +39,7 @@ class Preset:
 _GLM5 = ModelDims(64, 192, 64, 256, 512, 6144, 2048)
 MODELS: Dict[str, Preset] = {
     "deepseek-v3": Preset(ModelDims(128, 128, 64, 128, 512, 7168, 1536),
-                          "deepseek3/pretrain_deepseek3_671b_4k_ptd.sh"),
+                          "deepseek3/pretrain_deepseek3_671b_4k_ptd.sh", hf_model_type="deepseek_v3"),
     "deepseek-v2-lite": Preset(ModelDims(16, 128, 64, 128, 512, 2048, None),
                                "deepseek2_lite/pretrain_deepseek2_lite_16b_ptd_8p.sh"),
     "kimi-k2": Preset(ModelDims(64, 128, 64, 128, 512, 7168, 1536),
@@ -50,15 +52,18 @@ MODELS: Dict[str, Preset] = {
     "deepseek-v3.2": Preset(ModelDims(128, 128, 64, 128, 512, 7168, 1536),
                             "deepseek32/pretrain_deepseek32_671b_4k_A3_ptd.sh",
                             indexer=IndexerDims(64, 128)),
-    "glm-5": Preset(_GLM5, "glm5/pretrain_glm5_744b_4k_A3_ptd.sh", indexer=IndexerDims(32, 128)),
+    "glm-5": Preset(_GLM5, "glm5/pretrain_glm5_744b_4k_A3_ptd.sh", indexer=IndexerDims(32, 128),
+                    hf_model_type="glm_moe_dsa"),
     "glm-5.2": Preset(_GLM5, "glm52/pretrain_glm52_744b_4k_A3_ptd.sh", indexer=IndexerDims(32, 128),
-                      share=IndexShare(freq=4, offset=3, num_layers=78)),
+                      share=IndexShare(freq=4, offset=3, num_layers=78), hf_model_type="glm_moe_dsa"),
 }
 # What the dense and the sparse commands each read of it.
 PRESETS: Dict[str, ModelDims] = {n: p.dims for n, p in MODELS.items() if not p.sparse}
 DSA_PRESETS: Dict[str, Tuple[ModelDims, IndexerDims]] = {
     n: (p.dims, p.indexer) for n, p in MODELS.items() if p.sparse}
 DSA_SHARES: Dict[str, IndexShare] = {n: p.share for n, p in MODELS.items() if p.share}
+# The models of MindSpeed-LLM's FSDP2 backend LAGA covers: preset -> config.json's model_type.
+FSDP2_MODELS: Dict[str, str] = {n: p.hf_model_type for n, p in MODELS.items() if p.hf_model_type}
 
 
 def preset(name: str) -> ModelDims:
