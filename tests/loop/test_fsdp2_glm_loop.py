@@ -58,3 +58,17 @@ def test_glm52_laga_cp2_equals_host_cp1(glm):
     latent = dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
     assert run.values_per_token("all_gather", loop.SEQ_LENGTH // 2) == \
         {latent + dims["index_head_dim"], latent}
+
+
+def test_glm52_laga_cp4_ulysses_equals_host_cp1(glm):
+    """CP 4 under ``ulysses`` (one head a rank, contiguous slices of 8 tokens): the same
+    training as the host's CP 1 run, the same gathers per token. The host's contiguous
+    slices read as zigzag (``glm_dsa.LAYOUTS``) fail it at step 1 (loss 2.3e-3)."""
+    ref = glm("host-cp1", overrides=SHORT)
+    run = glm("laga-cp4-ulysses", cp=4, cp_type="ulysses", laga=True, overrides=SHORT)
+    assert_ran(run, laga=True, layers=LAYERS, counter="laga_sparse_attention", steps=STEPS)
+    assert_same_training(run, ref, cp=4, steps=STEPS)
+    dims = loop.GLM52
+    latent = dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
+    assert run.values_per_token("all_gather", loop.SEQ_LENGTH // 4) == \
+        {latent + dims["index_head_dim"], latent}
