@@ -73,6 +73,18 @@ def test_laga_cp2_equals_host_cp1(fsdp2, cp_type, data, recompute):
         assert run.values_per_token(kind, local) == planned.get(kind, set())
 
 
+@pytest.mark.parametrize("cp_type", ["ulysses", "ring"])
+def test_laga_cp4_equals_host_cp1(fsdp2, cp_type):
+    """CP 4 on 4 ranks (ulysses: one head a rank): the same training as the host's CP 1."""
+    ref = fsdp2("host-cp1")
+    run = fsdp2(f"laga-cp4-{cp_type}", cp=4, cp_type=cp_type, laga=True)
+    assert_ran(run, laga=True)
+    assert_same_training(run, ref, cp=4)
+    dims = loop.DEEPSEEK_V3
+    latent = dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
+    assert run.values_per_token("all_gather", loop.SEQ_LENGTH // 4) == {latent}
+
+
 def plan_laga_widths(dims, cp_type, seq_len):
     """{collective kind: the widths} of LAGA's row in ``plan --backend fsdp2 --json`` at
     ``dims`` (a config.json's keys), CP 2."""
