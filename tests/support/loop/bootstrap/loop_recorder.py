@@ -2,8 +2,6 @@
 import atexit
 import collections
 import functools
-import importlib.abc
-import importlib.util
 import json
 import os
 import sys
@@ -205,25 +203,6 @@ def _after_import(name, callback):
     if name in sys.modules:
         callback(sys.modules[name])
         return
-    sys.meta_path.insert(0, _AfterImport(name, callback))
+    from mindspeed_laga.patches.after_import import after_import
+    after_import(name, callback)
 
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    def __init__(self, name, callback):
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module, callback = spec.loader.exec_module, self.callback
-
-        def exec_then_callback(module):
-            exec_module(module)
-            callback(module)
-
-        spec.loader.exec_module = exec_then_callback
-        return spec
