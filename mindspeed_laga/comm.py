@@ -139,15 +139,20 @@ class Pending:
 
 @contextlib.contextmanager
 def _peer_failures(group):
-    """A data collective that fails because a peer rejected its arguments in a call that
-    skipped the exchange raises that peer's error (agreement/store.py), not the backend's."""
+    """A failed collective names its cause: a peer's error from the store (a call that
+    skipped the exchange, agreement/store.py), else what makes a rank miss a collective."""
     try:
         yield
     except RuntimeError as exc:
         cause = store.peer_failure(group)
-        if cause is None:
-            raise
-        raise cause from exc
+        if cause is not None:
+            raise cause from exc
+        raise RuntimeError(
+            f"a LAGA collective on cp_group failed ({exc}); a CP rank did not join it: it "
+            "skipped or repeated a LAGA layer, ran no backward through a call its peers ran "
+            "backward through (its inputs needed no grad, or it ran forward only), stopped, or "
+            "is still in another collective; every rank of cp_group must make the same LAGA "
+            "calls in the same order") from exc
 
 
 def _run(collective, records, async_op: bool, group=None):
@@ -249,16 +254,20 @@ def all_to_all_raw(x: torch.Tensor, group, direction: str, tag: str = "",
 
 
 def handshake(values: List[int], group, device, slot=None) -> List[List[int]]:
-    """All-gather a few integers per rank (argument checks before data moves); ``slot``:
-    (index, 0-d int64 device tensor) written into the row on the device, unread before."""
-    size = group_size(group)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    """Every rank's few integers (argument checks before data moves); ``slot``: (index, 0-d
+    int64 device tensor) written into the row on the device, unread before. An all-reduce
+    of the table, not an all-gather: a rank that meets a peer's latent gather here (a skipped
+    layer) times out with a named error, where gloo aborts on all-gathers of unequal sizes."""
+    size, rank = group_size(group), group_rank(group)
+    table = torch.zeros(size, len(values), dtype=torch.int64, device=device)
+    mine = table[rank]
+    mine.copy_(torch.tensor(values, dtype=torch.int64))
     if slot is not None:
         mine[slot[0]] = slot[1].to(device)
-    out = torch.empty(size * len(values), dtype=torch.int64, device=device)
     _record("handshake", "forward", _nbytes(mine), (size - 1) * _nbytes(mine), size)
-    _all_gather_tensor(out, mine, group=group)
-    return out.view(size, len(values)).tolist()
+    with _peer_failures(group):
+        dist.all_reduce(table, group=group)
+    return table.tolist()
 
 
 # ---------------------------------------------------------------- autograd wrappers

@@ -1,20 +1,23 @@
 """The in-band check of a later call: no extra collective, no read.
 
-In micro-batch mode each later call's latent all-gather carries two int64 values per rank
-after the latent (their bits, as the latent's dtype): the call's code (its row's hash, its
-place in the micro-batch, a device hash of its weight and a linear's agreement_tensors)
-and this rank's verdict (0, or WRONG: its latent is not the shape or dtype of the
-micro-batch's first gather of that kind, or its call failed). After the gather every rank
-compares them on the device; on any difference the gathered latent becomes NaN (so the
-outputs are) and the ``latent`` flag is set, read at the next exchange or settle, which
-names the field from the recorded rows when they differ. A rank that knows its call is
-wrong sends a stand-in of the agreed shape (so no peer aborts on a size mismatch or waits
-in the gather), then raises.
+Each later call's latent all-gather carries two int64 per rank after the latent (their
+bits, as the latent's dtype): the call's code (its row's hash, its place in the
+micro-batch, a device hash of its weight and a linear's ``agreement_tensors``) and the
+rank's verdict (0: its latent has the expected shape and dtype). Every rank compares them
+on the device; on any difference the gathered latent becomes NaN (so the outputs are) and
+the ``latent`` flag is set, named at the next exchange or settle.
+
+The expected shape of a gather is the one at its place in the previous micro-batch (while
+this one began alike), else the last of its kind in this one. A rank that holds another
+sends a stand-in of the expected shape (a peer never aborts on a size mismatch), its verdict
+the code of what it holds, and reads the verdicts (off the steady path): every rank moved
+alike, then the real latent follows; else it raises naming the shapes.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple
+import zlib
+from typing import Optional
 
 import torch
 
@@ -22,16 +25,18 @@ from .. import comm
 from . import schedule, store
 
 BAND = 2    # int64 values per rank after its latent
-WRONG = 1   # the verdict of a rank whose latent is not the agreed shape or dtype
+FAILED = 1  # the verdict of a rank whose call failed on its own
 _BAND_BYTES = BAND * 8
 
 
 def gather_seq(x: torch.Tensor, group, tag: str, kind: Optional[str] = None) -> torch.Tensor:
-    """``comm.gather_seq`` of ``x`` [s, ...], checked in band in a later call (``kind``:
-    which gathers share one agreed shape, default ``tag``)."""
+    """``comm.gather_seq`` of ``x`` [s, ...], checked in band in a later call (``kind``: which
+    gathers share a shape, default ``tag``)."""
     band = _band(x, group, kind or tag)
     if band is None:
         return comm.gather_seq(x, group, tag)
+    if torch.is_grad_enabled() and not x.requires_grad and schedule.state(group).call_grads:
+        x = x.detach().requires_grad_()  # joins the backward reduce-scatter its peers run
     return _Gather.apply(x, group, tag, band)
 
 
@@ -40,74 +45,83 @@ def start(x: torch.Tensor, group, tag: str, kind: Optional[str] = None):
     band = _band(x, group, kind or tag)
     if band is None:
         out, pending = comm.all_gather_raw(x, group, "forward", tag, async_op=True)
-
-        def plain():
-            pending.wait()
-            return out
-        return plain
+        return lambda: (pending.wait(), out)[1]
     out, pending = _launch(x, group, tag, band)
-    return lambda: (pending.wait(), _unpack(out, x, group))[1]
+    return lambda: (pending.wait(), _unpack(out, x, group)[0])[1]
 
 
 @contextlib.contextmanager
 def joined(group, kind: Optional[str]):
     """Around a call's agreement: a later call that fails on this rank still joins the
-    gather of ``kind`` its peers make (a stand-in of the agreed shape, verdict WRONG), so
-    they return NaN at once and name it at the next settle, instead of waiting in it."""
+    gather of ``kind`` its peers make (a stand-in, verdict FAILED), then raises."""
     try:
         yield
     except Exception:
         found = schedule._STATES.get(group) if group is not None and kind else None
-        if found is not None and found.call_code is not None and kind in found.wires:
-            shape, dtype, device = found.wires[kind]
-            band = torch.full((BAND,), found.call_code, dtype=torch.int64, device=device)
-            _send_stand_in(group, band, (shape, dtype, device))
+        banded = found is not None and found.per_micro_batch and found.call_code is not None
+        expected = _expected(found, kind) if banded else None
+        if expected is not None:
+            band = torch.tensor([found.call_code, FAILED], dtype=torch.int64, device=expected[2])
+            _send_stand_in(group, band, expected)
         raise
 
 
+def _expected(found, kind: str):
+    """The (shape, dtype, device) a gather of ``kind`` is expected to hold, or None."""
+    now, before = found.wires, found.pattern
+    if now and len(now) < len(before) and before[0] == now[0]:
+        return before[len(now)][1]
+    return next((wire for k, wire in reversed(now) if k == kind), None)
+
+
 def _band(x: torch.Tensor, group, kind: str) -> Optional[torch.Tensor]:
-    """This call's band (None: gather plainly: no micro-batch, or its exchanging call,
-    which records the shape its later calls must gather)."""
+    """This call's band (None: gather plainly: per-call mode or an exchanging call)."""
     found = schedule._STATES.get(group) if group is not None else None
-    if found is None or not found.per_micro_batch:
+    if found is None:
         return None
     wire = (tuple(x.shape), x.dtype, x.device)
-    if found.call_code is None:
-        found.wires[kind] = wire
+    expected = _expected(found, kind)
+    if len(found.wires) < schedule.ROWS_KEPT:
+        found.wires.append((kind, wire))
+    if not found.per_micro_batch or found.call_code is None:
         return None
     band = torch.full((BAND,), found.call_code, dtype=torch.int64, device=x.device)
     if found.call_values is not None:  # the weight, FP8 scales: hashed on the device
         band[0].add_(found.call_values.to(x.device))
-    agreed = found.wires.setdefault(kind, wire)
-    if agreed != wire:
-        _stand_in(x, group, band, agreed, wire)
     band[1].fill_(0)
+    if expected is not None and expected != wire:
+        _moved(group, band.clone(), expected, wire)
     return band
 
 
-def _send_stand_in(group, band, agreed: Tuple) -> None:
-    """Zeros of the agreed shape with this rank's verdict WRONG: the peers' gather completes."""
-    band[1].fill_(WRONG)
-    stand_in = torch.zeros(agreed[0], dtype=agreed[1], device=agreed[2])
-    out, pending = _launch(stand_in, group, "stand_in", band)
-    pending.wait()
-    _unpack(out, stand_in, group)
-
-
-def _stand_in(x, group, band, agreed: Tuple, wire: Tuple) -> None:
-    """Send a stand-in of the agreed shape, then raise naming what differs."""
-    _send_stand_in(group, band, agreed)
-    what = ("dtype" if agreed[0] == wire[0]
-            else "shape [s, b, d] (local length, micro-batch, widths)")
+def _moved(group, band, expected, wire) -> None:
+    """This rank holds another shape than expected: send a stand-in, read the verdicts;
+    return if every rank moved to the same shape, else raise naming it."""
+    mine = zlib.crc32(repr((wire[0], str(wire[1]))).encode()) + 2  # never 0 or FAILED
+    band[1].fill_(mine)
+    verdicts = _send_stand_in(group, band, expected)[:, 1].tolist()
+    if all(v == mine for v in verdicts):
+        schedule.state(group).pattern = []  # the rest of this micro-batch: by kind
+        return
+    what = "dtype" if expected[0] == wire[0] else "shape [s, b, d] (local length, micro-batch, widths)"
     failure = ValueError(
         f"CP ranks disagree on the latent's {what} in a later call: this rank gathers "
-        f"{list(wire[0])} {wire[1]}, the micro-batch's first call of this kind gathered "
-        f"{list(agreed[0])} {agreed[1]} (this rank sent a stand-in of that shape; the peers' "
-        "outputs are NaN and their next exchange or settle names it); pass the same local "
-        "length, micro-batch, widths and dtype on every rank, and open a new micro-batch "
-        "(new_micro_batch) before calls of another shape")
+        f"{list(wire[0])} {wire[1]}, the call at this place of the micro-batch gathered "
+        f"{list(expected[0])} {expected[1]}; CP rank(s) {[r for r, v in enumerate(verdicts) if v]}"
+        " hold another (each sent a stand-in of that shape; the peers' outputs are NaN and "
+        "their next exchange or settle names it); run the same layers with the same local "
+        "length, micro-batch, widths and dtype on every rank")
     schedule.state(group).failure = str(failure)
     raise store.tell_peers(failure, group, "fold")
+
+
+def _send_stand_in(group, band, expected) -> torch.Tensor:
+    """Zeros of the expected shape beside ``band``: the peers' gather completes. Returns
+    every rank's band."""
+    stand_in = torch.zeros(expected[0], dtype=expected[1], device=expected[2])
+    out, pending = _launch(stand_in, group, "stand_in", band)
+    pending.wait()
+    return _unpack(out, stand_in, group)[1]
 
 
 def _launch(x: torch.Tensor, group, tag: str, band: torch.Tensor):
@@ -115,8 +129,9 @@ def _launch(x: torch.Tensor, group, tag: str, band: torch.Tensor):
     return comm.all_gather_raw(packed, group, "forward", tag, async_op=True, side=_BAND_BYTES)
 
 
-def _unpack(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
-    """The gathered latent (NaN if any rank's band differs), its flag noted unread."""
+def _unpack(out: torch.Tensor, x: torch.Tensor, group):
+    """(the gathered latent, NaN if any rank's band differs; every rank's band), the flag
+    noted unread."""
     size = comm.group_size(group)
     rows = out.view(size, -1)
     n = rows.shape[1] - _BAND_BYTES // x.element_size()
@@ -124,7 +139,7 @@ def _unpack(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
     bands = rows[:, n:].contiguous().view(torch.int64)
     bad = (bands[:, 0] != bands[0, 0]).any() | (bands[:, 1] != 0).any()
     schedule.flag(group, "latent", bad)
-    return data.masked_fill_(bad, float("nan"))
+    return data.masked_fill_(bad, float("nan")), bands
 
 
 class _Gather(torch.autograd.Function):
@@ -135,7 +150,7 @@ class _Gather(torch.autograd.Function):
         ctx.group, ctx.tag = group, tag
         out, pending = _launch(x, group, tag, band)
         pending.wait()
-        return _unpack(out, x, group)
+        return _unpack(out, x, group)[0]
 
     @staticmethod
     def backward(ctx, grad):

@@ -55,7 +55,9 @@ class GroupAgreement:
     call_code: Optional[int] = None  # this later call's in-band code (None: it exchanged)
     later: int = 0                 # later calls since the last exchange or settle
     call_values: Optional[torch.Tensor] = None  # its device code of weights, FP8 scales
-    wires: Dict[str, tuple] = field(default_factory=dict)  # gathers' agreed (shape, dtype)
+    call_grads: bool = False       # whether this later call's inputs need grads
+    wires: List[tuple] = field(default_factory=list)    # this micro-batch's (kind, gathered)
+    pattern: List[tuple] = field(default_factory=list)  # the previous micro-batch's
     failure: Optional[str] = None  # a later call's local failure, told at the next settle
 
     @property
@@ -97,7 +99,7 @@ def new_micro_batch(cp_group) -> None:
     group = state(cp_group)
     group.epoch += 1
     group.memo.clear()
-    group.wires.clear()
+    group.pattern, group.wires = group.wires or group.pattern, []
     group.deferred = None
     _install_optimizer_hook()
 
@@ -147,7 +149,7 @@ def agree_call(cp_group, check_ranks, failure, device, row: Callable[[], Dict[st
         store.count(cp_group)
         group.later += 1
         group.call_code = group.later * _MIX_CALL % _MIX  # SKIP: no row
-        group.call_values = None
+        group.call_values, group.call_grads = None, False
         if failure is not None:
             group.failure = group.failure or str(as_exception(failure))
             raise store.tell_peers(as_exception(failure), cp_group, how.value)
@@ -235,6 +237,7 @@ def _record(group: GroupAgreement, values: Dict[str, int]) -> None:
     row = row_of(values)
     group.digest = (group.digest * 1000003 + hash(row)) % _MIX
     group.call_code = (hash(row) * _MIX_CALL + group.later) % _MIX  # in band: this call
+    group.call_grads = values.get("requires_grad", 0) > 0
     if len(group.rows) < ROWS_KEPT:
         group.rows.append(row)
 

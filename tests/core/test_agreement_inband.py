@@ -21,22 +21,24 @@ from support.key_padding import SCALE, assemble, full_inputs, local_inputs, padd
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
 
-def _call(rank, seed=0, backward=True, cast=None, drop=0, linear=None, overlap=False, **kw):
+def _call(rank, seed=0, backward=True, cast=None, drop=0, linear=None, overlap=False,
+          frozen=False, group=None, **kw):
     """One layer call of layer ``seed`` on this rank's shard: its output and grads
-    (``overlap``: the latent gathered by start_latent_gather first)."""
+    (``overlap``: the latent gathered by start_latent_gather first; ``frozen``: the latent
+    and its rope key need no grad)."""
     import torch.distributed as dist
+    group = group or dist.group.WORLD
     x = full_inputs(seed)
     inputs, local = local_inputs(x, "zigzag", 2, rank)
     leaves = [t.detach()[:t.shape[0] - drop].clone() for t in inputs.values()]
     weight = x["kv_up_weight"].clone()
     if cast is not None:
         leaves, weight = [t.to(cast) for t in leaves], weight.to(cast)
-    leaves = [t.requires_grad_() for t in leaves]
+    leaves = [t.requires_grad_(not (frozen and i in (1, 2))) for i, t in enumerate(leaves)]
     weight.requires_grad_()
     if overlap:
-        kw["latent_gather"] = start_latent_gather(leaves[1], leaves[2],
-                                                  cp_group=dist.group.WORLD)
-    out = laga_attention(*leaves, weight, softmax_scale=SCALE, cp_group=dist.group.WORLD,
+        kw["latent_gather"] = start_latent_gather(leaves[1], leaves[2], cp_group=group)
+    out = laga_attention(*leaves, weight, softmax_scale=SCALE, cp_group=group,
                          kv_up_linear=linear, **kw)
     if not backward:
         return {"out": out.detach()}
@@ -77,6 +79,11 @@ def later_check_ranks(rank):
     return [_call(rank), _call(rank, check_ranks=(None, False)[rank]), _call(rank)]
 
 
+def later_no_grad(rank):
+    """Call 2's latent needs no grad on rank 1 only: it still joins the reduce-scatter."""
+    return [_call(rank), _call(rank, frozen=rank == 1), _call(rank)]
+
+
 def layer_mixup(rank):
     """Layers 0, 1, 2 on rank 0; rank 1 repeats layer 2 in place of layer 1."""
     return [_call(rank, seed=seed) for seed in ((0, 1, 2), (0, 2, 2))[rank]]
@@ -109,6 +116,8 @@ SCENARIOS = {  # name -> what every rank's error names
     "overlapped_length": "latent's shape [s, b, d]",
     "later_local_failure": "no-such-layout",
     "later_check_ranks": "check_ranks in a later call (call 2 of the micro-batch)",
+    "later_no_grad": "which inputs need grads (requires_grad under grad mode) in a later call "
+                     "(call 2 of the micro-batch)",
     "layer_mixup": "later calls differ: the latent gathered in a later call differed in band",
     "scales_off": "later calls differ: the latent gathered in a later call differed in band",
 }
@@ -175,6 +184,7 @@ def test_a_rank_that_knows_its_call_is_wrong_still_joins_it(reports, name):
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name,mixed,right", [("later_check_ranks", 1, {0: 0, 2: 0}),
                                               ("layer_mixup", 1, {0: 0, 2: 2}),
+                                              ("later_no_grad", 1, {0: 0, 2: 0}),
                                               ("scales_off", 1, {0: 0})])
 def test_a_mixed_call_is_nan_on_every_rank_and_the_others_exact(reports, name, mixed, right):
     per_rank = [report[name][0] for report in reports]
@@ -197,3 +207,34 @@ def test_the_fp8_hook_hands_its_held_scales_to_the_in_band_code():
     meta = NS(**{key: NS(scale=NS(scale=t)) for key, t in scales.items()})
     assert [id(t) for t in held_scales(meta)] == [id(scales["inputs"]), id(scales["weight"])]
     assert held_scales(NS(inputs=NS(), weight=None, grads=None)) == []
+
+
+def _skipping_worker(rank, world):
+    """Rank 1 skips layer 1 (layers 0, 1, 2 on rank 0), on a group whose backend times out
+    after 5 s: what each rank's calls and settle gave."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=5))
+    new_micro_batch(group)
+    calls = []
+    try:
+        for seed in ((0, 1, 2), (0, 2))[rank]:
+            calls.append(_call(rank, seed=seed, group=group))
+        settle(group)
+    except RuntimeError as exc:
+        calls.append(str(exc))
+    return calls
+
+
+@pytest.mark.timeout(150)
+def test_a_skipped_layer_mixes_nothing_and_ends_named_at_the_backend_timeout():
+    """The skipped layer's neighbours meet in one gather: NaN on both ranks (no silent mix
+    of layers); then rank 0 gathers where rank 1 settles, and both raise at the backend's
+    timeout naming what makes a rank miss a collective (no abort, no unnamed wait)."""
+    per_rank = run_on_ranks(_skipping_worker, 2, timeout_s=120)
+    assert _right(per_rank, 0)
+    for calls in per_rank:
+        assert torch.isnan(calls[1]["out"]).all()
+        assert isinstance(calls[-1], str) and "skipped or repeated a LAGA layer" in calls[-1], \
+            calls[-1]

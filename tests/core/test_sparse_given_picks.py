@@ -208,3 +208,60 @@ def test_wrong_given_picks_raise_by_name_without_cp():
             bad[0, row + HALF, 0] = pick  # global positions: the same rows as on rank 1
         with pytest.raises(ValueError, match="topk_indices held picks no query may attend"):
             sparse_laga_attention(*_args(x), *[None] * 3, **KW, topk_indices=bad)
+
+
+# ------------------------------------------- picks on one rank, the indexer on the other, later
+
+def _layer(rank, world_size, seed, picks=None):
+    """One sparse layer call on this rank's contiguous shard of inputs ``seed``: the
+    indexer's (``picks`` None) or a reusing one; forward only."""
+    import torch.distributed as dist
+
+    from mindspeed_laga import layout as layouts
+    x = sm.full_inputs(seed)
+    local = {k: layouts.shard(x[k], "contiguous", world_size, rank) for k in sm.LOCAL}
+    index = [local[k] for k in sm.LOCAL[3:]] if picks is None else [None] * 3
+    return sparse_laga_attention(*_args({**local, "kv_up_weight": x["kv_up_weight"]}), *index,
+                                 **KW, cp_group=dist.group.WORLD, layout="contiguous",
+                                 topk_indices=picks)
+
+
+def switched_kind_worker(rank, world_size):
+    """Micro-batch 1: a computing layer, a reusing one, on both ranks. Micro-batch 2: the
+    same, but rank 1 runs the indexer in the reusing layer's place (a 704-wide gather
+    against the peers' 576 at GLM-5.2's dims): what each call and settle gave."""
+    from mindspeed_laga import new_micro_batch, settle
+    import torch.distributed as dist
+    group, report = dist.group.WORLD, {}
+    for micro_batch in (1, 2):
+        new_micro_batch(group)
+        first = _layer(rank, world_size, 0)
+        switched = micro_batch == 2 and rank == 1
+        try:
+            report[micro_batch] = _layer(rank, world_size, 1,
+                                         None if switched else first.topk_indices).output
+        except ValueError as exc:
+            report[micro_batch] = str(exc)
+        try:
+            settle()
+            report[f"settle {micro_batch}"] = None
+        except ValueError as exc:
+            report[f"settle {micro_batch}"] = str(exc)
+    report["picks"] = first.topk_indices
+    return report
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_switches_to_the_indexer_in_a_later_call_joins_and_is_named():
+    """The later call's gather is expected to hold what the call at its place held in the
+    previous micro-batch: rank 1 sends a stand-in of that shape and raises naming it; rank
+    0's call returns NaN (no abort) and its settle names rank 1's cause."""
+    per_rank = run_on_ranks(switched_kind_worker, 2, timeout_s=150)
+    picks = torch.cat([r["picks"] for r in per_rank], dim=1)
+    want = sm.reference(sm.full_inputs(1), picks=picks)["output"]
+    for rank, report in enumerate(per_rank):
+        assert report["settle 1"] is None, report["settle 1"]
+        assert torch.allclose(report[1], want[rank * HALF:(rank + 1) * HALF], atol=1e-10, rtol=0)
+        assert report["settle 2"] and "latent's shape" in report["settle 2"], report["settle 2"]
+    assert isinstance(per_rank[1][2], str) and "latent's shape" in per_rank[1][2], per_rank[1][2]
+    assert torch.isnan(per_rank[0][2]).all()

@@ -6,7 +6,7 @@ and makes ``CALLS`` calls in each (forward, then backward), counted call by call
 collective counter and the host-sync counter (tests/support/collectives.py, host_syncs.py):
 
 - the first call of a micro-batch exchanges the ranks' agreement once: one small int64
-  all-gather, before its one data all-gather;
+  all-reduce, before its one data all-gather;
 - every later call of the micro-batch: exactly one data all-gather forward (the latent, or
   sparse MLA's packed ``[latent | rope | index key]``), one reduce-scatter backward
   (under ``torch.utils.checkpoint``, the recompute's all-gather too, in backward), no
@@ -182,7 +182,7 @@ def _results():
 def _expected(case, first: bool):
     """Per phase, the collectives of one call: (kind, dtype, issued in backward)."""
     data = "float64"
-    forward = ([("all_gather", "int64", False)] if first else []) + [("all_gather", data, False)]
+    forward = ([("all_reduce", "int64", False)] if first else []) + [("all_gather", data, False)]
     backward = [("reduce_scatter", data, True)]
     if "checkpoint" in case:  # the recompute gathers again, inside backward, exchanging nothing
         backward = [("all_gather", data, True)] + backward

@@ -5,7 +5,7 @@ backward, three micro-batches in a row (harness: tests/support/steady_state_real
 the third micro-batch (every module past its first, warm-up call):
 
 - the micro-batch's first layer call exchanges the ranks' agreement once (one small int64
-  all-gather), and its data collectives;
+  all-reduce), and its data collectives;
 - every later layer call: exactly its data collectives forward (the latent's all-gather;
   ulysses adds its all-to-alls of Q and O), no other collective, and no host read;
 - LAGA's backward: each layer's adjoint data collectives (the reduce-scatter, ulysses'
@@ -46,7 +46,7 @@ def _check_steady(harness, name, argv, per_rank):
         where = f"{name}, rank {rank}: {counts}"
         first = counts["laga.forward.0"]
         exchanges = [tuple(c) for c in first["collectives"] if c[1] == "int64"]
-        assert exchanges == [("all_gather", "int64")], where
+        assert exchanges == [("all_reduce", "int64")], where
         assert sorted(k for k, dtype in first["collectives"] if dtype != "int64") == forward, where
         for layer in range(1, harness.LAYERS):
             call = counts[f"laga.forward.{layer}"]

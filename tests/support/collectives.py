@@ -164,16 +164,18 @@ class Collectives:
 
     def data(self, region=...) -> List[tuple]:
         """(kind, payload) of the data collectives as comm.count_bytes would file them, in
-        order; a small int64 all-gather (comm's handshake) is a data collective here too:
-        compare with :func:`comm_data` to tell it apart."""
-        return [(c.kind, c.payload) for c in self.select(region) if c.name in KIND_OF]
+        order, and the all-reduces (comm's handshake is a small int64 one): compare with
+        :func:`comm_data` to tell it apart."""
+        return [(c.kind, c.payload) for c in self.select(region)
+                if c.name in KIND_OF or c.name == "all_reduce"]
 
 
 def comm_data(counter) -> List[tuple]:
     """(kind, payload) of a ``comm.count_bytes`` counter's records, handshakes included
-    (filed there as kind "handshake", here as the all-gather they run)."""
-    return [("all_gather" if r.kind == "handshake" else r.kind, r.payload)
-            for r in counter.records]
+    (filed there as kind "handshake" with one rank's row, here as the all-reduce of every
+    rank's row they run)."""
+    return [("all_reduce", r.payload * r.group_size) if r.kind == "handshake"
+            else (r.kind, r.payload) for r in counter.records]
 
 
 _OPEN: List[Collectives] = []

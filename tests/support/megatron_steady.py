@@ -9,7 +9,7 @@ and the optimizer are the host's and not counted. :func:`check` then says what b
 steady state from the second step on (every module past its first, warm-up call):
 
 - the step's first layer call may exchange the ranks' agreement once (one small int64
-  all-gather) beside its data collectives;
+  all-reduce) beside its data collectives;
 - every later layer call: exactly its data collectives (allgather: the latent's
   all-gather; ulysses and hybrid add the all-to-alls of Q and O) and no host read;
 - the backward: each layer's adjoint collectives and no host read; a recompute, no
@@ -26,7 +26,7 @@ DATA = {"allgather": (["all_gather"], ["reduce_scatter"]),
         "ulysses": (["all_gather", "all_to_all", "all_to_all"],
                     ["reduce_scatter", "all_to_all", "all_to_all"])}
 DATA["hybrid"] = DATA["ulysses"]
-EXCHANGE = ("all_gather", "int64")
+EXCHANGE = ("all_reduce", "int64")
 
 
 @contextlib.contextmanager

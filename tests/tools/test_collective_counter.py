@@ -3,7 +3,7 @@
 On 2 gloo ranks: each ``torch.distributed`` collective, called by name, through an alias
 taken before the count opened and through one built on another (``all_gather_object``), is
 one record of the right kind and payload; LAGA's call is its handshake (a small int64
-all-gather, which ``comm.count_bytes`` files apart) plus the data collectives that
+all-reduce, which ``comm.count_bytes`` files apart) plus the data collectives that
 ``comm.count_bytes`` records, the same kinds and payloads in the same order.
 """
 import pytest
@@ -77,8 +77,8 @@ def test_laga_call_handshake_is_a_collective_and_data_agrees_with_comm():
     for got in per_rank:
         assert got["seen"] == got["comm"]
         assert got["handshake_bytes"] > 0
-        # the handshake: one int64 all-gather before the latent's, counted as a collective
-        assert got["phases"] == [("all_gather", False, torch.int64),
+        # the handshake: one int64 all-reduce before the latent's, counted as a collective
+        assert got["phases"] == [("all_reduce", False, torch.int64),
                                  ("all_gather", False, torch.float64),
                                  ("reduce_scatter", True, torch.float64)]
         assert [p for k, p in got["seen"]][1:] == [latent, latent]

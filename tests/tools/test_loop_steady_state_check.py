@@ -10,12 +10,12 @@ from support.loop.steady_state import check_rank
 pytestmark = pytest.mark.ascend  # the loops run in the Ascend leg
 
 LAYERS, MICRO_BATCHES, ITERATIONS = 2, 2, 3
-GATHER, EXCHANGE, SCATTER = ["all_gather", "float32"], ["all_gather", "int64"], \
+GATHER, EXCHANGE, SCATTER = ["all_gather", "float32"], ["all_reduce", "int64"], \
     ["reduce_scatter", "float32"]
 
 
 def steady_record():
-    """Each micro-batch's first layer call exchanges (one int64 all-gather and its host
+    """Each micro-batch's first layer call exchanges (one int64 all-reduce and its host
     read), every other call gathers the latent only; each backward reduce-scatters."""
     record, k = {}, 0
     for _ in range(ITERATIONS):

@@ -4,7 +4,7 @@ For every iteration after the first (every MLA module past its warm-up call), pe
 
 - each MLA layer call outside backward runs exactly its data collectives (``DATA`` of the
   CP algorithm: the latent's all-gather, plus the all-to-alls of Q and O where heads are
-  split), at most one small int64 all-gather beside them (the ranks' agreement), and no
+  split), at most one small int64 all-reduce beside them (the ranks' agreement), and no
   host read unless it is such an exchange;
 - at most one call per micro-batch exchanges: a per-layer exchange fails;
 - a recompute's MLA calls (inside backward) run their data collectives, no exchange and no
@@ -28,7 +28,7 @@ SPARSE = "allgather"
 # the host's --context-parallel-algo -> LAGA's collectives (ulysses and hybrid split heads)
 BY_HOST_ALGO = {"ulysses_cp_algo": "heads", "hybrid_cp_algo": "heads",
                 "kvallgather_cp_algo": "allgather", "megatron_cp_algo": "allgather"}
-EXCHANGE = ("all_gather", "int64")
+EXCHANGE = ("all_reduce", "int64")
 
 
 def _kinds(slot, exchange=False) -> List[str]:
