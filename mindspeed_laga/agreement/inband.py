@@ -8,7 +8,8 @@ on the device; on any difference the gathered latent becomes NaN (so the outputs
 the ``latent`` flag is set, named at the next exchange or settle.
 
 The expected shape of a gather is the one at its place in the previous micro-batch (while
-this one began alike), else the last of its kind in this one. A rank that holds another
+this one began alike), else the last of its kind in this one, else the micro-batch's first
+(exchanged) one. A rank that holds another
 sends a stand-in of the expected shape (a peer never aborts on a size mismatch), its verdict
 the code of what it holds, and reads the verdicts (off the steady path): every rank moved
 alike, then the real latent follows; else it raises naming the shapes.
@@ -71,7 +72,8 @@ def _expected(found, kind: str):
     now, before = found.wires, found.pattern
     if now and len(now) < len(before) and before[0] == now[0]:
         return before[len(now)][1]
-    return next((wire for k, wire in reversed(now) if k == kind), None)
+    same = [wire for k, wire in now if k == kind]  # else the first (exchanged) one's
+    return same[-1] if same else now[0][1] if now else None
 
 
 def _band(x: torch.Tensor, group, kind: str) -> Optional[torch.Tensor]:
@@ -121,7 +123,7 @@ def _send_stand_in(group, band, expected) -> torch.Tensor:
     stand_in = torch.zeros(expected[0], dtype=expected[1], device=expected[2])
     out, pending = _launch(stand_in, group, "stand_in", band)
     pending.wait()
-    return _unpack(out, stand_in, group)[1]
+    return _unpack(out, stand_in, group, flag=False)[1]  # its sender raises, or all moved
 
 
 def _launch(x: torch.Tensor, group, tag: str, band: torch.Tensor):
@@ -129,7 +131,7 @@ def _launch(x: torch.Tensor, group, tag: str, band: torch.Tensor):
     return comm.all_gather_raw(packed, group, "forward", tag, async_op=True, side=_BAND_BYTES)
 
 
-def _unpack(out: torch.Tensor, x: torch.Tensor, group):
+def _unpack(out: torch.Tensor, x: torch.Tensor, group, flag: bool = True):
     """(the gathered latent, NaN if any rank's band differs; every rank's band), the flag
     noted unread."""
     size = comm.group_size(group)
@@ -138,7 +140,8 @@ def _unpack(out: torch.Tensor, x: torch.Tensor, group):
     data = rows[:, :n].contiguous().view((size * x.shape[0],) + tuple(x.shape[1:]))
     bands = rows[:, n:].contiguous().view(torch.int64)
     bad = (bands[:, 0] != bands[0, 0]).any() | (bands[:, 1] != 0).any()
-    schedule.flag(group, "latent", bad)
+    if flag:
+        schedule.flag(group, "latent", bad)
     return data.masked_fill_(bad, float("nan")), bands
 
 

@@ -12,6 +12,7 @@ State lives per process group under a weak key: it dies with its group.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import weakref
 from dataclasses import dataclass, field
@@ -170,9 +171,10 @@ def agree_call(cp_group, check_ranks, failure, device, row: Callable[[], Dict[st
             raise
         values = {}
     values["calls"] = group.digest
-    table = exchange(values, failure, cp_group, device, names=names,
-                     details=details if failure is None else None,
-                     later=_later_rows(group), content=group.content, flags=group.flags)
+    with _forget_shapes(group):
+        table = exchange(values, failure, cp_group, device, names=names,
+                         details=details if failure is None else None,
+                         later=_later_rows(group), content=group.content, flags=group.flags)
     if all(r[FIELDS.index("check_ranks")] == 0 for r in table):
         group.skips = True  # until reset: an explicit check_ranks=True still exchanges
     group.agreed_epoch, group.device = group.epoch, torch.device(device)
@@ -193,10 +195,22 @@ def settle(cp_group=None) -> None:
         device = group.device or exchange_device("meta", key)
         values = {"stage": STAGES.index("settle"), "calls": group.digest}
         try:
-            exchange(values, group.failure, key, device, later=_later_rows(group),
-                     content=group.content, flags=group.flags)
+            with _forget_shapes(group):
+                exchange(values, group.failure, key, device, later=_later_rows(group),
+                         content=group.content, flags=group.flags)
         finally:
             _clear(group)
+
+
+@contextlib.contextmanager
+def _forget_shapes(group: GroupAgreement):
+    """An exchange that raises forgets the gathers' shapes (inband.py) on every rank alike:
+    the ranks' micro-batches differed, so they set no pattern for the next one."""
+    try:
+        yield
+    except BaseException:
+        group.pattern, group.wires = [], []
+        raise
 
 
 def memo(cp_group, key: tuple, read: Callable[[], object]):

@@ -45,8 +45,8 @@ def _assemble(per_rank, layer, layout):
                           (2, "zigzag", None, True)],
                          ids=["cp2-contiguous", "cp4-zigzag-glm52-dims", "cp2-one-micro-batch"])
 def test_reusing_layer_equals_the_reference(cp_size, layout, dims, micro_batch):
-    """In one micro-batch the reusing layer is a later call: its narrower gather is checked
-    in band as its own kind, and nothing raises."""
+    """In one micro-batch the reusing layer is a later call, its narrower gather a new kind
+    there: it meets its peers with a stand-in first, every rank moved alike, nothing raises."""
     per_rank = run_on_ranks(gp.chain_worker, cp_size, layout, 0, dims, micro_batch,
                             timeout_s=150)
     computing = sm.reference(sm.full_inputs(0, dims=dims))
@@ -76,8 +76,12 @@ def _check_bytes(per_rank, cp_size, dims, micro_batch=False):
     for (layers, backward) in per_rank:
         for call, (layer, width) in enumerate(zip(layers, widths)):
             exchanged = [row] if call == 0 or not micro_batch else []  # a later call: none
-            assert layer["records"] == exchanged + [("all_gather", "forward",
-                                                     width * tokens * 8)]
+            # a micro-batch's first gather of a new kind first meets the peers with a stand-in
+            # of the exchanged call's shape (the peers may still gather that one), then moves
+            met = [("all_gather", "forward", widths[0] * tokens * 8)] if call and micro_batch \
+                else []
+            assert layer["records"] == exchanged + met + [("all_gather", "forward",
+                                                           width * tokens * 8)]
         assert sorted(backward) == sorted(("reduce_scatter", "backward", w * tokens * 8)
                                           for w in widths), backward
 
@@ -226,17 +230,17 @@ def _layer(rank, world_size, seed, picks=None):
                                  topk_indices=picks)
 
 
-def switched_kind_worker(rank, world_size):
-    """Micro-batch 1: a computing layer, a reusing one, on both ranks. Micro-batch 2: the
-    same, but rank 1 runs the indexer in the reusing layer's place (a 704-wide gather
-    against the peers' 576 at GLM-5.2's dims): what each call and settle gave."""
+def switched_kind_worker(rank, world_size, switched_in):
+    """Two micro-batches of a computing layer and a reusing one; in micro-batch
+    ``switched_in`` rank 1 runs the indexer in the reusing layer's place (a wider gather
+    than its peer's): what each call and settle gave."""
     from mindspeed_laga import new_micro_batch, settle
     import torch.distributed as dist
     group, report = dist.group.WORLD, {}
     for micro_batch in (1, 2):
         new_micro_batch(group)
         first = _layer(rank, world_size, 0)
-        switched = micro_batch == 2 and rank == 1
+        switched = micro_batch == switched_in and rank == 1
         try:
             report[micro_batch] = _layer(rank, world_size, 1,
                                          None if switched else first.topk_indices).output
@@ -247,21 +251,29 @@ def switched_kind_worker(rank, world_size):
             report[f"settle {micro_batch}"] = None
         except ValueError as exc:
             report[f"settle {micro_batch}"] = str(exc)
-    report["picks"] = first.topk_indices
+        report[f"picks {micro_batch}"] = first.topk_indices
     return report
 
 
 @pytest.mark.timeout(200)
-def test_a_rank_that_switches_to_the_indexer_in_a_later_call_joins_and_is_named():
-    """The later call's gather is expected to hold what the call at its place held in the
-    previous micro-batch: rank 1 sends a stand-in of that shape and raises naming it; rank
-    0's call returns NaN (no abort) and its settle names rank 1's cause."""
-    per_rank = run_on_ranks(switched_kind_worker, 2, timeout_s=150)
-    picks = torch.cat([r["picks"] for r in per_rank], dim=1)
+@pytest.mark.parametrize("switched_in", [1, 2], ids=["first-micro-batch", "after-one"])
+def test_a_rank_that_switches_to_the_indexer_in_a_later_call_joins_and_is_named(switched_in):
+    """A later call's gather is expected to hold what the call at its place held in the
+    previous micro-batch, else (the first micro-batch) what the last of its kind or the
+    exchanged call held: the rank whose gather differs sends a stand-in of that shape and
+    raises naming it; its peer's call returns NaN (no abort) and its settle names the cause.
+    The other micro-batch equals the float64 reference on both ranks."""
+    per_rank = run_on_ranks(switched_kind_worker, 2, switched_in, timeout_s=150)
+    right = 3 - switched_in
+    picks = torch.cat([r[f"picks {right}"] for r in per_rank], dim=1)
     want = sm.reference(sm.full_inputs(1), picks=picks)["output"]
     for rank, report in enumerate(per_rank):
-        assert report["settle 1"] is None, report["settle 1"]
-        assert torch.allclose(report[1], want[rank * HALF:(rank + 1) * HALF], atol=1e-10, rtol=0)
-        assert report["settle 2"] and "latent's shape" in report["settle 2"], report["settle 2"]
-    assert isinstance(per_rank[1][2], str) and "latent's shape" in per_rank[1][2], per_rank[1][2]
-    assert torch.isnan(per_rank[0][2]).all()
+        assert report[f"settle {right}"] is None, report[f"settle {right}"]
+        assert torch.allclose(report[right], want[rank * HALF:(rank + 1) * HALF], atol=1e-10,
+                              rtol=0)
+        settled = report[f"settle {switched_in}"]
+        assert settled and "latent's shape" in settled, settled
+    named = [r[switched_in] for r in per_rank if isinstance(r[switched_in], str)]
+    nan = [r[switched_in] for r in per_rank if not isinstance(r[switched_in], str)]
+    assert len(named) == 1 and "latent's shape" in named[0], named
+    assert len(nan) == 1 and torch.isnan(nan[0]).all()
