@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-
-from .agreement import store
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 GROUPS = ("cp", "ulysses", "ring")
@@ -140,11 +139,11 @@ class Pending:
 @contextlib.contextmanager
 def _peer_failures(group):
     """A failed collective names its cause: a peer's error from the store (a call that
-    skipped the exchange, agreement/store.py), else what makes a rank miss a collective."""
+    exchanged nothing, below), else what makes a rank miss a collective."""
     try:
         yield
     except RuntimeError as exc:
-        cause = store.peer_failure(group)
+        cause = peer_failure(group)
         if cause is not None:
             raise cause from exc
         raise RuntimeError(
@@ -395,3 +394,61 @@ def hybrid_ring_group(cp_group, ulysses_group):
     u = group_rank(cp_group) % degree
     ranks = dist.get_process_group_ranks(cp_group)[u::degree]
     return _subgroup(("ring", cp_group, ulysses_group), ranks)
+
+
+# ---------------------------------------------------------------- a failure told through the store
+# A local failure in a call that exchanges nothing (agreement/schedule.py) is left in the
+# process group's store: a peer whose data collective then fails (gloo: when the failing
+# process has left; NCCL/HCCL: at the timeout) raises it, naming the rank. Such calls are
+# counted alike on every rank (per group, weakly keyed), so a message is read only for its
+# own call.
+
+_SKIPPED: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+WHY = {"skip": "every rank had passed check_ranks=False",
+       "fold": "a later call of a micro-batch, agreed at the next exchange or settle"}
+
+
+def _store_key(group, call: int) -> str:
+    ranks = "-".join(map(str, dist.get_process_group_ranks(group)))
+    return f"mindspeed_laga/skipped_call_failure/{ranks}/{call}"
+
+
+def count_skipped(group) -> None:
+    """One more call of ``group`` exchanged nothing (every rank counts it)."""
+    _SKIPPED[group] = _SKIPPED.get(group, 0) + 1
+
+
+def tell_peers(failure: BaseException, group, mode: str) -> BaseException:
+    """Leave ``failure``'s message for the peers of this call; returns it with a note of
+    why the peers learn it late (``mode``: a key of WHY)."""
+    text = str(failure) if isinstance(failure, ValueError) else \
+        f"{type(failure).__name__}: {failure}"
+    note = (f"(a call that exchanged nothing before its data collective: {WHY[mode]}; so the "
+            "CP peers learn of this only when that collective fails; pass check_ranks=True to "
+            "have every rank raise before any data moves)")
+    if failure.args and isinstance(failure.args[0], str):
+        failure.args = (f"{failure.args[0]} {note}",) + failure.args[1:]
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = _store_key(group, _SKIPPED.get(group, 0))
+        store.set(key, f"{dist.get_rank(group)}\n{mode}\n{text}")
+    except Exception:  # noqa: BLE001 -- telling is best effort: the failure itself must raise
+        pass
+    return failure
+
+
+def peer_failure(group) -> Optional[ValueError]:
+    """The error a peer left for this rank's current such call of ``group``, or None."""
+    try:
+        if group is None or group not in _SKIPPED:
+            return None
+        key = _store_key(group, _SKIPPED[group])
+        store = dist.distributed_c10d._get_default_store()
+        if not store.check([key]):
+            return None
+        rank, mode, text = store.get(key).decode(errors="replace").split("\n", 2)
+    except Exception:  # noqa: BLE001 -- no message to read: the backend's error stands
+        return None
+    return ValueError(f"CP rank(s) [{rank}] rejected their arguments in a call that exchanged "
+                      f"nothing before its data collective ({WHY.get(mode, mode)}), so this rank "
+                      f"learnt of it when that collective failed: CP rank {rank}: {text}")

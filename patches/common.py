@@ -15,6 +15,7 @@ import os
 from datetime import timedelta
 from typing import Dict, Optional
 
+import torch
 import torch.distributed as dist
 
 from mindspeed_laga import agreement
@@ -60,11 +61,25 @@ def _settling(run):
 
 def agree_per_micro_batch(module, cp_group) -> Optional[bool]:
     """``check_ranks`` for this call of ``module``: True on its first call (checked in full),
-    None after (the agreement protocol). Counts the call first (agreement.open_micro_batch),
-    so the first module of each new micro-batch opens it on every rank alike."""
+    None after (the agreement protocol). Counts the call first (open_micro_batch), so the
+    first module of each new micro-batch opens it on every rank alike."""
     first = first_call(module)
-    agreement.open_micro_batch(module, cp_group)
+    open_micro_batch(module, cp_group)
     return True if first else None
+
+
+def in_backward() -> bool:  # autograd's engine runs this: a recompute, which opens nothing
+    return torch._C._current_graph_task_id() != -1
+
+
+def open_micro_batch(module, cp_group) -> None:
+    """The adapters' count of micro-batches: a module called again (outside backward) opens
+    the next one (agreement.new_micro_batch); every rank calls its modules in one order."""
+    if cp_group is None or dist.get_world_size(cp_group) == 1 or in_backward():
+        return
+    if getattr(module, "_laga_epoch", None) == agreement.state(cp_group).epoch:
+        agreement.new_micro_batch(cp_group)
+    module._laga_epoch = agreement.state(cp_group).epoch
 
 
 def check_weight_once(first: bool, read_weight, cp_group, settings=None):

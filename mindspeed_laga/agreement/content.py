@@ -1,24 +1,26 @@
-"""Content the ranks agree on: key padding and document boundaries, as codes.
-
-Host codes (``padding_code``, ``documents_code``) read the values: the exchanging call of a
-micro-batch does, once. Later calls never read the device: a mask is hashed there
-(``device_code``) and folded, in call order, into a device-side digest that travels in the
-next exchange or settle. A tensor is recognised within a micro-batch by its metadata
-(``tensor_key``), and the key holds the tensor for as long as the micro-batch's memo keeps
-it, so a freed address cannot be reused under it.
-"""
+"""Content the ranks agree on, as codes: key padding, documents, weights, FP8 scales; and
+the same-weight check. One device hash (``device_code``) serves all: an exchanging call
+reads it once, a later call folds it unread. A tensor is recognised within a micro-batch by
+its metadata (``tensor_key``), which holds it, so a freed address is not reused under it."""
 from __future__ import annotations
 
 import hashlib
 import struct
 from collections import OrderedDict
+from typing import Dict, Optional, Sequence
 
 import torch
 
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-ODD = 0x632BE59BD9B4E019
-_WEIGHTS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-WEIGHTS_KEPT = 8  # weight vectors kept (by device and length), least recently used dropped
+from .. import comm
+from .fields import UNKNOWN
+from .wire import exchange_device, raise_failure, raise_on_rejection
+
+_GOLDEN, ODD = 0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019
+_PROBES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+PROBES_KEPT = 8     # position weights kept (by device, start, length), least recent dropped
+CHUNK = 1 << 21     # values hashed at a time (int64 temporaries of one chunk)
+SAMPLED = 4096      # values of a larger tensor a later call's code hashes (evenly spaced)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _Held:
@@ -42,22 +44,36 @@ def tensor_key(t: torch.Tensor) -> tuple:
             t.stride(), t.dtype, t._version, _Held(t))
 
 
-def device_code(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 device tensor hashing ``t``'s values with a pseudo-random 64-bit weight per
-    position (int64 arithmetic wraps): no host read; two tensors collide with probability
-    about 2**-64."""
-    flat = t.detach().reshape(-1).to(torch.int64)
-    key = (flat.device, flat.numel())
-    weights = _WEIGHTS.pop(key, None)
-    if weights is None:
-        pos = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)
-        mixed = pos * _GOLDEN
-        mixed = mixed ^ (mixed >> 29)
-        weights = (mixed * ODD) | 1
-    _WEIGHTS[key] = weights
-    while len(_WEIGHTS) > WEIGHTS_KEPT:
-        _WEIGHTS.popitem(last=False)
-    return (flat * weights).sum() + flat.numel()
+def device_code(tensors, sample: bool = False) -> torch.Tensor:
+    """A 0-d int64 device tensor hashing the bits of ``tensors`` (one or a list), each value
+    times a pseudo-random odd int64 of its position, plus each one's length and width:
+    int64 wraps, so it is exact in any reduction order; no read; two contents collide with
+    probability about 2**-64. ``sample``: at most SAMPLED evenly spaced values of each."""
+    code = None
+    for t in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
+        flat = t.detach().reshape(-1).view(_BITS[t.element_size()])
+        if sample and flat.numel() > SAMPLED:
+            flat = flat[::flat.numel() // SAMPLED][:SAMPLED]
+        one = None
+        for start in range(0, max(flat.numel(), 1), CHUNK):
+            part = flat[start:start + CHUNK].to(torch.int64)
+            part = (part * _probe(part.device, start, part.numel())).sum()
+            one = part if one is None else one + part
+        one = one + (flat.numel() * 16 + t.element_size())
+        code = one if code is None else code * ODD + one
+    return code
+
+
+def _probe(device, start: int, n: int) -> torch.Tensor:
+    key = (device, start, n)
+    probe = _PROBES.pop(key, None)
+    if probe is None:
+        mixed = torch.arange(start + 1, start + n + 1, dtype=torch.int64, device=device) * _GOLDEN
+        probe = ((mixed ^ (mixed >> 29)) * ODD) | 1
+    _PROBES[key] = probe
+    while len(_PROBES) > PROBES_KEPT:
+        _PROBES.popitem(last=False)
+    return probe
 
 
 def padding_counts(mask) -> list:
@@ -66,52 +82,51 @@ def padding_counts(mask) -> list:
 
 
 def padding_code(mask) -> int:
-    """``mask`` ([b, S] bool or None) as one int64: 0 for None, else a blake2b digest of its
-    shape and bits (a hash: a linear checksum lets other padded keys look alike)."""
-    if mask is None:
-        return 0
-    flat = mask.detach().reshape(-1).to(torch.uint8)
-    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 8)]).view(-1, 8)
-    packed = (flat << torch.arange(8, device=flat.device, dtype=torch.uint8)).sum(1)
-    digest = hashlib.blake2b(repr(list(mask.shape)).encode(), digest_size=8)
-    digest.update(bytes(packed.to(torch.uint8).tolist()))  # eight keys a byte, then hashed
-    return struct.unpack("<q", digest.digest())[0] or 1
+    """``mask`` ([b, S] bool or None) as one int64, read: 0 for None."""
+    return 0 if mask is None else int(device_code(mask).item()) or 1
 
 
 def documents_code(documents) -> int:
-    """The document boundaries as one int64 (0: no documents)."""
+    """Host values (document boundaries, what a function is) as one int64 (0: None)."""
     if documents is None:
         return 0
     digest = hashlib.blake2b(repr(documents).encode(), digest_size=8).digest()
     return struct.unpack("<q", digest)[0] or 1
 
 
-SAMPLED = 4096  # values of a larger tensor hashed (evenly spaced) by values_code
-_PROBES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+def weight_checksum(weight) -> int:
+    """An exact checksum of a tensor's bits, the same in any reduction order: bits, not
+    values, since a float sum depends on the order; swapped rows change it."""
+    return int(device_code(weight).item())
 
 
-def values_code(tensors) -> torch.Tensor:
-    """A 0-d int64 device tensor, the bits of a dot product of ``tensors``' values (a
-    weight, FP8 scales; at most SAMPLED evenly spaced values of each) with fixed
-    pseudo-random weights: equal values give equal codes on every rank, a value off by
-    any amount changes it (but for a chance cancellation). A few launches, no read."""
-    code = None
-    for t in tensors:
-        flat = t.detach().reshape(-1)
-        if flat.numel() > SAMPLED:
-            flat = flat[::flat.numel() // SAMPLED][:SAMPLED]
-        one = torch.dot(flat.to(torch.float64), _probe(flat.device, flat.numel()))
-        code = one if code is None else code * 1.000003 + one
-    return code.view(torch.int64) if code is not None else None
-
-
-def _probe(device, n: int) -> torch.Tensor:
-    key = (device, n)
-    probe = _PROBES.pop(key, None)
-    if probe is None:
-        g = torch.Generator().manual_seed(n)
-        probe = (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).to(device)
-    _PROBES[key] = probe
-    while len(_PROBES) > WEIGHTS_KEPT:
-        _PROBES.popitem(last=False)
-    return probe
+def check_same_weight(weight, cp_group, name: str = "kv_up_weight",
+                      settings: Optional[Dict[str, Sequence[object]]] = None,
+                      failure: Optional[BaseException] = None) -> None:
+    """Raise on every rank unless every CP rank (a replica of one TP shard) holds the same
+    ``weight``, bit for bit; ``settings``: {name: (value, choices)}, an adapter's configuration
+    agreed in the same exchange; ``failure``: this rank has no weight, its peers are told."""
+    if comm.group_size(cp_group) == 1:
+        raise_failure(failure)
+        return
+    settings = settings or {}
+    codes = [(choices.index(value) if value in choices else UNKNOWN) if choices else int(value)
+             for value, choices in settings.values()]
+    device = exchange_device("meta" if failure is not None else weight.device, cp_group)
+    checksum = 0 if failure is not None else weight_checksum(weight)
+    table = comm.handshake([int(failure is not None), checksum] + codes, cp_group, device)
+    raise_on_rejection(table, failure, cp_group, device)
+    for i, (label, (_, choices)) in enumerate(settings.items(), start=2):
+        values = [row[i] for row in table]
+        if len(set(values)) > 1:
+            shown = [choices[v] if choices and 0 <= v < len(choices) else v for v in values]
+            raise ValueError(f"CP ranks disagree on {label}: {shown} (by rank); every CP rank "
+                             "must be configured alike (no process group was built)")
+    sums = [row[1] for row in table]
+    if len(set(sums)) > 1:
+        differ = [r for r, s in enumerate(sums) if s != sums[0]]
+        raise ValueError(
+            f"{name} differs between CP ranks: CP rank(s) {differ} hold other values than CP "
+            f"rank 0 (checksums by rank {sums}); every rank of cp_group must hold the same "
+            f"{name} (the CP ranks of one TP rank are replicas: load or initialize the weights "
+            "with the same seed and keep them in sync through the data-parallel reduction)")

@@ -1,6 +1,5 @@
-"""The one table of what CP ranks agree on: each field's name, how it is coded as an int64
-and how a difference is explained. A row is a dict {field name: int}; a field a call does
-not know is UNKNOWN. Adding a field: one ``Field`` here, one line in a row builder."""
+"""The one table of what CP ranks agree on: each field's name, its int64 code and how a
+difference is shown. Adding a field: one ``Field`` here, one line in a row builder."""
 from __future__ import annotations
 
 import struct
@@ -40,14 +39,8 @@ def choice_code(choices: Sequence[str], value) -> int:
     return choices.index(value) if isinstance(value, str) and value in choices else UNKNOWN
 
 
-def flag(value) -> int:
-    """A bool option as an int (UNKNOWN when it is not a bool)."""
-    return int(value) if isinstance(value, bool) else UNKNOWN
-
-
 def grad_pattern(tensors: Dict[str, object]) -> int:
-    """Which of ``tensors`` (keys from INPUTS) need a gradient, as bits (0 outside grad mode):
-    a rank whose latent needs none skips the backward reduce-scatter its peers wait in."""
+    """Which of ``tensors`` (keys from INPUTS) need a gradient, as bits (0 outside grad mode)."""
     if not torch.is_grad_enabled():
         return 0
     return sum(1 << INPUTS.index(name) for name, t in tensors.items()
@@ -61,15 +54,9 @@ class Field(NamedTuple):
     names: Optional[Sequence[str]] = None  # the choices a code indexes
 
 
-def _grads(bits: int):
-    return [name for i, name in enumerate(INPUTS) if bits >> i & 1]
-
-
-def _dtype(code: int):
-    return str(DTYPES[code]) if 0 <= code < len(DTYPES) else code
-
-
 _F, _B = bits_float, bool
+_grads = lambda bits: [name for i, name in enumerate(INPUTS) if bits >> i & 1]  # noqa: E731
+_dtype = lambda code: str(DTYPES[code]) if 0 <= code < len(DTYPES) else code  # noqa: E731
 TABLE = (
     Field("rejected", show=_B), Field("stage", names=STAGES), Field("check_ranks", show=_B),
     Field("form", names=FORMS), Field("cp_algo", names=ATTN_CP_ALGOS),
@@ -93,9 +80,8 @@ TABLE = (
     Field("loss_coeff", "indexer_loss_coeff", _F), Field("indexer_kernel"),
     Field("attention_kernel"), Field("loss_kernel"),
     Field("kernel", "kernel (the attention kernel)", names=KERNELS),
-    # what the calls since the last exchange leave for it (schedule.py): the digest of the
-    # later calls' rows; written on the device, unread before: the digest of their key
-    # padding's contents, and the flags of inputs found wrong there (bit i: FLAGS[i])
+    # the later calls' (schedule.py): their rows' digest; on the device, unread: their key
+    # padding's digest and the flags of inputs found wrong (bit i: FLAGS[i])
     Field("calls"), Field("content"), Field("flags"),
 )
 FIELDS = tuple(f.name for f in TABLE)

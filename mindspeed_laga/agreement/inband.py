@@ -1,18 +1,14 @@
 """The in-band check of a later call: no extra collective, no read.
 
-Each later call's latent all-gather carries two int64 per rank after the latent (their
-bits, as the latent's dtype): the call's code (its row's hash, its place in the
-micro-batch, a device hash of its weight and a linear's ``agreement_tensors``) and the
-rank's verdict (0: its latent has the expected shape and dtype). Every rank compares them
-on the device; on any difference the gathered latent becomes NaN (so the outputs are) and
-the ``latent`` flag is set, named at the next exchange or settle.
-
-The expected shape of a gather is the one at its place in the previous micro-batch (while
-this one began alike), else the last of its kind in this one, else the micro-batch's first
-(exchanged) one. A rank that holds another
-sends a stand-in of the expected shape (a peer never aborts on a size mismatch), its verdict
-the code of what it holds, and reads the verdicts (off the steady path): every rank moved
-alike, then the real latent follows; else it raises naming the shapes.
+A later call's latent all-gather carries two int64 per rank after the latent, as its
+dtype: the call's code (its row, its place, a device hash of its weight and FP8 scales)
+and the rank's verdict (0: it holds the expected shape). Compared on the device: any
+difference makes the gathered latent NaN and sets the ``latent`` flag, named at the next
+exchange or settle. The expected shape is the one at this place in the previous
+micro-batch (while this one began alike), else the last of its kind in this one, else its
+first. A rank that holds another sends a stand-in of that shape (no peer aborts on a size
+mismatch) with the code of what it holds, and reads the verdicts, off the steady path:
+every rank moved alike, then its real latent follows; else it raises naming the shapes.
 """
 from __future__ import annotations
 
@@ -23,11 +19,10 @@ from typing import Optional
 import torch
 
 from .. import comm
-from . import schedule, store
+from . import schedule
 
 BAND = 2    # int64 values per rank after its latent
 FAILED = 1  # the verdict of a rank whose call failed on its own
-_BAND_BYTES = BAND * 8
 
 
 def gather_seq(x: torch.Tensor, group, tag: str, kind: Optional[str] = None) -> torch.Tensor:
@@ -59,11 +54,11 @@ def joined(group, kind: Optional[str]):
         yield
     except Exception:
         found = schedule._STATES.get(group) if group is not None and kind else None
-        banded = found is not None and found.per_micro_batch and found.call_code is not None
-        expected = _expected(found, kind) if banded else None
-        if expected is not None:
-            band = torch.tensor([found.call_code, FAILED], dtype=torch.int64, device=expected[2])
-            _send_stand_in(group, band, expected)
+        if found is not None and found.per_micro_batch and found.call_code is not None:
+            expected = _expected(found, kind)
+            if expected is not None:
+                _send_stand_in(group, torch.tensor([found.call_code, FAILED],
+                                                   device=expected[2]), expected)
         raise
 
 
@@ -81,16 +76,15 @@ def _band(x: torch.Tensor, group, kind: str) -> Optional[torch.Tensor]:
     found = schedule._STATES.get(group) if group is not None else None
     if found is None:
         return None
-    wire = (tuple(x.shape), x.dtype, x.device)
-    expected = _expected(found, kind)
+    wire, expected = (tuple(x.shape), x.dtype, x.device), _expected(found, kind)
     if len(found.wires) < schedule.ROWS_KEPT:
         found.wires.append((kind, wire))
     if not found.per_micro_batch or found.call_code is None:
         return None
-    band = torch.full((BAND,), found.call_code, dtype=torch.int64, device=x.device)
+    band = torch.full((BAND,), found.call_code, dtype=torch.int64, device=x.device)  # no copy
+    band[1].fill_(0)
     if found.call_values is not None:  # the weight, FP8 scales: hashed on the device
         band[0].add_(found.call_values.to(x.device))
-    band[1].fill_(0)
     if expected is not None and expected != wire:
         _moved(group, band.clone(), expected, wire)
     return band
@@ -105,7 +99,8 @@ def _moved(group, band, expected, wire) -> None:
     if all(v == mine for v in verdicts):
         schedule.state(group).pattern = []  # the rest of this micro-batch: by kind
         return
-    what = "dtype" if expected[0] == wire[0] else "shape [s, b, d] (local length, micro-batch, widths)"
+    what = "dtype" if expected[0] == wire[0] else \
+        "shape [s, b, d] (local length, micro-batch, widths)"
     failure = ValueError(
         f"CP ranks disagree on the latent's {what} in a later call: this rank gathers "
         f"{list(wire[0])} {wire[1]}, the call at this place of the micro-batch gathered "
@@ -114,30 +109,28 @@ def _moved(group, band, expected, wire) -> None:
         "their next exchange or settle names it); run the same layers with the same local "
         "length, micro-batch, widths and dtype on every rank")
     schedule.state(group).failure = str(failure)
-    raise store.tell_peers(failure, group, "fold")
+    raise comm.tell_peers(failure, group, "fold")
 
 
 def _send_stand_in(group, band, expected) -> torch.Tensor:
-    """Zeros of the expected shape beside ``band``: the peers' gather completes. Returns
-    every rank's band."""
+    """Zeros of the expected shape beside ``band``, so the peers' gather completes: every
+    rank's band (unflagged: its sender raises, or every rank moved)."""
     stand_in = torch.zeros(expected[0], dtype=expected[1], device=expected[2])
     out, pending = _launch(stand_in, group, "stand_in", band)
     pending.wait()
-    return _unpack(out, stand_in, group, flag=False)[1]  # its sender raises, or all moved
+    return _unpack(out, stand_in, group, flag=False)[1]
 
 
 def _launch(x: torch.Tensor, group, tag: str, band: torch.Tensor):
     packed = torch.cat([x.contiguous().reshape(-1), band.view(x.dtype)])  # its bits, as x's dtype
-    return comm.all_gather_raw(packed, group, "forward", tag, async_op=True, side=_BAND_BYTES)
+    return comm.all_gather_raw(packed, group, "forward", tag, async_op=True, side=BAND * 8)
 
 
 def _unpack(out: torch.Tensor, x: torch.Tensor, group, flag: bool = True):
-    """(the gathered latent, NaN if any rank's band differs; every rank's band), the flag
-    noted unread."""
-    size = comm.group_size(group)
-    rows = out.view(size, -1)
-    n = rows.shape[1] - _BAND_BYTES // x.element_size()
-    data = rows[:, :n].contiguous().view((size * x.shape[0],) + tuple(x.shape[1:]))
+    """(the gathered latent, NaN if any rank's band differs; every rank's band)."""
+    rows = out.view(comm.group_size(group), -1)
+    n = rows.shape[1] - BAND * 8 // x.element_size()
+    data = rows[:, :n].contiguous().view((-1,) + tuple(x.shape[1:]))
     bands = rows[:, n:].contiguous().view(torch.int64)
     bad = (bands[:, 0] != bands[0, 0]).any() | (bands[:, 1] != 0).any()
     if flag:

@@ -1,25 +1,20 @@
 """The rows of the dense forms' calls and of ``start_latent_gather``, from host facts only
-(options, shapes, document boundaries; key padding through ``content_code``). Sparse MLA's
-row is built beside its checks (sparse/checks.py)."""
+(options, shapes, documents; key padding through ``content_code``), built once the local
+checks passed (a failed rank sends its message, not a row). Sparse MLA's row is built
+beside its checks (sparse/checks.py)."""
 from __future__ import annotations
 
-import hashlib
-import math
-import numbers
-import struct
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
 from .. import comm
 from ..cp_algos import ALGOS
 from ..options import AttnOptions
-from ..vocab.dims import MLADims
 from ..vocab.names import ATTN_CP_ALGOS, EMPTY_ROWS, FORMS, LAYOUTS
 from . import inband
 from .content import documents_code, padding_code, padding_counts
-from .fields import (INPUTS, KERNELS, STAGES, UNKNOWN, choice_code, dtype_code, flag,
-                     float_bits, grad_pattern)
+from .fields import INPUTS, KERNELS, STAGES, choice_code, dtype_code, float_bits, grad_pattern
 from .schedule import agree_call, content_code, memo, note_weight
 
 
@@ -34,13 +29,15 @@ def agree_on_call(o: AttnOptions, tensors, dims, documents, failure) -> None:
     note_weight(tensors[3])
 
     def row() -> Dict[str, int]:
-        values = _options_values(o)
-        values.update(_tensors_row(tensors, dims))
+        values = dict(_options_values(o), local_len=query.shape[0], micro_batch=query.shape[1],
+                      heads=dims.heads, qk_head_dim=dims.qk_head_dim, rope_dim=dims.rope_dim,
+                      v_head_dim=dims.v_head_dim, kv_lora_rank=dims.kv_lora_rank,
+                      dtype=dtype_code(query.dtype),
+                      requires_grad=grad_pattern(dict(zip(INPUTS, tensors))))
         values["documents"] = memo(o.cp_group, ("documents", documents),
                                    lambda: documents_code(documents))
-        values["key_padding"] = content_code(o.cp_group, "key_padding", mask,
-                                             lambda: padding_code(mask)) \
-            if isinstance(mask, torch.Tensor) else 0
+        values["key_padding"] = 0 if mask is None else content_code(
+            o.cp_group, "key_padding", mask, lambda: padding_code(mask))
         return values
 
     details = {"documents": list(documents or ()),
@@ -66,30 +63,14 @@ def _options_values(o: AttnOptions) -> Dict[str, int]:
               "layout": choice_code(LAYOUTS, o.layout),
               "empty_rows": choice_code(EMPTY_ROWS, o.empty_rows),
               "kernel": choice_code(KERNELS, o.kernel),
-              "ulysses_degree": _ulysses_degree(o.cp_algo, o.ulysses_group)}
-    if isinstance(o.causal, bool):
-        values["causal"] = int(o.causal)
-    scale = o.softmax_scale
-    if isinstance(scale, numbers.Real) and not isinstance(scale, bool) and _finite(scale):
-        values["softmax_scale"] = float_bits(scale)
+              "ulysses_degree": _ulysses_degree(o.cp_algo, o.ulysses_group),
+              "causal": int(o.causal), "softmax_scale": float_bits(o.softmax_scale)}
     if o.form == "laga":
-        block = o.kv_block_size
-        values.update(recompute_kv=flag(o.recompute_kv),
-                      trim_causal_prefix=flag(o.trim_causal_prefix),
-                      kv_block_size=block if isinstance(block, int) and not isinstance(block, bool)
-                      else 0, latent_gather=int(o.latent_gather is not None),
+        values.update(recompute_kv=int(o.recompute_kv), kv_block_size=o.kv_block_size or 0,
+                      trim_causal_prefix=int(o.trim_causal_prefix),
+                      latent_gather=int(o.latent_gather is not None),
                       kv_up_linear=kv_up_linear_code(o.kv_up_linear))
     return values
-
-
-def _tensors_row(tensors, dims: Optional[MLADims]) -> Dict[str, int]:
-    if dims is None:
-        return {}
-    query = tensors[0]
-    return dict(local_len=query.shape[0], micro_batch=query.shape[1], heads=dims.heads,
-                qk_head_dim=dims.qk_head_dim, rope_dim=dims.rope_dim, v_head_dim=dims.v_head_dim,
-                kv_lora_rank=dims.kv_lora_rank, dtype=dtype_code(query.dtype),
-                requires_grad=grad_pattern(dict(zip(INPUTS, tensors))))
 
 
 def gather_row(kv_latent, k_pos_emb, check_ranks, ok: bool) -> Dict[str, int]:
@@ -116,25 +97,13 @@ def kv_up_linear_code(linear) -> int:
         return code
     target = getattr(linear, "func", linear)  # functools.partial: what it calls
     body = getattr(target, "__code__", None)
-    what = (getattr(target, "__module__", None), getattr(target, "__qualname__", None),
-            type(target).__qualname__, body.co_code if body is not None else None,
-            body.co_firstlineno if body is not None else None)
-    digest = hashlib.blake2b(repr(what).encode(), digest_size=8).digest()
-    return struct.unpack("<q", digest)[0] or 1
+    return documents_code((getattr(target, "__module__", None), type(target).__qualname__,
+                           getattr(target, "__qualname__", None), getattr(body, "co_code", None),
+                           getattr(body, "co_firstlineno", None)))
 
 
 def _ulysses_degree(cp_algo, ulysses_group) -> int:
-    known = ALGOS.get(cp_algo) if isinstance(cp_algo, str) else None
-    if not (known is not None and known.takes_ulysses_degree) and ulysses_group is None:
-        return 1
-    try:
+    known = ALGOS.get(cp_algo)
+    if (known is not None and known.takes_ulysses_degree) or ulysses_group is not None:
         return comm.group_size(ulysses_group)
-    except Exception:
-        return UNKNOWN
-
-
-def _finite(x) -> bool:
-    try:
-        return math.isfinite(x)
-    except OverflowError:  # an int beyond float range (10**400)
-        return False
+    return 1

@@ -45,7 +45,7 @@ from mindspeed_laga.kernels.registry import KERNELS
 from mindspeed_laga.vocab.names import ATTN_CP_ALGOS, FORMS, LAYOUTS
 
 from . import releases
-from ..common import check_weight_once, first_call, start_gather
+from ..common import check_weight_once, first_call, open_micro_batch, start_gather
 from ..lora import base_layer, effective_weight
 from .hybrid import check_hybrid_shape
 from .thd import PackedBatch, is_thd, packed_batch, packed_rope_positions
@@ -247,7 +247,7 @@ def check_first_call(module, settings: MegatronPatchSettings, cp_group) -> bool:
     never build. Returns whether this is the module's first call."""
     first = first_call(module)
     if settings.core_options.get("check_ranks") is not False:
-        agreement.open_micro_batch(module, cp_group)
+        open_micro_batch(module, cp_group)
     check = first and settings.core_options.get("check_ranks", True) is not False
     check_weight_once(check, lambda: kv_up_weight_of(module), cp_group, {
         "patch_megatron_mla(form=)": (settings.form, FORMS),

@@ -144,13 +144,14 @@ def _open_worker(rank, world):
     a recompute (inside backward) does not."""
     import torch.distributed as dist
     from mindspeed_laga import agreement
+    from mindspeed_laga.patches.common import in_backward, open_micro_batch
     group = dist.group.WORLD
     layers = [torch.nn.Linear(2, 2) for _ in range(3)]
     calls = []
 
     def call(layer, x):
-        agreement.open_micro_batch(layer, group)
-        calls.append((agreement.state(group).epoch, agreement.in_backward()))
+        open_micro_batch(layer, group)
+        calls.append((agreement.state(group).epoch, in_backward()))
         return layer(x)
 
     for _ in range(3):

@@ -194,7 +194,8 @@ def _destroy_worker(rank, world):
     import weakref
 
     import torch.distributed as dist
-    from mindspeed_laga.agreement import schedule, store
+    from mindspeed_laga import comm
+    from mindspeed_laga.agreement import schedule
     group = dist.new_group([0, 1])
     new_micro_batch(group)
     for _ in range(2):
@@ -205,7 +206,7 @@ def _destroy_worker(rank, world):
     dist.destroy_process_group(group)
     del group
     gc.collect()
-    return alive() is None, len(schedule._STATES), len(store._CALLS)
+    return alive() is None, len(schedule._STATES), len(comm._SKIPPED)
 
 
 def _inputs(rank):
@@ -222,9 +223,9 @@ def test_no_state_outlives_its_group():
 
 def test_device_hash_weights_are_bounded():
     from mindspeed_laga.agreement import content
-    for length in range(1, 3 * content.WEIGHTS_KEPT):
+    for length in range(1, 3 * content.PROBES_KEPT):
         content.device_code(torch.ones(length, dtype=torch.bool))
-    assert len(content._WEIGHTS) == content.WEIGHTS_KEPT
+    assert len(content._PROBES) == content.PROBES_KEPT
 
 
 def test_the_documented_names_stay_importable():
