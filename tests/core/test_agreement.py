@@ -143,6 +143,7 @@ def _open_worker(rank, world):
     """The adapters' counter: a module called again outside backward opens a micro-batch;
     a recompute (inside backward) does not."""
     import torch.distributed as dist
+    import torch.utils.checkpoint
     from mindspeed_laga import agreement
     from mindspeed_laga.patches.common import in_backward, open_micro_batch
     group = dist.group.WORLD
