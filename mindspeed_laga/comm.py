@@ -263,7 +263,8 @@ def handshake(values: List[int], group, device, slot=None) -> List[List[int]]:
     mine.copy_(torch.tensor(values, dtype=torch.int64))
     if slot is not None:
         mine[slot[0]] = slot[1].to(device)
-    _record("handshake", "forward", _nbytes(mine), (size - 1) * _nbytes(mine), size)
+    # a ring all-reduce sends 2 (P - 1) / P of the table: 2 (P - 1) rows
+    _record("handshake", "forward", _nbytes(mine), 2 * (size - 1) * _nbytes(mine), size)
     with _peer_failures(group):
         dist.all_reduce(table, group=group)
     return table.tolist()
