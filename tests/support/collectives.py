@@ -217,6 +217,11 @@ def _install() -> None:
             if name is not None and value is originals[name]:
                 _SAVED.append((module, attribute, value))
                 setattr(module, attribute, wrappers[name])
+    for name, original in originals.items():  # a host's own wrapper (MindSpeed's FSDP patches
+        current = getattr(dist, name, None)   # all_reduce): it calls the original it holds
+        if callable(current) and current is not original and current is not wrappers[name]:
+            _SAVED.append((dist, name, current))
+            setattr(dist, name, _wrapper(name, current))
 
 
 def _uninstall() -> None:
