@@ -28,7 +28,9 @@ so drifts in the machine's load fall on both alike. Each call is timed on two cl
 Printed for each clock: the median forward time of the steady-state layers, the median
 backward time per layer, their sum, for each, and LAGA's ratio to the host (the slower
 rank's medians); then the part of LAGA's forward spent in the cross-rank agreement
-(``agree_on_call``: building and recording the call's row), median per later call.
+(``agree_on_call``: building and recording the call's row), median per later call. Last,
+the launches: the aten ops one later layer call's forward dispatches on each rank
+(counted with a ``TorchDispatchMode``, untimed).
 """
 from __future__ import annotations
 
@@ -61,6 +63,23 @@ def _chain(attentions, forward, hidden):
     start = _now()
     h.sum().backward()
     return times, _since(start)
+
+
+def _launches(attentions, forward, hidden) -> int:
+    """aten ops one later layer call's forward dispatches (a chain's second layer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    h, _ = forward(attentions[0], hidden, None)
+    with Count() as count:
+        forward(attentions[1], h, None)
+    return count.ops
 
 
 def _timed_agreement(spent):
@@ -116,8 +135,11 @@ def worker(rank, world_size, layers, repeats, warmup):
                         sample.setdefault("agreement", []).extend(
                             t[clock] for t in spent[-len(attentions) + 1:])
                 spent.clear()
-        return {key: {phase: statistics.median(values) for phase, values in phases.items()}
-                for key, phases in samples.items()}
+        medians = {key: {phase: statistics.median(values) for phase, values in phases.items()}
+                   for key, phases in samples.items()}
+        medians["launches"] = {name: _launches(attentions, forward, hidden)
+                               for name, forward in forwards.items()}
+        return medians
     finally:
         mindspeed_laga.unpatch_megatron_mla()
 
@@ -138,6 +160,8 @@ def main(argv=None) -> int:
                         ("wall", "wall clock: waits for the peer rank included")):
         print(f"\n{clock}: {what}")
         _table(clock, per_rank)
+    launches = {name: [r["launches"][name] for r in per_rank] for name in ("host", "laga")}
+    print(f"\naten ops per later layer call's forward, per rank: {launches}")
     return 0
 
 
