@@ -59,8 +59,7 @@ class AttnOptions:
     def of(cls, form: str, passed: dict) -> "AttnOptions":
         """The record of a call of the public ``form`` function, from its keywords as passed
         (``locals()``: the signature's defaults included; the tensors are no field)."""
-        return cls(form=form, **{f.name: passed[f.name] for f in fields(cls)
-                                 if f.name != "form" and f.name in passed})
+        return cls(form=form, **{name: passed[name] for name in _KEYWORDS if name in passed})
 
     @property
     def blockwise(self) -> bool:
@@ -73,3 +72,7 @@ class AttnOptions:
         return LagaOptions(trim_causal_prefix=self.trim_causal_prefix,
                            recompute_kv=self.recompute_kv, kv_block_size=self.kv_block_size,
                            latent_gather=self.latent_gather, kv_up_linear=self.kv_up_linear)
+
+
+# The keywords AttnOptions.of reads (every field but ``form``), listed once.
+_KEYWORDS = tuple(f.name for f in fields(AttnOptions) if f.name != "form")

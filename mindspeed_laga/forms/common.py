@@ -138,27 +138,30 @@ def to_position_order(x: torch.Tensor, setup: AttnSetup) -> torch.Tensor:
     return x.index_select(0, idx)
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous.
+class _ConcatLatent(torch.autograd.Function):
+    """``[kv_latent, k_pos_emb]`` whose backward hands each input a contiguous gradient.
 
     The gradients of the two halves of a concatenation are strided slices;
     Megatron's ``copy_to_tensor_model_parallel_region`` (core 0.12.1 and
     0.16.1) skips its TP all-reduce on a strided gradient, so the latent's
-    gradient must leave LAGA contiguous.
+    gradient must leave LAGA contiguous. One function for the concatenation and
+    both copies: a later call launches as little as it can.
     """
 
     @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+    def forward(ctx, kv_latent, k_pos_emb):
+        ctx.width = kv_latent.shape[-1]
+        return torch.cat([kv_latent, k_pos_emb], dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        kv, pe = torch.split(grad, [ctx.width, grad.shape[-1] - ctx.width], dim=-1)
+        return kv.contiguous(), pe.contiguous()
 
 
 def concat_latent(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor) -> torch.Tensor:
     """``[kv_latent, k_pos_emb]`` [s, b, d_c + d_r], handing back contiguous grads."""
-    return torch.cat([_ContiguousGrad.apply(kv_latent), _ContiguousGrad.apply(k_pos_emb)], dim=-1)
+    return _ConcatLatent.apply(kv_latent, k_pos_emb)
 
 
 def gathered_latent(kv_latent: torch.Tensor, k_pos_emb: torch.Tensor, setup: AttnSetup) -> torch.Tensor:

@@ -217,7 +217,7 @@ def rebuild_finite(block: torch.Tensor, kv_up_weight: torch.Tensor, plan: BlockP
     cleaned like any non-finite key (kernels/nonfinite.py) and the rows that see such a
     position are poisoned after the walk, per head, as the non-recompute path does."""
     key, value = rebuild(block, kv_up_weight, plan)
-    bad = nonfinite.bad_positions(key) | nonfinite.bad_positions(value)
+    bad = nonfinite.bad_positions(key, value)
     return (nonfinite.zero_bad_positions(key, bad, in_place=True),
             nonfinite.zero_bad_positions(value, bad, in_place=True), bad)
 

@@ -35,6 +35,7 @@ and the rows that see them set to NaN after.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -69,16 +70,16 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
     """
     fn = kernel_for(kernel, pad_v).attend_segment
     if bad is None:
-        bad = nonfinite.bad_positions(k) | nonfinite.bad_positions(v)  # [b, n_k, S]
+        bad = nonfinite.bad_positions(k, v)  # [b, n_k, S]
         k = nonfinite.zero_bad_positions(k, bad, own_kv)
         v = nonfinite.zero_bad_positions(v, bad, own_kv)
     pad = None if key_padding is None else held_keys(key_padding, key_ranges)  # [b, K]
     if pad is not None:  # an invisible padding key poisons no row
         bad = bad & ~pad[:, None, :]
     outs = []
-    for (local_start, length, _), lo_i, hi_i, pieces in _windows(segments, key_ranges, k.shape[2],
-                                                                 causal, documents):
-        extra = {} if pieces is None else {"pieces": pieces}
+    windows = _windows(tuple(segments), key_ranges, k.shape[2], causal, documents)
+    for (local_start, length, _), (_, lo_i, hi_i, pieces) in zip(segments, windows):
+        extra = {} if pieces is None else {"pieces": list(pieces)}
         empty = None
         if pad is not None:
             keep, empty = padded_keep_mask(length, pad[:, lo_i:hi_i], causal, pieces)
@@ -88,10 +89,9 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
         if empty is not None:
             fill = out.new_zeros(()) if empty_fill is None else empty_fill.to(out.dtype)
             out = torch.where(empty, fill, out)
-        out = out if epilogue is None else epilogue(out)
-        outs.append(out + nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces,
-                                               out.dtype))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        outs.append(out if epilogue is None else epilogue(out))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out + nonfinite.row_poison(bad, windows, causal, out.dtype)
 
 
 def held_keys(key_padding: torch.Tensor, key_ranges) -> torch.Tensor:
@@ -102,15 +102,24 @@ def held_keys(key_padding: torch.Tensor, key_ranges) -> torch.Tensor:
     return torch.cat([key_padding[:, lo:hi] for lo, hi in key_ranges], dim=1)
 
 
-def _windows(segments, key_ranges, num_keys: int, causal: bool, documents):
-    """Per query segment: (segment, key window start and end as indices of the key
-    tensor, its document pieces relative to the window or None)."""
+def _windows(segments: Tuple[Segment, ...], key_ranges, num_keys: int, causal: bool,
+             documents) -> Tuple[nonfinite.Window, ...]:
+    """Per query segment: its rows, its key window start and end as indices of the key
+    tensor, its document pieces relative to the window or None (made once per layout)."""
+    return _cached_windows(segments, None if not key_ranges else tuple(map(tuple, key_ranges)),
+                           num_keys, causal, documents)
+
+
+@lru_cache(maxsize=256)
+def _cached_windows(segments, key_ranges, num_keys: int, causal: bool, documents):
     keys = KeyIndex(key_ranges, num_keys)
+    windows = []
     for seg in segments:
         lo, hi = key_window(seg, keys.total, causal, documents)
         lo_i = keys.index(lo)
-        pieces = None if documents is None else _relative_pieces(seg, lo, causal, documents)
-        yield seg, lo_i, lo_i + (hi - lo), pieces
+        pieces = None if documents is None else tuple(_relative_pieces(seg, lo, causal, documents))
+        windows.append(nonfinite.Window(seg[1], lo_i, lo_i + (hi - lo), pieces))
+    return tuple(windows)
 
 
 def poison_rows(bad: torch.Tensor, *, segments: List[Segment], causal: bool, documents=None,
@@ -118,10 +127,8 @@ def poison_rows(bad: torch.Tensor, *, segments: List[Segment], causal: bool, doc
     """[b, n_k, s_q, 1] of 0 or NaN: NaN for the query rows that see a key of ``bad``
     ([b, n_k, S], True = non-finite), the rows of every segment in order (what
     :func:`attend` adds to its output; the blockwise path adds it to its own)."""
-    parts = [nonfinite.row_poison(bad[:, :, lo_i:hi_i], length, causal, pieces, dtype)
-             for (_, length, _), lo_i, hi_i, pieces in _windows(segments, key_ranges, bad.shape[-1], causal,
-                                                     documents)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    windows = _windows(tuple(segments), key_ranges, bad.shape[-1], causal, documents)
+    return nonfinite.row_poison(bad, windows, causal, dtype)
 
 
 def _relative_pieces(seg: Segment, lo: int, causal: bool, documents) -> List[Piece]:

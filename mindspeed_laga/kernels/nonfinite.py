@@ -20,17 +20,23 @@ the kernel returned.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .masks import Piece
 
 
-def bad_positions(x: torch.Tensor) -> torch.Tensor:
-    """x [..., d] -> [...] bool: True where the last dim holds a NaN or an inf."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return ~torch.isfinite(x.detach().sum(-1, dtype=acc))  # outside autograd: nothing saved
+def bad_positions(*xs: torch.Tensor) -> torch.Tensor:
+    """x [..., d] (each of ``xs``: the same leading dims) -> [...] bool: True where the
+    last dim of any of them holds a NaN or an inf."""
+    nan_where_bad = None
+    for x in xs:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        # outside autograd (nothing saved); times 0: 0 where the sum is finite, else NaN
+        part = x.detach().sum(-1, dtype=acc).mul_(0)
+        nan_where_bad = part if nan_where_bad is None else nan_where_bad.add_(part)
+    return nan_where_bad.isnan()
 
 
 def zero_bad_positions(x: torch.Tensor, bad: torch.Tensor, in_place: bool) -> torch.Tensor:
@@ -45,22 +51,49 @@ def zero_bad_positions(x: torch.Tensor, bad: torch.Tensor, in_place: bool) -> to
     return x
 
 
-def row_poison(bad_window: torch.Tensor, rows: int, causal: bool,
-               pieces: Optional[Sequence[Piece]], dtype) -> torch.Tensor:
-    """[b, n_k, rows, 1] of 0 or NaN: NaN for a query row that sees a bad key.
+def row_poison(bad: torch.Tensor, windows: Sequence[Window], causal: bool, dtype) -> torch.Tensor:
+    """[b, n_k, rows, 1] of 0 or NaN: NaN for a query row that sees a bad key, the rows of
+    every window in order (what one cat of the windows' outputs adds).
 
-    ``bad_window`` [b, n_k, W]: the bad positions of the segment's key window;
-    ``pieces`` as the kernels take them (None: one piece, all rows and keys,
-    causal bottom-right aligned)."""
-    start, end = _visible_ranges(rows, bad_window.shape[-1], causal,
-                                 None if pieces is None else tuple(pieces))
-    counts = torch.nn.functional.pad(bad_window.to(torch.int32).cumsum(-1), (1, 0))
-    seen = counts[..., end.to(counts.device)] - counts[..., start.to(counts.device)]
-    nan = torch.tensor(float("nan"), dtype=dtype, device=bad_window.device)
-    return torch.where(seen > 0, nan, torch.zeros((), dtype=dtype, device=nan.device))[..., None]
+    ``bad`` [b, n_k, K]: the bad positions of the key tensor; ``windows``: per query
+    segment ``(rows, lo, hi, pieces)``, its rows see keys of ``bad[..., lo:hi]``,
+    ``pieces`` as the kernels take them (None: one piece, all rows and keys, causal
+    bottom-right aligned). One count over every window: no op per segment."""
+    start, end = _visible_keys(tuple(windows), causal, bad.device)
+    counts = torch.nn.functional.pad(bad.to(torch.int32).cumsum(-1), (1, 0))
+    seen = counts[..., end] - counts[..., start]
+    nan, zero = _poison_values(dtype, bad.device)
+    return torch.where(seen > 0, nan, zero)[..., None]
+
+
+class Window(NamedTuple):
+    """A query segment's rows and its key window ``[lo, hi)`` in the key tensor."""
+    rows: int
+    lo: int
+    hi: int
+    pieces: Optional[Tuple[Piece, ...]]
 
 
 @lru_cache(maxsize=256)
+def _visible_keys(windows: Tuple[Window, ...], causal: bool,
+                  device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per query row of every window, the keys it sees as key-tensor indices, [start, end)."""
+    with torch.inference_mode(False):  # kept across calls, whatever mode made them
+        starts, ends = [], []
+        for rows, lo, hi, pieces in windows:
+            start, end = _visible_ranges(rows, hi - lo, causal, pieces)
+            starts.append(start + lo)
+            ends.append(end + lo)
+        return torch.cat(starts).to(device), torch.cat(ends).to(device)
+
+
+@lru_cache(maxsize=64)
+def _poison_values(dtype, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode(False):
+        return (torch.tensor(float("nan"), dtype=dtype, device=device),
+                torch.zeros((), dtype=dtype, device=device))
+
+
 def _visible_ranges(rows: int, keys: int, causal: bool,
                     pieces: Optional[Tuple[Piece, ...]]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per query row, the window keys it sees, [start, end): pieces' rows see their key

@@ -64,11 +64,18 @@ class CpuFlash:
 
     @staticmethod
     def forward(q, key, value, causal, scale):
+        out, lse = CpuFlash.forward_view(q, key, value, causal, scale)
+        # a copy, so what autograd keeps of the output is its own width, not the padded one
+        return out.contiguous(), lse
+
+    @staticmethod
+    def forward_view(q, key, value, causal, scale):
+        """:meth:`forward`, its output a view of the op's padded one (for a merge, which
+        reads it once and keeps none of it)."""
         d = max(q.shape[-1], value.shape[-1])
         out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(
             _pad_last(q, d), _pad_last(key, d), _pad_last(value, d), 0.0, causal, scale=scale)
-        # a copy, so what autograd keeps of the output is its own width, not the padded one
-        return (out if d == value.shape[-1] else out[..., :value.shape[-1]].contiguous()), lse
+        return (out if d == value.shape[-1] else out[..., :value.shape[-1]]), lse
 
     @staticmethod
     def backward(q, key, value, causal, scale, d_out, out, lse):
@@ -108,10 +115,12 @@ class CudaEfficient:
 
 def fused_forward(ops, q, key, value, offset, scale):
     """-> (out, lse) in the op's dtypes, one or two fused calls merged by lse."""
-    parts = [ops.forward(q, key[:, :, keys], value[:, :, keys], causal, scale)
-             for keys, causal in block_calls(offset, key.shape[2])]
-    if len(parts) == 1:
-        return parts[0]
+    calls = block_calls(offset, key.shape[2])
+    if len(calls) == 1:  # every key: no slices
+        return ops.forward(q, key, value, calls[0][1], scale)
+    forward = getattr(ops, "forward_view", ops.forward)  # the merge reads each output once
+    parts = [forward(q, key[:, :, keys], value[:, :, keys], causal, scale)
+             for keys, causal in calls]
     acc = acc_dtype(q.dtype)
     out, lse = merge_lse([(o.to(acc), l.to(acc)) for o, l in parts])
     return out, lse

@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Dict, Optional
 
 import torch
@@ -87,8 +88,14 @@ def cp_group_of(module):
 
 
 def _causal(module) -> Optional[bool]:
+    return _mask_causal().get(module.attn_mask_type)
+
+
+@lru_cache(maxsize=1)
+def _mask_causal() -> Dict:
+    """megatron's mask types LAGA covers -> ``causal``."""
     from megatron.core.transformer.enums import AttnMaskType
-    return {AttnMaskType.causal: True, AttnMaskType.no_mask: False}.get(module.attn_mask_type)
+    return {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 
 
 def uncovered_reason(module, args: Dict) -> Optional[str]:
@@ -206,9 +213,30 @@ def _rope_at_positions(module, local_len: int, settings: MegatronPatchSettings, 
     # packed_seq=True: the full table, without megatron's (zigzag) CP slice.
     table = module.rotary_pos_emb(local_len * size, packed_seq=True)
     table, mscale = table if isinstance(table, tuple) else (table, 1.0)
-    positions = layouts.positions(settings.layout, size, rank, local_len,
-                                  ulysses_degree=settings.ulysses_degree).to(table.device)
-    return table.index_select(0, positions), mscale
+    positions = _positions(settings.layout, size, rank, local_len, settings.ulysses_degree,
+                           table.device)
+    return _rows_of(module, table, positions), mscale
+
+
+@lru_cache(maxsize=64)
+def _positions(layout: str, size: int, rank: int, local_len: int, ulysses_degree: int,
+               device) -> torch.Tensor:
+    """This rank's global positions (made once per layout and length, not per call)."""
+    with torch.inference_mode(False):
+        return layouts.positions(layout, size, rank, local_len,
+                                 ulysses_degree=ulysses_degree).to(device)
+
+
+def _rows_of(module, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``table``'s rows at ``positions``, kept on the module while megatron hands back the
+    same table (its rotary embedding caches it): selected once, not per call."""
+    kept = getattr(module, "_laga_rope_rows", None)
+    if kept is not None and kept[0] is table and kept[1] is positions:
+        return kept[2]
+    rows = table.index_select(0, positions)
+    if not torch.is_inference_mode_enabled() and not table.requires_grad:
+        module._laga_rope_rows = (table, positions, rows)
+    return rows
 
 
 def _rope_at_packed_positions(module, local_len: int, packed: PackedBatch, cp_group):
@@ -248,15 +276,15 @@ def check_first_call(module, settings: MegatronPatchSettings, cp_group) -> bool:
     first = first_call(module)
     if settings.core_options.get("check_ranks") is not False:
         open_micro_batch(module, cp_group)
-    check = first and settings.core_options.get("check_ranks", True) is not False
-    check_weight_once(check, lambda: kv_up_weight_of(module), cp_group, {
-        "patch_megatron_mla(form=)": (settings.form, FORMS),
-        "patch_megatron_mla(cp_algo=)": (settings.cp_algo, ATTN_CP_ALGOS),
-        "patch_megatron_mla(ulysses_degree=)": (settings.ulysses_degree, None),
-        "patch_megatron_mla(layout=)": (settings.layout, LAYOUTS),
-        "patch_megatron_mla(kernel=)": (settings.kernel, KERNELS),
-        "patch_megatron_mla(overlap_latent_gather=)": (settings.overlap_latent_gather,
-                                                       (False, True))})
+    if first and settings.core_options.get("check_ranks", True) is not False:
+        check_weight_once(True, lambda: kv_up_weight_of(module), cp_group, {
+            "patch_megatron_mla(form=)": (settings.form, FORMS),
+            "patch_megatron_mla(cp_algo=)": (settings.cp_algo, ATTN_CP_ALGOS),
+            "patch_megatron_mla(ulysses_degree=)": (settings.ulysses_degree, None),
+            "patch_megatron_mla(layout=)": (settings.layout, LAYOUTS),
+            "patch_megatron_mla(kernel=)": (settings.kernel, KERNELS),
+            "patch_megatron_mla(overlap_latent_gather=)": (settings.overlap_latent_gather,
+                                                           (False, True))})
     return first
 
 
@@ -346,22 +374,46 @@ def _thd_key(params, hidden_states, causal: bool) -> tuple:
         agreement.tensor_key(v) if isinstance(v, torch.Tensor) else v for v in values)
 
 
+def binder(signature: inspect.Signature) -> Callable:
+    """``bind(self, args, kwargs)``: the call's arguments by name, as
+    ``signature.bind(self, *args, **kwargs).arguments`` gives them (those passed, no
+    defaults), without inspect's cost on every call; a call it does not read plainly
+    (too many, unknown or repeated names, a required one missing, a ``*args``
+    signature) goes to ``signature.bind``, which also raises its TypeError."""
+    params = list(signature.parameters.values())
+    plain = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+    positional = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
+    names = frozenset(p.name for p in params)
+    required = tuple(p.name for p in params if p.default is p.empty)
+
+    def bind(self, args, kwargs) -> Dict:
+        if plain and len(args) < len(positional):
+            arguments = dict(zip(positional, (self,) + args))
+            if (names.issuperset(kwargs) and arguments.keys().isdisjoint(kwargs)
+                    and all(n in arguments or n in kwargs for n in required)):
+                arguments.update(kwargs)
+                return arguments
+        return signature.bind(self, *args, **kwargs).arguments
+
+    return bind
+
+
 def make_forward(original: Callable, settings: MegatronPatchSettings) -> Callable:
     """A drop-in ``MLASelfAttention.forward`` that routes covered calls through LAGA."""
-    signature = inspect.signature(original)
+    bind = binder(inspect.signature(original))
 
     def forward(self, *args, **kwargs):
         cp_group = cp_group_of(self)
         if cp_group is None or cp_group.size() == 1:
             return original(self, *args, **kwargs)
         check_attention_dropout(self)
-        bound = signature.bind(self, *args, **kwargs)
-        reason = uncovered_reason(self, bound.arguments)
+        arguments = bind(self, args, kwargs)
+        reason = uncovered_reason(self, arguments)
         if reason is None:
             first = check_first_call(self, settings, cp_group)
-            return laga_attention_block(self, bound.arguments["hidden_states"], settings, cp_group,
+            return laga_attention_block(self, arguments["hidden_states"], settings, cp_group,
                                         first=first,
-                                        **_covered_call(self, bound.arguments, settings, cp_group))
+                                        **_covered_call(self, arguments, settings, cp_group))
         if settings.layout != "zigzag":
             # The original forward slices rope zigzag (megatron's batch layout): with
             # other batches it would run and be silently wrong.

@@ -17,10 +17,20 @@ times, on the same modules and inputs, per layer call:
 The layers are called in a chain (forward, then backward of the chain), as in a model, so
 every layer past the first runs in steady state (the first opens the micro-batch). The
 two run interleaved, one repeat each in turn (their order alternating), after a barrier,
-so drifts in the machine's load fall on both alike. Printed: the median forward time of
-the steady-state layers, the median backward time per layer, their sum, for each, and
-LAGA's ratio to the host; then the part of LAGA's forward spent in the cross-rank
-agreement (``agree_on_call``: building and recording the call's row), median per call.
+so drifts in the machine's load fall on both alike. Each call is timed on two clocks:
+
+- CPU: the calling thread's CPU time (``time.thread_time``): the host's own work, Python
+  and dispatch. It leaves out the time a rank sleeps in a collective waiting for its
+  peer (gloo blocks there; on an accelerator the collective is queued and the host goes
+  on) and the time the process is descheduled, so it holds still on a loaded machine;
+- wall: ``time.perf_counter``, that wait included, as a rank lives it on this machine.
+
+Printed for each clock: the median forward time of the steady-state layers, the median
+backward time per layer, their sum, for each, and LAGA's ratio to the host (the slower
+rank's medians); then the part of LAGA's forward spent in the cross-rank agreement
+(``agree_on_call``: building and recording the call's row), median per later call. Last,
+the launches: the aten ops one later layer call's forward dispatches on each rank
+(counted with a ``TorchDispatchMode``, untimed).
 """
 from __future__ import annotations
 
@@ -30,18 +40,46 @@ import sys
 import time
 
 
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+def _now():
+    return {name: clock() for name, clock in CLOCKS.items()}
+
+
+def _since(start):
+    return {name: clock() - start[name] for name, clock in CLOCKS.items()}
+
+
 def _chain(attentions, forward, hidden):
     """Forward through every layer (timed per layer), then backward of the chain."""
     import torch.distributed as dist
     dist.barrier()
     times, h = [], hidden
     for attention in attentions:
-        start = time.perf_counter()
+        start = _now()
         h, _ = forward(attention, h, None)
-        times.append(time.perf_counter() - start)
-    start = time.perf_counter()
+        times.append(_since(start))
+    start = _now()
     h.sum().backward()
-    return times, time.perf_counter() - start
+    return times, _since(start)
+
+
+def _launches(attentions, forward, hidden) -> int:
+    """aten ops one later layer call's forward dispatches (a chain's second layer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    h, _ = forward(attentions[0], hidden, None)
+    with Count() as count:
+        forward(attentions[1], h, None)
+    return count.ops
 
 
 def _timed_agreement(spent):
@@ -50,11 +88,11 @@ def _timed_agreement(spent):
     inner = checks.agree_on_call
 
     def agree_on_call(*args, **kwargs):
-        start = time.perf_counter()
+        start = _now()
         try:
             return inner(*args, **kwargs)
         finally:
-            spent.append(time.perf_counter() - start)
+            spent.append(_since(start))
     checks.agree_on_call = agree_on_call
 
 
@@ -81,20 +119,27 @@ def worker(rank, world_size, layers, repeats, warmup):
         generator = torch.Generator().manual_seed(rank)
         hidden = torch.randn(tiny.seq_length // world_size, tiny.micro_batch, tiny.hidden_size,
                              generator=generator).requires_grad_()
-        samples = {name: {"forward": [], "backward": []} for name in forwards}
+        samples = {(clock, name): {"forward": [], "backward": []}
+                   for clock in CLOCKS for name in forwards}
         for repeat in range(warmup + repeats):
             order = list(forwards) if repeat % 2 == 0 else list(forwards)[::-1]
             for name in order:
                 model.zero_grad(set_to_none=True)
                 per_layer, backward = _chain(attentions, forwards[name], hidden)
-                if repeat >= warmup:
-                    samples[name]["forward"].extend(per_layer[1:])  # past the micro-batch's opening
-                    samples[name]["backward"].append(backward / len(attentions))
+                for clock in CLOCKS if repeat >= warmup else ():
+                    sample = samples[clock, name]
+                    # past the micro-batch's opening
+                    sample["forward"].extend(t[clock] for t in per_layer[1:])
+                    sample["backward"].append(backward[clock] / len(attentions))
                     if name == "laga":  # the later calls' agreement (the first exchanges)
-                        samples[name].setdefault("agreement", []).extend(spent[-len(attentions) + 1:])
+                        sample.setdefault("agreement", []).extend(
+                            t[clock] for t in spent[-len(attentions) + 1:])
                 spent.clear()
-        return {name: {phase: statistics.median(values) for phase, values in phases.items()}
-                for name, phases in samples.items()}
+        medians = {key: {phase: statistics.median(values) for phase, values in phases.items()}
+                   for key, phases in samples.items()}
+        medians["launches"] = {name: _launches(attentions, forward, hidden)
+                               for name, forward in forwards.items()}
+        return medians
     finally:
         mindspeed_laga.unpatch_megatron_mla()
 
@@ -111,19 +156,28 @@ def main(argv=None) -> int:
     per_rank = run_on_ranks(worker, 2, args.layers, args.repeats, args.warmup, timeout_s=1800)
     print(f"MLA layer call on CPU, CP = 2 (gloo), tiny dims, {args.layers} layers chained, "
           f"{args.repeats} interleaved repeats; median ms per layer call (the slower rank)")
+    for clock, what in (("cpu", "the thread's CPU time: the host's own work"),
+                        ("wall", "wall clock: waits for the peer rank included")):
+        print(f"\n{clock}: {what}")
+        _table(clock, per_rank)
+    launches = {name: [r["launches"][name] for r in per_rank] for name in ("host", "laga")}
+    print(f"\naten ops per later layer call's forward, per rank: {launches}")
+    return 0
+
+
+def _table(clock, per_rank):
     print(f"{'':>6} {'forward':>9} {'backward':>9} {'total':>9}")
     rows = {}
     for name in ("host", "laga"):
-        forward = max(r[name]["forward"] for r in per_rank) * 1e3
-        backward = max(r[name]["backward"] for r in per_rank) * 1e3
+        forward = max(r[clock, name]["forward"] for r in per_rank) * 1e3
+        backward = max(r[clock, name]["backward"] for r in per_rank) * 1e3
         rows[name] = (forward, backward, forward + backward)
         print(f"{name:>6} {forward:9.3f} {backward:9.3f} {forward + backward:9.3f}")
     ratio = [l / h for l, h in zip(rows["laga"], rows["host"])]
     print(f"{'ratio':>6} {ratio[0]:9.2f} {ratio[1]:9.2f} {ratio[2]:9.2f}   (LAGA / host)")
-    agreement = max(r["laga"]["agreement"] for r in per_rank) * 1e3
+    agreement = max(r[clock, "laga"]["agreement"] for r in per_rank) * 1e3
     print(f"agreement per later call: {agreement:.3f} ms ({agreement / rows['host'][0]:.1%} of "
           "the host's forward)")
-    return 0
 
 
 if __name__ == "__main__":
