@@ -43,7 +43,7 @@ def start(x: torch.Tensor, group, tag: str, kind: Optional[str] = None):
         out, pending = comm.all_gather_raw(x, group, "forward", tag, async_op=True)
         return lambda: (pending.wait(), out)[1]
     out, pending = _launch(x, group, tag, band)
-    return lambda: (pending.wait(), _unpack(out, x, group)[0])[1]
+    return lambda: (pending.wait(), _unpack(out, x, group, band)[0])[1]
 
 
 @contextlib.contextmanager
@@ -113,12 +113,11 @@ def _moved(group, band, expected, wire) -> None:
 
 
 def _send_stand_in(group, band, expected) -> torch.Tensor:
-    """Zeros of the expected shape beside ``band``, so the peers' gather completes: every
-    rank's band (unflagged: its sender raises, or every rank moved)."""
+    """Zeros of the expected shape beside ``band`` (the peers' gather completes): the bands."""
     stand_in = torch.zeros(expected[0], dtype=expected[1], device=expected[2])
     out, pending = _launch(stand_in, group, "stand_in", band)
     pending.wait()
-    return _unpack(out, stand_in, group, flag=False)[1]
+    return _unpack(out, stand_in, group)[1]
 
 
 def _launch(x: torch.Tensor, group, tag: str, band: torch.Tensor):
@@ -126,16 +125,18 @@ def _launch(x: torch.Tensor, group, tag: str, band: torch.Tensor):
     return comm.all_gather_raw(packed, group, "forward", tag, async_op=True, side=BAND * 8)
 
 
-def _unpack(out: torch.Tensor, x: torch.Tensor, group, flag: bool = True):
-    """(the gathered latent, NaN if any rank's band differs; every rank's band)."""
+def _unpack(out: torch.Tensor, x: torch.Tensor, group, band=None):
+    """(the gathered latent, every rank's band); with ``band`` (this rank's, verdict 0): NaN
+    if any rank's band differs from it, the flag noted unread (a stand-in's sender: none)."""
     rows = out.view(comm.group_size(group), -1)
     n = rows.shape[1] - BAND * 8 // x.element_size()
     data = rows[:, :n].contiguous().view((-1,) + tuple(x.shape[1:]))
     bands = rows[:, n:].contiguous().view(torch.int64)
-    bad = (bands[:, 0] != bands[0, 0]).any() | (bands[:, 1] != 0).any()
-    if flag:
+    if band is not None:
+        bad = (bands != band).any()
         schedule.flag(group, "latent", bad)
-    return data.masked_fill_(bad, float("nan")), bands
+        data.masked_fill_(bad, float("nan"))
+    return data, bands
 
 
 class _Gather(torch.autograd.Function):
@@ -146,7 +147,7 @@ class _Gather(torch.autograd.Function):
         ctx.group, ctx.tag = group, tag
         out, pending = _launch(x, group, tag, band)
         pending.wait()
-        return _unpack(out, x, group)[0]
+        return _unpack(out, x, group, band)[0]
 
     @staticmethod
     def backward(ctx, grad):
