@@ -361,8 +361,8 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
             if cp_size == 1:
                 raise
             failure = exc
-        agree_on_call(o, tensors, seen[0], seen[1], failure)
-        return _setup(o, query, cp_size, *seen)
+        agree_on_call(o, tensors, seen[0], seen[1], failure, seen[4])
+        return _setup(o, query, cp_size, *seen[:4])
     failure: Optional[BaseException] = None
     dims = documents = None
     degree, kernel = 1, None
@@ -389,7 +389,7 @@ def check(query, kv_latent, k_pos_emb, kv_up_weight, options: AttnOptions) -> At
         found = _seen(o.cp_group)
         if len(found) >= SEEN_KEPT:
             found.clear()
-        found[key] = (dims, documents, kernel, degree)
+        found[key] = (dims, documents, kernel, degree, {})  # {}: the row's fixed part
     return _setup(o, query, cp_size, dims, documents, kernel, degree)
 
 

@@ -18,8 +18,9 @@ from .fields import INPUTS, KERNELS, STAGES, choice_code, dtype_code, float_bits
 from .schedule import agree_call, content_code, memo, note_weight
 
 
-def agree_on_call(o: AttnOptions, tensors, dims, documents, failure) -> None:
-    """The agreement of a dense form's call; raises ``failure`` on this rank."""
+def agree_on_call(o: AttnOptions, tensors, dims, documents, failure, cache=None) -> None:
+    """The agreement of a dense form's call; raises ``failure`` on this rank. ``cache``: a
+    dict kept for calls like this one (checks.py), where its row's fixed part is built once."""
     if comm.group_size(o.cp_group) == 1:
         if failure is not None:
             raise failure
@@ -27,18 +28,18 @@ def agree_on_call(o: AttnOptions, tensors, dims, documents, failure) -> None:
     query, mask = tensors[0], o.key_padding_mask
     device = query.device if isinstance(query, torch.Tensor) else "cpu"
     note_weight(tensors[3])
+    cache = {} if cache is None else cache
 
     def row() -> Dict[str, int]:
-        values = dict(_options_values(o), local_len=query.shape[0], micro_batch=query.shape[1],
-                      heads=dims.heads, qk_head_dim=dims.qk_head_dim, rope_dim=dims.rope_dim,
-                      v_head_dim=dims.v_head_dim, kv_lora_rank=dims.kv_lora_rank,
-                      dtype=dtype_code(query.dtype),
-                      requires_grad=grad_pattern(dict(zip(INPUTS, tensors))))
-        values["documents"] = memo(o.cp_group, ("documents", documents),
-                                   lambda: documents_code(documents))
-        values["key_padding"] = 0 if mask is None else content_code(
-            o.cp_group, "key_padding", mask, lambda: padding_code(mask))
-        return values
+        fixed = cache.get("row") or cache.setdefault("row", dict(
+            _options_values(o), local_len=query.shape[0], micro_batch=query.shape[1],
+            heads=dims.heads, qk_head_dim=dims.qk_head_dim, rope_dim=dims.rope_dim,
+            v_head_dim=dims.v_head_dim, kv_lora_rank=dims.kv_lora_rank,
+            dtype=dtype_code(query.dtype), documents=memo(
+                o.cp_group, ("documents", documents), lambda: documents_code(documents))))
+        return dict(fixed, requires_grad=grad_pattern(dict(zip(INPUTS, tensors))),
+                    key_padding=0 if mask is None else content_code(
+                        o.cp_group, "key_padding", mask, lambda: padding_code(mask)))
 
     details = {"documents": list(documents or ()),
                "key_padding": (lambda: []) if mask is None else (lambda: padding_counts(mask))}
