@@ -91,7 +91,7 @@ FLAGS = {"topk_indices": "held picks no query may attend (outside [0, S), past t
                          "position or before its document's start) or a row of only -1",
          "latent": "gathered in a later call differed in band (the calls' codes or a rank's "
                    "verdict, compared on the device)"}
-BY_NAME = {f.name: f for f in TABLE}
+BY_NAME, _ABSENT = {f.name: f for f in TABLE}, dict.fromkeys(FIELDS, UNKNOWN)
 
 
 def label(name: str) -> str:
@@ -111,4 +111,4 @@ def show(name: str, code: int, names: Optional[Dict[str, Sequence[str]]] = None)
 
 def row_of(values: Dict[str, int]) -> tuple:
     """``values`` as a full row (UNKNOWN where absent): what a later call records."""
-    return tuple(values.get(name, UNKNOWN) for name in FIELDS)
+    return tuple({**_ABSENT, **values}.values())  # in FIELDS order: _ABSENT's keys come first

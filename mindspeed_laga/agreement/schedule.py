@@ -223,7 +223,8 @@ def note_weight(weight) -> None:
     """Note the leaves ``weight`` is made of (itself, or a LoRA sum's parameters)."""
     nodes, seen = [getattr(weight, "grad_fn", None)], 0
     if nodes[0] is None and isinstance(weight, torch.Tensor) and weight.requires_grad:
-        _WEIGHTS[id(weight)] = weight
+        if _WEIGHTS.get(id(weight)) is not weight:  # a set makes a weak reference each time
+            _WEIGHTS[id(weight)] = weight
     while nodes and seen < 64:  # a few nodes: a cast, a LoRA product and sum
         node, seen = nodes.pop(), seen + 1
         leaf = getattr(node, "variable", None)
