@@ -107,7 +107,7 @@ def _windows(segments: Tuple[Segment, ...], key_ranges, num_keys: int, causal: b
     """Per query segment: its rows, its key window start and end as indices of the key
     tensor, its document pieces relative to the window or None (made once per layout)."""
     return _cached_windows(segments, None if not key_ranges else tuple(map(tuple, key_ranges)),
-                           num_keys, causal, documents)
+                           num_keys, causal, None if documents is None else tuple(documents))
 
 
 @lru_cache(maxsize=256)
