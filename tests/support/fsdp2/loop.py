@@ -27,7 +27,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -205,7 +204,7 @@ def run(llm: Path, sources: dict, workdir: Path, nproc: int, cfg: dict, override
         attention: str = "DeepseekV3Attention", extra_env=None) -> Fsdp2Run:
     """torchrun ... -m mindspeed_laga.launch train_fsdp2.py CONFIG.yaml overrides, in ``llm``."""
     import yaml
-    from support.loop.real_loop import EVERY_RANK_MONITOR_S, _free_port, python_shims
+    from support.loop.real_loop import EVERY_RANK_MONITOR_S, python_shims, torchrun
 
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / "record"
@@ -223,25 +222,9 @@ def run(llm: Path, sources: dict, workdir: Path, nproc: int, cfg: dict, override
     if every_rank_exits:
         env["PET_MONITOR_INTERVAL"] = str(EVERY_RANK_MONITOR_S)
     argv = [str(config_path), *overrides] + ([f"--{LAGA_KEY}", "true"] if laga else [])
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               "-m", "mindspeed_laga.launch", "train_fsdp2.py", *argv]
     start = time.monotonic()
-    log_path = workdir / "log.txt"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=llm, env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            raise Fsdp2Failed(f"ran past {timeout_s} s; log: {log_path}",
-                              log_path.read_text(errors="replace"))
-    text = log_path.read_text(errors="replace")
-    if returncode != 0:
-        tail = "\n".join(text.splitlines()[-60:])
-        raise Fsdp2Failed(f"failed (exit {returncode}); log: {log_path}\n{tail}", text)
+    text = torchrun(["train_fsdp2.py", *argv], nproc, env, llm, workdir / "log.txt", timeout_s,
+                    Fsdp2Failed)
     ranks = [json.loads((record / f"rank{r}.json").read_text()) for r in range(nproc)]
     return Fsdp2Run(log=text, steps=ranks[0]["steps"], counts=[r["counts"] for r in ranks],
                     indexer_losses=ranks[0].get("indexer_losses", []),

@@ -325,25 +325,9 @@ def run_loop(sources: dict, workdir: Path, nproc: int, argv: List[str],
     if every_rank_exits:  # torchrun reads each of its options from PET_<OPTION> too
         env["PET_MONITOR_INTERVAL"] = str(EVERY_RANK_MONITOR_S)
     env.pop("TRAINING_BACKEND", None)  # MindSpeed-LLM's default (mcore) applies its patches
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               "-m", "mindspeed_laga.launch", str(llm / script), *argv]
     start = time.monotonic()
-    log_path = workdir / "log.txt"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            raise LoopFailed(f"the loop ran past {timeout_s} s; log: {log_path}\n"
-                             + _tail(log_path), log_path.read_text(errors="replace"))
-    text = log_path.read_text(errors="replace")
-    if returncode != 0:
-        raise LoopFailed(f"the loop failed (exit {returncode}); log: {log_path}\n"
-                         + _tail(log_path), text)
+    text = torchrun([str(llm / script), *argv], nproc, env, workdir, workdir / "log.txt",
+                    timeout_s)
     ranks = [json.loads((record / f"rank{r}.json").read_text()) for r in range(nproc)]
     last = ranks[-1]  # Megatron logs on the last rank
     iterations = {int(i): v for i, v in last["iterations"].items()}
@@ -351,6 +335,32 @@ def run_loop(sources: dict, workdir: Path, nproc: int, argv: List[str],
                    counts=[r["counts"] for r in ranks], printed=parse_log(text),
                    seconds=time.monotonic() - start,
                    steady=[r.get("steady_state", {}) for r in ranks])
+
+
+def torchrun(target: List[str], nproc: int, env: Dict[str, str], cwd: Path, log_path: Path,
+             timeout_s: float, failure=LoopFailed) -> str:
+    """``torchrun ... -m mindspeed_laga.launch *target`` on ``nproc`` gloo CPU ranks, run in
+    ``cwd`` and logged to ``log_path``: the log's text, or ``failure(message, log)`` raised
+    when it ran past ``timeout_s`` (every rank killed) or exited non-zero."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               "-m", "mindspeed_laga.launch", *target]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            returncode = None
+    text = log_path.read_text(errors="replace")
+    if returncode is None:
+        raise failure(f"the run went past {timeout_s} s; log: {log_path}\n" + _tail(log_path), text)
+    if returncode != 0:
+        raise failure(f"the run failed (exit {returncode}); log: {log_path}\n" + _tail(log_path),
+                      text)
+    return text
 
 
 def _tail(path: Path, lines: int = 60) -> str:
