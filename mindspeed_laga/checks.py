@@ -12,6 +12,7 @@ peers raise "rejected" and the rank re-raises its own exception.
 from __future__ import annotations
 
 import math
+import operator
 import numbers
 import weakref
 from typing import Optional
@@ -413,6 +414,7 @@ SEEN_KEPT = 64
 # gather's handle, checked per call) and the Ulysses group (held weakly in the key).
 _SEEN_FIELDS = tuple(f for f in AttnOptions.__dataclass_fields__
                      if f not in ("cp_group", "ulysses_group", "key_padding_mask", "latent_gather"))
+_SEEN_VALUES = operator.attrgetter(*_SEEN_FIELDS)  # one C call for them all
 
 
 def _seen(cp_group) -> dict:
@@ -434,8 +436,8 @@ def _seen_key(o: AttnOptions, tensors) -> Optional[tuple]:
         return None
     documents = None if o.cu_seqlens is None else tuple((type(v), v) for v in o.cu_seqlens)
     ulysses = None if o.ulysses_group is None else _weak(o.ulysses_group)
-    key = tuple((type(getattr(o, name)), getattr(o, name)) for name in _SEEN_FIELDS) + (
-        documents, ulysses, o.latent_gather is None) + tuple(
+    values = _SEEN_VALUES(o)
+    key = (values, tuple(map(type, values)), documents, ulysses, o.latent_gather is None) + tuple(
         (type(t), t.shape, t.dtype, t.device) for t in tensors)
     try:
         hash(key)

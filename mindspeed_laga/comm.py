@@ -361,17 +361,19 @@ def sum_grad(x: torch.Tensor, group) -> torch.Tensor:
 
 # ---------------------------------------------------------------- hybrid CP groups
 
-# Built once per (kind, cp_group, ...) and cached: new_group is collective over its members.
-_GROUPS: Dict[tuple, object] = {}
+# Built once per (cp_group, kind, ...) and cached: new_group is collective over its members.
+# Weakly keyed by the CP group: the subgroups go with it, none outlives it.
+_GROUPS: "weakref.WeakKeyDictionary[object, Dict[tuple, object]]" = weakref.WeakKeyDictionary()
 
 
-def _subgroup(key: tuple, ranks: List[int]):
+def _subgroup(cp_group, key: tuple, ranks: List[int]):
     """A group of ``ranks`` (global ranks), made with ``use_local_synchronization=True`` so
     only its members take part: no rank outside it, and no sibling group, has to call in
     the same order."""
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks, use_local_synchronization=True)
-    return _GROUPS[key]
+    built = _GROUPS.setdefault(cp_group, {})
+    if key not in built:
+        built[key] = dist.new_group(ranks, use_local_synchronization=True)
+    return built[key]
 
 
 def ulysses_group(cp_group, ulysses_degree: int):
@@ -379,7 +381,7 @@ def ulysses_group(cp_group, ulysses_degree: int):
     of ``cp_group`` holding it (CP rank c = r*U + u). Collective over those U ranks."""
     cp_ranks = dist.get_process_group_ranks(cp_group)
     first = group_rank(cp_group) // ulysses_degree * ulysses_degree
-    return _subgroup(("ulysses", cp_group, ulysses_degree), cp_ranks[first:first + ulysses_degree])
+    return _subgroup(cp_group, ("ulysses", ulysses_degree), cp_ranks[first:first + ulysses_degree])
 
 
 def hybrid_ring_group(cp_group, ulysses_group):
@@ -394,7 +396,7 @@ def hybrid_ring_group(cp_group, ulysses_group):
     degree = group_size(ulysses_group)
     u = group_rank(cp_group) % degree
     ranks = dist.get_process_group_ranks(cp_group)[u::degree]
-    return _subgroup(("ring", cp_group, ulysses_group), ranks)
+    return _subgroup(cp_group, ("ring", ulysses_group), ranks)
 
 
 # ---------------------------------------------------------------- a failure told through the store

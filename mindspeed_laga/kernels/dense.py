@@ -69,13 +69,15 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
     ``empty_fill``: [b, n|1, 1, d_v], what a row seeing no key returns (None: zero).
     """
     fn = kernel_for(kernel, pad_v).attend_segment
+    nan_at = None  # bad as 0 / NaN floats, while it is exactly ``bad``
     if bad is None:
-        bad = nonfinite.bad_positions(k, v)  # [b, n_k, S]
+        nan_at = nonfinite.nan_positions(k, v)  # [b, n_k, S]
+        bad = nan_at.isnan()
         k = nonfinite.zero_bad_positions(k, bad, own_kv)
         v = nonfinite.zero_bad_positions(v, bad, own_kv)
     pad = None if key_padding is None else held_keys(key_padding, key_ranges)  # [b, K]
     if pad is not None:  # an invisible padding key poisons no row
-        bad = bad & ~pad[:, None, :]
+        bad, nan_at = bad & ~pad[:, None, :], None
     outs = []
     windows = _windows(tuple(segments), key_ranges, k.shape[2], causal, documents)
     for (local_start, length, _), (_, lo_i, hi_i, pieces) in zip(segments, windows):
@@ -91,7 +93,7 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
             out = torch.where(empty, fill, out)
         outs.append(out if epilogue is None else epilogue(out))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out + nonfinite.row_poison(bad, windows, causal, out.dtype)
+    return out + nonfinite.row_poison(bad, windows, causal, out.dtype, nan_at)
 
 
 def held_keys(key_padding: torch.Tensor, key_ranges) -> torch.Tensor:

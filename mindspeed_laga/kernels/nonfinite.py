@@ -30,13 +30,18 @@ from .masks import Piece
 def bad_positions(*xs: torch.Tensor) -> torch.Tensor:
     """x [..., d] (each of ``xs``: the same leading dims) -> [...] bool: True where the
     last dim of any of them holds a NaN or an inf."""
+    return nan_positions(*xs).isnan()
+
+
+def nan_positions(*xs: torch.Tensor) -> torch.Tensor:
+    """:func:`bad_positions` as floats: NaN where bad, else zero (float32, or float64)."""
     nan_where_bad = None
     for x in xs:
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         # outside autograd (nothing saved); times 0: 0 where the sum is finite, else NaN
         part = x.detach().sum(-1, dtype=acc).mul_(0)
         nan_where_bad = part if nan_where_bad is None else nan_where_bad.add_(part)
-    return nan_where_bad.isnan()
+    return nan_where_bad
 
 
 def zero_bad_positions(x: torch.Tensor, bad: torch.Tensor, in_place: bool) -> torch.Tensor:
@@ -51,15 +56,25 @@ def zero_bad_positions(x: torch.Tensor, bad: torch.Tensor, in_place: bool) -> to
     return x
 
 
-def row_poison(bad: torch.Tensor, windows: Sequence[Window], causal: bool, dtype) -> torch.Tensor:
+def row_poison(bad: torch.Tensor, windows: Sequence[Window], causal: bool, dtype,
+               nan_at: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[b, n_k, rows, 1] of 0 or NaN: NaN for a query row that sees a bad key, the rows of
     every window in order (what one cat of the windows' outputs adds).
 
     ``bad`` [b, n_k, K]: the bad positions of the key tensor; ``windows``: per query
     segment ``(rows, lo, hi, pieces)``, its rows see keys of ``bad[..., lo:hi]``,
     ``pieces`` as the kernels take them (None: one piece, all rows and keys, causal
-    bottom-right aligned). One count over every window: no op per segment."""
-    start, end = _visible_keys(tuple(windows), causal, bad.device)
+    bottom-right aligned). One count over every window: no op per segment.
+    ``nan_at``: ``bad`` as :func:`nan_positions` gives it; where every row sees keys from
+    the first on (no documents), a row's poison is then the running sum of ``nan_at`` at
+    its last key (NaN propagates, zeros add to zero): 3 ops, not 9."""
+    windows = tuple(windows)
+    if nan_at is not None:
+        last = _last_keys_from_first(windows, causal, bad.device)
+        if last is not None:
+            poison = nan_at.cumsum(-1).index_select(-1, last)
+            return (poison if poison.dtype == dtype else poison.to(dtype))[..., None]
+    start, end = _visible_keys(windows, causal, bad.device)
     counts = torch.nn.functional.pad(bad.to(torch.int32).cumsum(-1), (1, 0))
     seen = counts[..., end] - counts[..., start]
     nan, zero = _poison_values(dtype, bad.device)
@@ -79,12 +94,31 @@ def _visible_keys(windows: Tuple[Window, ...], causal: bool,
                   device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per query row of every window, the keys it sees as key-tensor indices, [start, end)."""
     with torch.inference_mode(False):  # kept across calls, whatever mode made them
+        start, end = _visible_on_host(windows, causal)
+        return start.to(device), end.to(device)
+
+
+@lru_cache(maxsize=256)
+def _visible_on_host(windows: Tuple[Window, ...], causal: bool):
+    with torch.inference_mode(False):
         starts, ends = [], []
         for rows, lo, hi, pieces in windows:
             start, end = _visible_ranges(rows, hi - lo, causal, pieces)
             starts.append(start + lo)
             ends.append(end + lo)
-        return torch.cat(starts).to(device), torch.cat(ends).to(device)
+        return torch.cat(starts), torch.cat(ends)
+
+
+@lru_cache(maxsize=256)
+def _last_keys_from_first(windows: Tuple[Window, ...], causal: bool,
+                          device: torch.device) -> Optional[torch.Tensor]:
+    """Per query row, the last key it sees, when every row sees keys ``[0, last]``; else
+    None (a row that sees no key, or not from the first)."""
+    start, end = _visible_on_host(windows, causal)  # no device read
+    if bool((start != 0).any()) or bool((end < 1).any()):
+        return None
+    with torch.inference_mode(False):
+        return (end - 1).to(device)
 
 
 @lru_cache(maxsize=64)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, List, Tuple
 
 from ..cp_algos import SplitView, algo
@@ -43,6 +44,15 @@ class AttnSetup(SplitView):  # algo, heads_split, split_size: asked of the CP al
     # row that sees no key returns (``names.EMPTY_ROWS``; mindspeed_laga/key_padding.py)
     key_padding: object = None
     empty_rows: str = "mean"
+
+    # Asked several times per call: kept on the instance (frozen, so never stale).
+    @cached_property
+    def algo(self):
+        return SplitView.algo.fget(self)
+
+    @cached_property
+    def heads_split(self) -> bool:
+        return SplitView.heads_split.fget(self)
 
     @property
     def split_group(self):
