@@ -160,6 +160,20 @@ def main(argv=None):
     with count_bytes() as counter:
         mc.train(model, batches, layout=_sharder(args, layout), tp=args.tp, lr=args.lr,
                  on_step=report)
+    del model  # its modules hold process groups too
+    _tear_down()
+
+
+def _tear_down():
+    """Free every group while the backend still runs, in order: megatron's (its module
+    globals would otherwise keep them until the interpreter's own teardown, whose order
+    is unspecified), then the world."""
+    import gc
+
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ Used by the CLI (``verify``, ``bench``) and the tests.
 """
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import queue as queue_mod
@@ -67,6 +68,9 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
     os.environ.clear()
     os.environ.update(environ)
     torch.set_num_threads(1)
+    # A rank still running shortly before the caller's deadline prints every thread's
+    # stack to stderr (the test's captured output): a hang names where it waits.
+    faulthandler.dump_traceback_later(max(1.0, 0.9 * timeout_s), exit=False)
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -84,6 +88,8 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
             dist.destroy_process_group()
     except BaseException:  # report everything, including KeyboardInterrupt in a child
         queue.put((rank, False, traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _context():
