@@ -4,9 +4,9 @@ reads it once, a later call folds it unread. A tensor is recognised within a mic
 its metadata (``tensor_key``), which holds it, so a freed address is not reused under it."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
-from collections import OrderedDict
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -16,7 +16,6 @@ from .fields import UNKNOWN
 from .wire import exchange_device, raise_failure, raise_on_rejection
 
 _GOLDEN, ODD = 0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019
-_PROBES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 PROBES_KEPT = 8     # position weights kept (by device, start, length), least recent dropped
 CHUNK = 1 << 21     # values hashed at a time (int64 temporaries of one chunk)
 SAMPLED = 4096      # values of a larger tensor a later call's code hashes (evenly spaced)
@@ -64,16 +63,10 @@ def device_code(tensors, sample: bool = False) -> torch.Tensor:
     return code
 
 
+@functools.lru_cache(maxsize=PROBES_KEPT)
 def _probe(device, start: int, n: int) -> torch.Tensor:
-    key = (device, start, n)
-    probe = _PROBES.pop(key, None)
-    if probe is None:
-        mixed = torch.arange(start + 1, start + n + 1, dtype=torch.int64, device=device) * _GOLDEN
-        probe = ((mixed ^ (mixed >> 29)) * ODD) | 1
-    _PROBES[key] = probe
-    while len(_PROBES) > PROBES_KEPT:
-        _PROBES.popitem(last=False)
-    return probe
+    mixed = torch.arange(start + 1, start + n + 1, dtype=torch.int64, device=device) * _GOLDEN
+    return ((mixed ^ (mixed >> 29)) * ODD) | 1
 
 
 def padding_counts(mask) -> list:

@@ -13,6 +13,7 @@ every rank moved alike, then its real latent follows; else it raises naming the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import zlib
 from typing import Optional
 
@@ -20,6 +21,7 @@ import torch
 
 from .. import comm
 from . import schedule
+from .content import _BITS
 
 BAND = 2    # int64 values per rank after its latent
 FAILED = 1  # the verdict of a rank whose call failed on its own
@@ -43,7 +45,7 @@ def start(x: torch.Tensor, group, tag: str, kind: Optional[str] = None):
         out, pending = comm.all_gather_raw(x, group, "forward", tag, async_op=True)
         return lambda: (pending.wait(), out)[1]
     out, pending = _launch(x, group, tag, band)
-    return lambda: (pending.wait(), _unpack(out, x, group, band)[0])[1]
+    return lambda: (pending.wait(), _unpack(out, x, group, band))[1]
 
 
 @contextlib.contextmanager
@@ -81,13 +83,18 @@ def _band(x: torch.Tensor, group, kind: str) -> Optional[torch.Tensor]:
         found.wires.append((kind, wire))
     if not found.per_micro_batch or found.call_code is None:
         return None
-    band = torch.full((BAND,), found.call_code, dtype=torch.int64, device=x.device)  # no copy
-    band[1].fill_(0)
-    if found.call_values is not None:  # the weight, FP8 scales: hashed on the device
-        band[0].add_(found.call_values.to(x.device))
+    code = found.call_code if found.call_values is None else \
+        found.call_values.to(x.device) + found.call_code  # the weight, FP8 scales: device hash
+    band = _code_then_zero(x.device) * code  # [code, 0]: no copy from the host
     if expected is not None and expected != wire:
         _moved(group, band.clone(), expected, wire)
     return band
+
+
+@functools.lru_cache(maxsize=8)
+def _code_then_zero(device) -> torch.Tensor:  # kept across calls, whatever mode made it
+    with torch.inference_mode(False):
+        return torch.tensor([1, 0], dtype=torch.int64, device=device)
 
 
 def _moved(group, band, expected, wire) -> None:
@@ -117,7 +124,7 @@ def _send_stand_in(group, band, expected) -> torch.Tensor:
     stand_in = torch.zeros(expected[0], dtype=expected[1], device=expected[2])
     out, pending = _launch(stand_in, group, "stand_in", band)
     pending.wait()
-    return _unpack(out, stand_in, group)[1]
+    return _unpack(out, stand_in, group, None)
 
 
 def _launch(x: torch.Tensor, group, tag: str, band: torch.Tensor):
@@ -125,18 +132,17 @@ def _launch(x: torch.Tensor, group, tag: str, band: torch.Tensor):
     return comm.all_gather_raw(packed, group, "forward", tag, async_op=True, side=BAND * 8)
 
 
-def _unpack(out: torch.Tensor, x: torch.Tensor, group, band=None):
-    """(the gathered latent, every rank's band); with ``band`` (this rank's, verdict 0): NaN
-    if any rank's band differs from it, the flag noted unread (a stand-in's sender: none)."""
+def _unpack(out: torch.Tensor, x: torch.Tensor, group, band):
+    """The gathered latent, NaN if any rank's band differs from ``band`` (this rank's, verdict
+    0), the flag noted unread; ``band`` None: every rank's band (a stand-in's sender)."""
     rows = out.view(comm.group_size(group), -1)
     n = rows.shape[1] - BAND * 8 // x.element_size()
-    data = rows[:, :n].contiguous().view((-1,) + tuple(x.shape[1:]))
-    bands = rows[:, n:].contiguous().view(torch.int64)
-    if band is not None:
-        bad = (bands != band).any()
-        schedule.flag(group, "latent", bad)
-        data.masked_fill_(bad, float("nan"))
-    return data, bands
+    if band is None:
+        return rows[:, n:].contiguous().view(torch.int64)
+    bits = _BITS[x.element_size()]  # compared as integers of x's width: NaN bits too
+    bad = (rows.view(bits)[:, n:] != band.view(bits)).any()
+    schedule.flag(group, "latent", bad)
+    return torch.where(bad, float("nan"), rows[:, :n]).view((-1,) + tuple(x.shape[1:]))  # 1 copy
 
 
 class _Gather(torch.autograd.Function):
@@ -147,7 +153,7 @@ class _Gather(torch.autograd.Function):
         ctx.group, ctx.tag = group, tag
         out, pending = _launch(x, group, tag, band)
         pending.wait()
-        return _unpack(out, x, group, band)[0]
+        return _unpack(out, x, group, band)
 
     @staticmethod
     def backward(ctx, grad):
