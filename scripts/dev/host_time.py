@@ -31,10 +31,17 @@ rank's medians); then the part of LAGA's forward spent in the cross-rank agreeme
 (``agree_on_call``: building and recording the call's row), median per later call. Last,
 the launches: the aten ops one later layer call's forward dispatches on each rank
 (counted with a ``TorchDispatchMode``, untimed).
+
+``--without PART`` (repeatable, or ``all``) adds a LAGA run with those guarantees replaced
+by no-ops, interleaved with the others, to show what each costs (measuring only: such a
+run checks less): ``in_band``, a later call's code and verdict in its gather;
+``weight_hash``, the device hash of its weight and FP8 scales; ``nonfinite_guard``, the
+rows a non-finite key or value reaches.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -96,7 +103,41 @@ def _timed_agreement(spent):
     checks.agree_on_call = agree_on_call
 
 
-def worker(rank, world_size, layers, repeats, warmup):
+WITHOUT = ("in_band", "weight_hash", "nonfinite_guard")
+
+
+@contextlib.contextmanager
+def _without(parts):
+    """LAGA's guarantees named in ``parts`` (of WITHOUT) as no-ops, for the calls inside."""
+    import torch
+    from mindspeed_laga.agreement import inband, schedule
+    from mindspeed_laga.kernels import nonfinite
+    stubs = {"in_band": [(inband, "_band", lambda *a, **k: None)],
+             "weight_hash": [(schedule, "device_code", lambda *a, **k: None)],
+             "nonfinite_guard": [
+                 (nonfinite, "nan_positions",
+                  lambda *xs: torch.zeros(xs[0].shape[:-1], device=xs[0].device)),
+                 (nonfinite, "zero_bad_positions", lambda x, bad, in_place: x),
+                 (nonfinite, "row_poison", lambda *a, **k: 0)]}
+    replaced = [(module, name, getattr(module, name), stub)
+                for part in parts for module, name, stub in stubs[part]]
+    for module, name, _, stub in replaced:
+        setattr(module, name, stub)
+    try:
+        yield
+    finally:
+        for module, name, original, _ in replaced:
+            setattr(module, name, original)
+
+
+def _laga_without(forward, parts):
+    def without(*args, **kwargs):
+        with _without(parts):
+            return forward(*args, **kwargs)
+    return without
+
+
+def worker(rank, world_size, layers, repeats, warmup, without=()):
     import warnings
 
     import torch
@@ -116,6 +157,9 @@ def worker(rank, world_size, layers, repeats, warmup):
     try:
         forwards = {"laga": MLASelfAttention.forward,
                     "host": MLASelfAttention.forward.__wrapped__}
+        for parts in without:
+            label = "all" if set(parts) == set(WITHOUT) else "+".join(parts)
+            forwards["laga without " + label] = _laga_without(forwards["laga"], parts)
         generator = torch.Generator().manual_seed(rank)
         hidden = torch.randn(tiny.seq_length // world_size, tiny.micro_batch, tiny.hidden_size,
                              generator=generator).requires_grad_()
@@ -131,7 +175,7 @@ def worker(rank, world_size, layers, repeats, warmup):
                     # past the micro-batch's opening
                     sample["forward"].extend(t[clock] for t in per_layer[1:])
                     sample["backward"].append(backward[clock] / len(attentions))
-                    if name == "laga":  # the later calls' agreement (the first exchanges)
+                    if name.startswith("laga"):  # later calls' agreement (the first exchanges)
                         sample.setdefault("agreement", []).extend(
                             t[clock] for t in spent[-len(attentions) + 1:])
                 spent.clear()
@@ -149,35 +193,45 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="MLA layers in the chain (>= 2)")
     parser.add_argument("--repeats", type=int, default=100, help="timed repeats of each")
     parser.add_argument("--warmup", type=int, default=10, help="untimed repeats first")
+    parser.add_argument("--without", action="append", default=[], metavar="PART",
+                        choices=WITHOUT + ("all",),
+                        help="also time LAGA with this guarantee as a no-op (repeatable; all: "
+                             "each alone, then all together)")
     args = parser.parse_args(argv)
     if args.layers < 2:
         parser.error("--layers must be >= 2: the first layer of a chain opens the micro-batch")
+    parts = list(WITHOUT) if "all" in args.without else list(dict.fromkeys(args.without))
+    without = [(part,) for part in parts] + ([tuple(parts)] if len(parts) > 1 else [])
     from mindspeed_laga.tools.spawn import run_on_ranks
-    per_rank = run_on_ranks(worker, 2, args.layers, args.repeats, args.warmup, timeout_s=1800)
+    per_rank = run_on_ranks(worker, 2, args.layers, args.repeats, args.warmup, without,
+                            timeout_s=1800)
     print(f"MLA layer call on CPU, CP = 2 (gloo), tiny dims, {args.layers} layers chained, "
           f"{args.repeats} interleaved repeats; median ms per layer call (the slower rank)")
     for clock, what in (("cpu", "the thread's CPU time: the host's own work"),
                         ("wall", "wall clock: waits for the peer rank included")):
         print(f"\n{clock}: {what}")
         _table(clock, per_rank)
-    launches = {name: [r["launches"][name] for r in per_rank] for name in ("host", "laga")}
+    launches = {name: [r["launches"][name] for r in per_rank] for name in per_rank[0]["launches"]}
     print(f"\naten ops per later layer call's forward, per rank: {launches}")
     return 0
 
 
 def _table(clock, per_rank):
-    print(f"{'':>6} {'forward':>9} {'backward':>9} {'total':>9}")
+    names = list(per_rank[0]["launches"])  # host, laga, then each run without a guarantee
+    names.insert(0, names.pop(names.index("host")))
+    width = max(6, *map(len, names))
+    print(f"{'':>{width}} {'forward':>9} {'backward':>9} {'total':>9}")
     rows = {}
-    for name in ("host", "laga"):
+    for name in names:
         forward = max(r[clock, name]["forward"] for r in per_rank) * 1e3
         backward = max(r[clock, name]["backward"] for r in per_rank) * 1e3
         rows[name] = (forward, backward, forward + backward)
-        print(f"{name:>6} {forward:9.3f} {backward:9.3f} {forward + backward:9.3f}")
-    ratio = [l / h for l, h in zip(rows["laga"], rows["host"])]
-    print(f"{'ratio':>6} {ratio[0]:9.2f} {ratio[1]:9.2f} {ratio[2]:9.2f}   (LAGA / host)")
+        ratio = "" if name == "host" else "   ratio " + " ".join(
+            f"{v / h:.2f}" for v, h in zip(rows[name], rows["host"]))
+        print(f"{name:>{width}} {forward:9.3f} {backward:9.3f} {forward + backward:9.3f}{ratio}")
     agreement = max(r[clock, "laga"]["agreement"] for r in per_rank) * 1e3
-    print(f"agreement per later call: {agreement:.3f} ms ({agreement / rows['host'][0]:.1%} of "
-          "the host's forward)")
+    print(f"ratio: LAGA / host (forward, backward, total); agreement per later call: "
+          f"{agreement:.3f} ms ({agreement / rows['host'][0]:.1%} of the host's forward)")
 
 
 if __name__ == "__main__":
