@@ -23,6 +23,7 @@ import io
 import os
 import queue as queue_mod
 import shutil
+import signal
 import site
 import sys
 import tempfile
@@ -48,6 +49,8 @@ WARM_IF_LOADED = ["pytest", "numpy", "megatron.core", "megatron.core.parallel_st
 # After one rank failed, how long the others may still take to report (they are
 # often blocked in a collective with the failed rank and will never return).
 ERROR_GRACE_S = 5.0
+# How long a rank that did not report gets to write its stacks when asked.
+STACKS_WAIT_S = 0.5
 
 
 class WorkerError(RuntimeError):
@@ -68,9 +71,10 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
     os.environ.clear()
     os.environ.update(environ)
     torch.set_num_threads(1)
-    # A rank still running shortly before the caller's deadline prints every thread's
-    # stack to stderr (the test's captured output): a hang names where it waits.
-    faulthandler.dump_traceback_later(max(1.0, 0.9 * timeout_s), exit=False)
+    # Asked by the caller (SIGUSR1) when it gives up on this rank, it writes where each of
+    # its threads waits; the caller's WorkerError quotes it.
+    stacks = open(_stacks_path(store_path, rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -88,8 +92,6 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
             dist.destroy_process_group()
     except BaseException:  # report everything, including KeyboardInterrupt in a child
         queue.put((rank, False, traceback.format_exc()))
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 def _context():
@@ -139,7 +141,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 3
     try:
         for p in procs:
             p.start()
-        results, errors = _collect(queue, procs, world_size, deadline)
+        results, errors = _collect(queue, procs, world_size, deadline, store_path)
     except BaseException:  # interrupted (Ctrl-C, SIGTERM): the ranks are not waited for
         grace_s = 0.0
         raise
@@ -152,7 +154,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 3
     return results
 
 
-def _collect(queue, procs, world_size: int, deadline: float):
+def _collect(queue, procs, world_size: int, deadline: float, store_path: str):
     """Every rank's report, or the errors so far once a rank failed, died or the time is up."""
     results: List[Any] = [None] * world_size
     errors: List[str] = []
@@ -183,7 +185,35 @@ def _collect(queue, procs, world_size: int, deadline: float):
             deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
     if errors and pending:
         errors.append(f"rank(s) {sorted(pending)} did not report; killed")
+        errors.extend(_where_they_wait(procs, sorted(pending), store_path))
     return results, errors
+
+
+def _stacks_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.stacks-{rank}"
+
+
+def _where_they_wait(procs, ranks: List[int], store_path: str) -> List[str]:
+    """The stacks of ``ranks`` still running, each written by the rank when signalled."""
+    asked = []
+    for r in ranks:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+                asked.append(r)
+            except ProcessLookupError:
+                pass
+    time.sleep(STACKS_WAIT_S if asked else 0)
+    found = []
+    for r in asked:
+        try:
+            with open(_stacks_path(store_path, r)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            found.append(f"rank {r} was waiting in:\n{text}")
+    return found
 
 
 def _stop(procs, grace_s: float = 2.0) -> None:

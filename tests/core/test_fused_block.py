@@ -74,6 +74,34 @@ def test_block_matches_float64_dense_attention(rows, num_keys, offset, dims, dty
         assert _rel(got, want) <= tol, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-masked-call", "two-merged-calls"])
+@pytest.mark.parametrize("rows,num_keys", [(5, 7), (3, 9), (2, 8)])
+def test_segment_matches_float64_dense_attention_either_way(monkeypatch, rows, num_keys,
+                                                             one_call, dtype):
+    """A CPU segment that ends at its key prefix's end (bottom-right causal) runs as one
+    call with a cached mask when small, else as two calls merged: both are attention."""
+    if not one_call:
+        monkeypatch.setattr(fb, "MASKED_SCORES", 0)
+    offset = num_keys - rows
+    assert (fb.small_segment_mask(rows, num_keys, offset, dtype, torch.device("cpu"))
+            is not None) == one_call
+    g = torch.Generator().manual_seed(rows * 10 + num_keys)
+    q, key = (torch.randn(2, 3, n, 24, generator=g).to(dtype).requires_grad_()
+              for n in (rows, num_keys))
+    value = torch.randn(2, 3, num_keys, 16, generator=g).to(dtype).requires_grad_()
+    d_out = torch.randn(2, 3, rows, 16, generator=g).to(dtype)
+    ref_out, _, *ref_grads = _dense_reference(q, key, value, _staircase(rows, num_keys, offset),
+                                              0.3, d_out)
+    out = fb.FusedSegment.apply(q, key, value, 0.3, offset)
+    out.backward(d_out)
+    tol = BLOCK_TOL[dtype]
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, key.grad, value.grad),
+                               (ref_out, *ref_grads)):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        assert _rel(got, want) <= tol, name
+
+
 def test_backward_with_final_statistics_splits_exactly():
     """Two key blocks merged by lse, backward of each with the final out/lse, add
     up to the grads of attention over both (what the blockwise walk relies on)."""

@@ -68,6 +68,15 @@ def test_hung_rank_raises_within_the_timeout(tmp_path):
     assert all(_gone(p) for p in pids), "hung ranks must not outlive the call"
 
 
+def test_hung_rank_names_where_it_waits(tmp_path):
+    """The error quotes each rank that did not report: where its threads wait."""
+    with pytest.raises(WorkerError) as raised:
+        run_on_ranks(_hang_worker, 2, tmp_path, timeout_s=5)
+    text = str(raised.value)
+    assert "rank 1 was waiting in:" in text and "in _hang_worker" in text, text
+    assert "rank 0 was waiting in:" in text and "in barrier" in text, text
+
+
 def _raise_on_rank_one(rank):
     raise RuntimeError(f"boom on rank {rank}")
 
