@@ -112,13 +112,15 @@ def _visible_on_host(windows: Tuple[Window, ...], causal: bool):
 @lru_cache(maxsize=256)
 def _last_keys_from_first(windows: Tuple[Window, ...], causal: bool,
                           device: torch.device) -> Optional[torch.Tensor]:
-    """Per query row, the last key it sees, when every row sees keys ``[0, last]``; else
-    None (a row that sees no key, or not from the first)."""
-    start, end = _visible_on_host(windows, causal)  # no device read
-    if bool((start != 0).any()) or bool((end < 1).any()):
+    """Per query row, the last key it sees, when every row sees keys ``[0, last]``: every
+    window starts at the first key and is one piece (no documents) that its first row
+    sees (causal: at least as many keys as rows); else None. Decided on the windows alone:
+    no read of any tensor, not even a host one, per call."""
+    if not all(lo == 0 and pieces is None and hi >= (rows if causal else 1)
+               for rows, lo, hi, pieces in windows):
         return None
     with torch.inference_mode(False):
-        return (end - 1).to(device)
+        return (_visible_on_host(windows, causal)[1] - 1).to(device)
 
 
 @lru_cache(maxsize=64)
