@@ -72,3 +72,28 @@ def test_version_prints_the_installed_version(capsys):
     from importlib.metadata import version
     code, out, _ = run_cli(capsys, "--version")
     assert code == 0 and out.strip() == f"mindspeed-laga {version('mindspeed-laga')}"
+
+
+
+def test_a_peer_rank_probing_the_same_path_is_waited_out(tmp_path, monkeypatch):
+    """Under torchrun every rank proves the report path writable (makes, writes and removes
+    the file) before anything runs. The interleaving they can meet: a peer's probe appears
+    between this rank's look and its open, and is gone a moment later. No refusal, no file
+    left behind."""
+    import os
+
+    from mindspeed_laga.tools.commands import output
+    path = tmp_path / "d.json"
+    looks, exists = [], os.path.exists
+
+    def look(p):
+        if os.fspath(p) == str(path) and not looks:
+            looks.append(p)
+            path.write_bytes(b"\0")  # the peer's probe, made right after this look
+            return False
+        return exists(p)
+
+    monkeypatch.setattr(output.os.path, "exists", look)
+    monkeypatch.setattr(output.time, "sleep", lambda s: path.unlink(missing_ok=True))  # peer done
+    output.check_output_path("--json", str(path))
+    assert looks and not path.exists()

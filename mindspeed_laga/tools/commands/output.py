@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from typing import Optional
 
 from ..torchrun_env import torchrun_rank
@@ -85,7 +86,21 @@ def _file_on_the_way(folder: str) -> Optional[str]:
 
 
 def _prove_writable(path: str) -> None:
-    """Write one byte where the output will go, and leave things as they were."""
+    """Write one byte where the output will go, and leave things as they were. Under
+    torchrun every rank proves the same path at once: a rank that meets a peer's probe
+    (made, or gone, between its look and its open) tries again once it has passed."""
+    for _ in range(PROBE_TRIES - 1):
+        try:
+            return _prove_once(path)
+        except (FileExistsError, FileNotFoundError):
+            time.sleep(PROBE_WAIT_S)
+    _prove_once(path)
+
+
+PROBE_TRIES, PROBE_WAIT_S = 100, 0.01
+
+
+def _prove_once(path: str) -> None:
     if not os.path.exists(path):
         with open(path, "xb") as f:  # a new file: write, flush to the device, remove
             try:
@@ -95,8 +110,9 @@ def _prove_writable(path: str) -> None:
             finally:
                 os.unlink(path)
     elif os.path.isfile(path):
-        with open(path, "ab"):  # an existing file is replaced by the run: open it for writing
-            pass
+        # an existing file is replaced by the run: open it for writing (not creating it, so
+        # a peer's probe removed meanwhile leaves no empty file behind)
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
     else:  # a device or pipe (/dev/full, /dev/null): a byte written now is what the run does
         with open(path, "wb") as f:
             f.write(b"\0")
