@@ -85,6 +85,10 @@ def _file_on_the_way(folder: str) -> Optional[str]:
     return folder if folder and not os.path.isdir(folder) else None
 
 
+# A probe that met a peer rank's probe of the same path tries again, this many times.
+PROBE_TRIES, PROBE_WAIT_S = 100, 0.01
+
+
 def _prove_writable(path: str) -> None:
     """Write one byte where the output will go, and leave things as they were. Under
     torchrun every rank proves the same path at once: a rank that meets a peer's probe
@@ -95,9 +99,6 @@ def _prove_writable(path: str) -> None:
         except (FileExistsError, FileNotFoundError):
             time.sleep(PROBE_WAIT_S)
     _prove_once(path)
-
-
-PROBE_TRIES, PROBE_WAIT_S = 100, 0.01
 
 
 def _prove_once(path: str) -> None:
