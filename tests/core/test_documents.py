@@ -17,8 +17,9 @@ from mindspeed_laga import count_bytes
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 from support import case_runs
-from support.variants import CPU_KERNELS, PLAIN_ALGOS
-from support.documents import FORMS, SCALE, compared, doc_zigzag_ok, document_sets, full_inputs
+from support.variants import CPU_KERNELS
+from support.documents import (FORMS, SCALE, algos_and_layouts, compared, doc_zigzag_ok,
+                               document_sets, full_inputs)
 
 LAGA_OPTIONS = [{}, {"trim_causal_prefix": True}, {"recompute_kv": True},
                 {"recompute_kv": True, "kv_block_size": 5, "trim_causal_prefix": True}]
@@ -28,7 +29,7 @@ def cases_for(cp):
     out = []
     docs = document_sets(cp)
     for form, algo, lay, (doc_name, bounds), causal in itertools.product(
-            FORMS, PLAIN_ALGOS, ("contiguous", "zigzag", "doc_zigzag"), docs.items(),
+            FORMS, *algos_and_layouts(cp), docs.items(),
             (True, False)):
         if lay == "doc_zigzag" and not doc_zigzag_ok(bounds, cp):
             continue

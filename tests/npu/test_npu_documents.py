@@ -20,8 +20,8 @@ from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.spawn import run_on_ranks
 
 from support import case_runs, fake_torch_npu
-from support.variants import PLAIN_ALGOS
-from support.documents import FORMS, S, SCALE, compared, doc_zigzag_ok, document_sets, full_inputs
+from support.documents import (FORMS, S, SCALE, algos_and_layouts, compared, doc_zigzag_ok,
+                               document_sets, full_inputs)
 
 pytestmark = pytest.mark.ascend  # the leg that runs it (tests/conftest.py)
 
@@ -34,7 +34,7 @@ TOLERANCE = 2e-5  # float32 kernel against the float64 reference, relative to th
 def cases_for(cp):
     out = []
     for form, algo, lay, (doc_name, bounds), causal in itertools.product(
-            FORMS, PLAIN_ALGOS, ("contiguous", "zigzag", "doc_zigzag"),
+            FORMS, *algos_and_layouts(cp),
             document_sets(cp).items(), (True, False)):
         if lay == "doc_zigzag" and not doc_zigzag_ok(bounds, cp):
             continue

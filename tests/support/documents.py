@@ -9,6 +9,8 @@ from mindspeed_laga import absorbed_attention, explicit_attention, laga_attentio
 from mindspeed_laga import layout as layouts
 from mindspeed_laga.tools.cases import MLAShape, full_inputs as shape_inputs
 
+from .variants import PLAIN_ALGOS
+
 S, HEADS, D_N, D_R, D_V, D_C = 32, 4, 8, 4, 8, 16
 
 
@@ -34,6 +36,14 @@ def document_sets(cp):
         "short": list(range(0, S + 1, step)),
     }
 
+
+
+def algos_and_layouts(cp):
+    """The CP algorithms and layouts a documents case runs with. At CP 1 there is no group
+    and every layout is the identity: each makes the same call (bitwise), so one of each."""
+    if cp == 1:
+        return PLAIN_ALGOS[:1], ("contiguous",)
+    return PLAIN_ALGOS, ("contiguous", "zigzag", "doc_zigzag")
 
 
 def doc_zigzag_ok(bounds, cp):
