@@ -11,8 +11,9 @@ stack (Python 3.10, torch 2.7.1), ``mcore`` tests on the newest megatron-core (P
 The main leg runs every test but those marked ``hosts``: the matrix of real hosts, i.e.
 the MindSpeed-LLM release pairs other than master and the real training loop
 (``loop/``: LAGA trained through MindSpeed-LLM's own ``pretrain_gpt.py`` under torchrun),
-and the real-module comparisons that take tens of seconds to minutes (peft's LoRA layers,
-sparse MLA's host forward at CP 1, 2 and 4, the FP8 rebuild on MindSpeed's TE linear).
+and the real-module comparisons that take tens of seconds to minutes (the real
+``CustomMLASelfAttention`` on every release pair, master's included; peft's LoRA layers;
+sparse MLA's host forward at CP 1, 2 and 4; the FP8 rebuild on MindSpeed's TE linear).
 They are ``ascend`` tests and run in the Ascend leg, the stack they exercise.
 """
 # the real host sources (master; every release pair), unpacked once per run

@@ -259,6 +259,7 @@ def test_cp2_fb_overlap_all_to_all_is_launched_once_each_way(cp2):
 
 # --- the real class, on every tested release ----------------------------------------------
 
+@pytest.mark.hosts  # half a minute a release, master's too: the Ascend leg's matrix
 def test_real_custom_mla_self_attention(release_host_sources):
     """tests/support/mindspeed_llm_real.py on one release pair's sources: the release LAGA
     identifies shows the pair's facts, and every case matches the real forward."""
