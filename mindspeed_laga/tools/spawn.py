@@ -75,6 +75,7 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
     # its threads waits; the caller's WorkerError quotes it.
     stacks = open(_stacks_path(store_path, rank), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    report = None
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -84,14 +85,26 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
             # No rank leaves while another still needs the group (a rank that exits
             # during the others' connection setup makes them fail).
             dist.barrier()
-            # Report before tearing the group down: gloo's teardown can block once the
-            # other ranks have gone (seen with torch 2.7.1), and a rank that has reported
-            # is one the caller may stop (``_stop``) instead of waiting for.
-            queue.put((rank, True, _dumps(result)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # report everything, including KeyboardInterrupt in a child
-        queue.put((rank, False, traceback.format_exc()))
+            report = (rank, True, _dumps(result))
+        except BaseException:  # everything, including KeyboardInterrupt in a child
+            report = (rank, False, traceback.format_exc())
+        # Report, its result or its error, before tearing the group down: gloo's teardown
+        # can block once the other ranks have gone (seen with torch 2.7.1), and a rank
+        # that has reported is one the caller may stop (``_stop``) instead of waiting for.
+        _report(queue, report)
+        dist.destroy_process_group()
+    except BaseException:
+        if report is None:  # the group never formed
+            _report(queue, (rank, False, traceback.format_exc()))
+
+
+def _report(queue, report) -> None:
+    """Put ``report`` and wait until it is in the pipe. ``put`` only hands it to a feeder
+    thread, which needs the GIL to write it; a teardown that blocks in native code holding
+    the GIL would keep it from ever reaching the caller (seen under torch 2.7.1)."""
+    queue.put(report)
+    queue.close()
+    queue.join_thread()
 
 
 def _context():

@@ -1,6 +1,7 @@
 """The multi-rank runner: rendezvous that no other job can steal, and every failure
 of a rank (hang, exception, death) turned into a bounded, explained error."""
 import os
+import re
 import threading
 import time
 
@@ -92,6 +93,32 @@ def test_raising_rank_surfaces_its_traceback():
     assert "RuntimeError: boom on rank 1" in text
     assert time.monotonic() - start < 60  # the rank left waiting is killed, not waited out
 
+
+
+def _gil_held_forever():
+    re.match(r"(a+)+$", "a" * 64 + "b")  # the regex engine never lets go of the GIL
+
+
+def _teardown_hangs_worker(rank, world, fails):
+    """This rank's gloo teardown blocks in native code holding the GIL, as torch 2.7.1's
+    can: the report must be in the caller's pipe before it starts."""
+    dist.destroy_process_group = _gil_held_forever
+    if fails:
+        raise RuntimeError(f"boom on rank {rank}")
+    return rank
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_report_reaches_the_caller_though_the_teardown_hangs(fails):
+    start = time.monotonic()
+    if fails:
+        with pytest.raises(WorkerError, match="boom on rank 0") as err:
+            run_on_ranks(_teardown_hangs_worker, 2, True, timeout_s=60)
+        assert "boom on rank 1" in str(err.value) and "timed out" not in str(err.value)
+    else:
+        assert run_on_ranks(_teardown_hangs_worker, 2, False, timeout_s=60) == [0, 1]
+    assert time.monotonic() - start < 30  # reported at once; the hung ranks are killed
 
 def _exit_worker(rank, world):
     if rank == 1:
