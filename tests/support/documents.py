@@ -37,7 +37,6 @@ def document_sets(cp):
     }
 
 
-
 def algos_and_layouts(cp):
     """The CP algorithms and layouts a documents case runs with. At CP 1 there is no group
     and every layout is the identity: each makes the same call (bitwise), so one of each."""
