@@ -84,6 +84,13 @@ class Kernel:
         ``causal`` and ``pieces``; no row of it is empty, ``masks.padded_keep_mask``)."""
         raise NotImplementedError
 
+    def attend_rows(self, q, k, v, *, scale: float, windows):
+        """Every query segment of a causal call without documents or key padding in one
+        kernel call, or None: one :meth:`attend_segment` call per segment (the default).
+        ``windows``: per segment, in row order, its rows and key window (``nonfinite.Window``);
+        its rows see the window bottom-right aligned."""
+        return None
+
     @property
     def block(self):
         """The block kernel of the blockwise walk (kernels/block.py: the contract)."""

@@ -44,7 +44,6 @@ from ..vocab.documents import doc_pieces, document_of
 from ..vocab.keys import key_window
 from ..vocab.segments import Documents, Segment
 from . import nonfinite
-from .base import Kernel
 from .masks import Piece, padded_keep_mask
 from .registry import kernel_for
 
@@ -68,7 +67,7 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
     ``key_padding``: [b, S] bool over every position 0 ... S (True = padding key);
     ``empty_fill``: [b, n|1, 1, d_v], what a row seeing no key returns (None: zero).
     """
-    fn = kernel_for(kernel, pad_v).attend_segment
+    kernel = kernel_for(kernel, pad_v)
     nan_at = None  # bad as 0 / NaN floats, while it is exactly ``bad``
     if bad is None:
         nan_at = nonfinite.nan_positions(k, v)  # [b, n_k, S]
@@ -78,22 +77,37 @@ def attend(q, k, v, *, scale: float, segments: List[Segment], causal: bool, kern
     pad = None if key_padding is None else held_keys(key_padding, key_ranges)  # [b, K]
     if pad is not None:  # an invisible padding key poisons no row
         bad, nan_at = bad & ~pad[:, None, :], None
-    outs = []
     windows = _windows(tuple(segments), key_ranges, k.shape[2], causal, documents)
+    out = None
+    if causal and pad is None and documents is None:  # the kernel may take all rows at once
+        out = kernel.attend_rows(q, k, v, scale=scale, windows=windows)
+    if out is None:
+        outs = _per_segment(kernel, q, k, v, scale, causal, segments, windows, pad, empty_fill,
+                            epilogue)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    elif epilogue is not None:
+        out = epilogue(out)
+    return out + nonfinite.row_poison(bad, windows, causal, out.dtype, nan_at)
+
+
+def _per_segment(kernel, q, k, v, scale, causal, segments, windows, pad, empty_fill, epilogue):
+    """Each segment's output, one kernel call each (with key padding, its rows that see no
+    key replaced by ``empty_fill``), mapped by ``epilogue``."""
+    outs = []
     for (local_start, length, _), (_, lo_i, hi_i, pieces) in zip(segments, windows):
         extra = {} if pieces is None else {"pieces": list(pieces)}
         empty = None
         if pad is not None:
             keep, empty = padded_keep_mask(length, pad[:, lo_i:hi_i], causal, pieces)
             extra = {"keep": keep}
-        out = fn(q[:, :, local_start:local_start + length], k[:, :, lo_i:hi_i], v[:, :, lo_i:hi_i],
-                 scale=scale, causal=causal, **extra)
+        out = kernel.attend_segment(q[:, :, local_start:local_start + length],
+                                    k[:, :, lo_i:hi_i], v[:, :, lo_i:hi_i], scale=scale,
+                                    causal=causal, **extra)
         if empty is not None:
             fill = out.new_zeros(()) if empty_fill is None else empty_fill.to(out.dtype)
             out = torch.where(empty, fill, out)
         outs.append(out if epilogue is None else epilogue(out))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out + nonfinite.row_poison(bad, windows, causal, out.dtype, nan_at)
+    return outs
 
 
 def held_keys(key_padding: torch.Tensor, key_ranges) -> torch.Tensor:

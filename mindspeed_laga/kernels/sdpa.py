@@ -21,7 +21,9 @@ makes each call's probabilities the global ones: dq adds up, dK/dV of the two
 key ranges are concatenated. A small segment (at most ``MASKED_SCORES`` scores
 per head) is one call with a cached additive mask instead: there the launches,
 not the arithmetic, are what it costs (the merge alone is 11 ops), and one
-call is what the accelerator kernels make per segment. The blockwise LAGA's block kernel
+call is what the accelerator kernels make per segment. By the same measure a small
+causal call (every segment together at most ``MASKED_SCORES``) is one masked call for all
+its segments (``attend_rows``). The blockwise LAGA's block kernel
 (``kernels/block.py``, ``FusedBlock``) runs the same recipe per key block.
 """
 from __future__ import annotations
@@ -177,8 +179,11 @@ class FusedSegment(torch.autograd.Function):
     """One query segment on the CPU flash op; keeps q, K, V, output, lse."""
 
     @staticmethod
-    def forward(ctx, q, key, value, scale, offset):
-        ctx.mask = small_segment_mask(q.shape[2], key.shape[2], offset, q.dtype, q.device)
+    def forward(ctx, q, key, value, scale, offset, mask=None):
+        # mask: additive [s_q, S], every segment's rows at once (attend_rows); else the
+        # segment's own small mask, or None (one or two fused calls by the offset)
+        ctx.mask = mask if mask is not None else small_segment_mask(
+            q.shape[2], key.shape[2], offset, q.dtype, q.device)
         if ctx.mask is not None:
             out, lse = CpuFlash.forward(q, key, value, False, scale, ctx.mask)
         else:
@@ -200,7 +205,38 @@ class FusedSegment(torch.autograd.Function):
             dq, dk, dv = fused_backward(CpuFlash, q, key, value, ctx.offset, ctx.scale,
                                         d_out.to(q.dtype), out, lse)
         # K/V broadcast to all heads (absorbed form) come in expanded: autograd sums their grads
-        return dq.to(q.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None
+        return dq.to(q.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None
+
+
+def attend_rows(q, k, v, *, scale: float, windows):
+    """Every causal segment of a call (``windows``, rows in order, each bottom-right aligned
+    in its key window) in one masked CPU call, when all of them hold at most
+    ``MASKED_SCORES`` scores per head; else None (a call per segment). Below that size the
+    launches, not the arithmetic, are what a call costs: one call with a cached mask does
+    the work of the segments' calls, merges and concatenation."""
+    rows = sum(w.rows for w in windows)
+    if (q.device.type != "cpu" or len(windows) < 2 or rows != q.shape[2]
+            or rows * k.shape[2] > MASKED_SCORES):
+        return None
+    mask = _windows_mask(tuple(windows), k.shape[2], q.dtype, q.device)
+    return FusedSegment.apply(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), scale,
+                              None, mask)
+
+
+@lru_cache(maxsize=64)
+def _windows_mask(windows, keys: int, dtype, device) -> torch.Tensor:
+    """The additive mask [rows, keys] of ``windows``: a segment's rows see its window's keys
+    under the bottom-right causal mask (what its own call would apply), nothing else."""
+    with torch.inference_mode(False):  # kept across calls, whatever mode made it
+        hidden = torch.ones(sum(w.rows for w in windows), keys, dtype=torch.bool, device=device)
+        first = 0
+        for rows, lo, hi, _ in windows:
+            width = hi - lo
+            hidden[first:first + rows, lo:hi] = ~keep_mask(rows, width, bottom_right(rows, width),
+                                                           device)
+            first += rows
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+        return mask.masked_fill_(hidden, float("-inf"))
 
 
 def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None, keep=None):

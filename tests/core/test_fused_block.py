@@ -102,6 +102,51 @@ def test_segment_matches_float64_dense_attention_either_way(monkeypatch, rows, n
         assert _rel(got, want) <= tol, name
 
 
+# (rows, lo, hi) per segment over 12 keys: zigzag's two chunks, a trimmed window, one row
+WINDOWS = [((4, 0, 4), (4, 0, 12)), ((4, 0, 8), (4, 0, 12)), ((3, 2, 7), (2, 7, 12)),
+           ((1, 0, 1), (5, 3, 12))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("windows", WINDOWS, ids=str)
+def test_all_segments_in_one_masked_call_are_attention(windows, dtype):
+    """kernel='sdpa' on CPU takes every segment of a small causal call at once
+    (``attend_rows``): each segment's rows see their window bottom-right aligned and
+    nothing else, against float64 dense attention with that mask (output and grads)."""
+    from mindspeed_laga.kernels.nonfinite import Window
+    windows = tuple(Window(rows, lo, hi, None) for rows, lo, hi in windows)
+    rows, num_keys = sum(w.rows for w in windows), 12
+    keep = torch.zeros(rows, num_keys, dtype=torch.bool)
+    first = 0
+    for n, lo, hi, _ in windows:
+        keep[first:first + n, lo:hi] = _staircase(n, hi - lo, hi - lo - n)
+        first += n
+    g = torch.Generator().manual_seed(rows)
+    q, key = (torch.randn(2, 3, n, 24, generator=g).to(dtype).requires_grad_()
+              for n in (rows, num_keys))
+    value = torch.randn(2, 3, num_keys, 16, generator=g).to(dtype).requires_grad_()
+    d_out = torch.randn(2, 3, rows, 16, generator=g).to(dtype)
+    ref_out, _, *ref_grads = _dense_reference(q, key, value, keep, 0.3, d_out)
+    out = fb.attend_rows(q, key, value, scale=0.3, windows=windows)
+    out.backward(d_out)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, key.grad, value.grad),
+                               (ref_out, *ref_grads)):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        assert _rel(got, want) <= BLOCK_TOL[dtype], name
+
+
+def test_a_large_or_single_segment_call_runs_per_segment(monkeypatch):
+    """Above ``MASKED_SCORES`` scores per head, or with one segment, ``attend_rows``
+    declines (None) and the segments run one call each."""
+    from mindspeed_laga.kernels.nonfinite import Window
+    q, key = torch.randn(1, 1, 8, 4), torch.randn(1, 1, 12, 4)
+    two = (Window(4, 0, 4, None), Window(4, 0, 12, None))
+    assert fb.attend_rows(q, key, key, scale=1.0, windows=two) is not None
+    assert fb.attend_rows(q, key, key, scale=1.0, windows=(Window(8, 0, 12, None),)) is None
+    monkeypatch.setattr(fb, "MASKED_SCORES", 8 * 12 - 1)
+    assert fb.attend_rows(q, key, key, scale=1.0, windows=two) is None
+
+
 def test_backward_with_final_statistics_splits_exactly():
     """Two key blocks merged by lse, backward of each with the final out/lse, add
     up to the grads of attention over both (what the blockwise walk relies on)."""

@@ -35,6 +35,10 @@ class Sdpa(Kernel):
         from .. import sdpa
         return sdpa.attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces, keep=keep)
 
+    def attend_rows(self, q, k, v, *, scale, windows):
+        from .. import sdpa
+        return sdpa.attend_rows(q, k, v, scale=scale, windows=windows)
+
     @property
     def block(self):
         from ..sdpa import FusedBlock
