@@ -88,8 +88,7 @@ def documents_code(documents) -> int:
 
 
 def weight_checksum(weight) -> int:
-    """An exact checksum of a tensor's bits, the same in any reduction order: bits, not
-    values, since a float sum depends on the order; swapped rows change it."""
+    """An exact checksum of a tensor's bits (not its values: the same in any reduction order)."""
     return int(device_code(weight).item())
 
 

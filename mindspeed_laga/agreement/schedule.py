@@ -7,6 +7,7 @@ by its process group, so it dies with the group."""
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -39,7 +40,7 @@ class GroupAgreement:
     digest: int = 0                # of the later rows since the last exchange or settle
     rows: List[Tuple[int, ...]] = field(default_factory=list)  # their first ROWS_KEPT
     content: Optional[torch.Tensor] = None  # device digest of their key-padding contents
-    flags: Optional[torch.Tensor] = None    # device bits of inputs found wrong (FLAGS)
+    flagged: List[tuple] = field(default_factory=list)  # (FLAGS index, device bool) found wrong
     device: Optional[torch.device] = None   # where the last exchange ran
     memo: Dict[tuple, object] = field(default_factory=dict)  # this micro-batch's reads
     deferred: Optional[BaseException] = None  # an adapter's local failure for the next call
@@ -70,10 +71,7 @@ def state(cp_group) -> GroupAgreement:
 def reset(cp_group=None) -> None:
     """Forget ``cp_group``'s agreement (all groups when None): it exchanges on every call
     until it opens a micro-batch again. Call on every rank."""
-    if cp_group is None:
-        _STATES.clear()
-    else:
-        _STATES.pop(cp_group, None)
+    _STATES.clear() if cp_group is None else _STATES.pop(cp_group, None)
 
 
 def skips(cp_group) -> bool:
@@ -87,8 +85,7 @@ def new_micro_batch(cp_group) -> None:
     if cp_group is None or comm.group_size(cp_group) == 1:
         return
     group = state(cp_group)
-    group.epoch += 1
-    group.memo.clear()
+    group.epoch, group.memo = group.epoch + 1, {}
     group.pattern, group.wires, group.deferred = group.wires or group.pattern, [], None
     _install_optimizer_hook()
 
@@ -104,8 +101,7 @@ def decide(cp_group, check_ranks) -> Mode:
 
 def defer_failure(cp_group, failure: BaseException) -> None:
     """An adapter's local check failed before the core call: that call reports it."""
-    group = state(cp_group)
-    group.deferred = group.deferred or failure
+    state(cp_group).deferred = state(cp_group).deferred or failure
 
 
 def agree_call(cp_group, check_ranks, failure, device, row: Callable[[], Dict[str, int]],
@@ -154,7 +150,7 @@ def settle(cp_group=None) -> None:
     Call it on every rank alike: where the loop steps, and after a forward-only pass."""
     for key in [cp_group] if cp_group is not None else list(_STATES.keys()):
         group = _STATES.get(key)
-        if group is None or (group.flags is None and group.failure is None and (
+        if group is None or (not group.flagged and group.failure is None and (
                 not group.per_micro_batch or group.settled_epoch == group.epoch)):
             continue
         group.settled_epoch = group.epoch  # before the exchange: a raise leaves it settled
@@ -168,12 +164,12 @@ def _exchange(group: GroupAgreement, cp_group, values, failure, device, **kw):
     values["calls"] = group.digest
     try:
         return exchange(values, failure, cp_group, device, content=group.content,
-                        flags=group.flags, later=lambda: [v for r in group.rows for v in r], **kw)
+                        flags=_flags(group), later=lambda: [v for r in group.rows for v in r], **kw)
     except BaseException:  # the ranks' micro-batches differed: they set no pattern (inband.py)
         group.pattern, group.wires = [], []
         raise
     finally:
-        group.digest, group.rows, group.content, group.flags = 0, [], None, None
+        group.digest, group.rows, group.content, group.flagged = 0, [], None, []
         group.failure, group.later = None, 0
 
 
@@ -206,8 +202,14 @@ def flag(cp_group, name: str, wrong: torch.Tensor) -> None:
     next exchange or settle raises naming it. Every rank of a call calls this alike."""
     if cp_group is None or comm.group_size(cp_group) == 1:
         return
-    group, bit = state(cp_group), wrong.to(torch.int64) << list(FLAGS).index(name)
-    group.flags = bit if group.flags is None else group.flags | bit
+    group = state(cp_group)  # kept as is, folded at the exchange (no op per call), bounded
+    group.flagged = group.flagged if len(group.flagged) < ROWS_KEPT else [(0, _flags(group))]
+    group.flagged.append((list(FLAGS).index(name), wrong))
+
+
+def _flags(group: GroupAgreement) -> Optional[torch.Tensor]:  # bit i: FLAGS[i], unread
+    bits = [wrong.to(torch.int64) << bit for bit, wrong in group.flagged]
+    return functools.reduce(torch.bitwise_or, bits) if bits else None
 
 
 def _record(group: GroupAgreement, values: Dict[str, int]) -> None:
