@@ -54,8 +54,8 @@ def device_code(tensors, sample: bool = False) -> torch.Tensor:
         if sample and flat.numel() > SAMPLED:
             flat = flat[::flat.numel() // SAMPLED][:SAMPLED]
         one = None
-        for start in range(0, max(flat.numel(), 1), CHUNK):
-            part = flat[start:start + CHUNK].to(torch.int64)
+        for start in range(0, max(flat.numel(), 1), CHUNK):  # int64 products (promoted)
+            part = flat if flat.numel() <= CHUNK else flat[start:start + CHUNK]
             part = (part * _probe(part.device, start, part.numel())).sum()
             one = part if one is None else one + part
         one = one + (flat.numel() * 16 + t.element_size())
