@@ -238,3 +238,25 @@ def test_a_skipped_layer_mixes_nothing_and_ends_named_at_the_backend_timeout():
         assert torch.isnan(calls[1]["out"]).all()
         assert isinstance(calls[-1], str) and "skipped or repeated a LAGA layer" in calls[-1], \
             calls[-1]
+
+
+def test_flags_past_the_bound_are_folded_keeping_every_bit(monkeypatch):
+    """The flags a micro-batch's later calls note are kept as they are and folded into
+    bits at the exchange; past ROWS_KEPT of them they fold early, losing none: a wrong
+    latent noted first still sets its bit after many right calls, and nothing else does."""
+    from mindspeed_laga import comm
+    from mindspeed_laga.agreement import schedule
+    from mindspeed_laga.agreement.fields import FLAGS
+
+    class Group:  # stands for a process group of 2 (the schedule keys state weakly by it)
+        pass
+
+    group = Group()
+    monkeypatch.setattr(comm, "group_size", lambda g: 2)
+    schedule.flag(group, "latent", torch.tensor(True))
+    for _ in range(3 * schedule.ROWS_KEPT):
+        schedule.flag(group, "topk_indices", torch.tensor(False))
+    state = schedule.state(group)
+    assert len(state.flagged) <= schedule.ROWS_KEPT
+    bits = int(schedule._flags(state))
+    assert bits == 1 << list(FLAGS).index("latent")
