@@ -156,7 +156,7 @@ def _row(setup: Optional[SparseSetup], tensors, check_ranks) -> Dict[str, int]:
         return row
     values = agreed_values(setup, tensors)
     values["loss_coeff"] = values.pop("indexer_loss_coeff")
-    query, o = tensors[0], setup.options
+    o = setup.options
     # a hash of the boundaries, once per micro-batch (the later calls pass the same ones)
     row["documents"] = agreement.memo(o.cp_group, ("documents", setup.documents),
                                       lambda: agreement.documents_code(setup.documents))
