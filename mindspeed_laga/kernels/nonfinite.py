@@ -74,7 +74,7 @@ def row_poison(bad: torch.Tensor, windows: Sequence[Window], causal: bool, dtype
         if last is not None:
             poison = nan_at.cumsum(-1).index_select(-1, last)
             return (poison if poison.dtype == dtype else poison.to(dtype))[..., None]
-    start, end = _visible_keys(windows, causal, bad.device)
+    start, end = visible_keys(windows, causal, bad.device)
     counts = torch.nn.functional.pad(bad.to(torch.int32).cumsum(-1), (1, 0))
     seen = counts[..., end] - counts[..., start]
     nan, zero = _poison_values(dtype, bad.device)
@@ -90,7 +90,7 @@ class Window(NamedTuple):
 
 
 @lru_cache(maxsize=256)
-def _visible_keys(windows: Tuple[Window, ...], causal: bool,
+def visible_keys(windows: Tuple[Window, ...], causal: bool,
                   device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per query row of every window, the keys it sees as key-tensor indices, [start, end)."""
     with torch.inference_mode(False):  # kept across calls, whatever mode made them

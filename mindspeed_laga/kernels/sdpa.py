@@ -40,6 +40,7 @@ from .declared.eager import Eager
 from .heads import expand_kv
 from .masks import bottom_right, keep_mask, segment_keep
 from .merge import merge_lse
+from .nonfinite import visible_keys
 from .precision import acc_dtype
 
 _ATEN = torch.ops.aten
@@ -72,8 +73,13 @@ def small_segment_mask(rows: int, keys: int, offset: Optional[int], dtype, devic
 @lru_cache(maxsize=64)
 def _additive_mask(rows: int, keys: int, offset: int, dtype, device) -> torch.Tensor:
     with torch.inference_mode(False):  # kept across calls, whatever mode made it
-        hidden = ~keep_mask(rows, keys, offset, device)
-        return torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+        return _additive(~keep_mask(rows, keys, offset, device), dtype)
+
+
+def _additive(hidden: torch.Tensor, dtype) -> torch.Tensor:
+    """A bool mask (True = hidden) as an additive one: 0 where visible, -inf where hidden."""
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    return mask.masked_fill_(hidden, float("-inf"))
 
 
 def _pad_last(x, width):
@@ -225,18 +231,12 @@ def attend_rows(q, k, v, *, scale: float, windows):
 
 @lru_cache(maxsize=64)
 def _windows_mask(windows, keys: int, dtype, device) -> torch.Tensor:
-    """The additive mask [rows, keys] of ``windows``: a segment's rows see its window's keys
-    under the bottom-right causal mask (what its own call would apply), nothing else."""
+    """The additive mask [rows, keys] of ``windows``: each row sees the keys the non-finite
+    guard counts for it (``nonfinite.visible_keys``: its window, bottom-right causal)."""
     with torch.inference_mode(False):  # kept across calls, whatever mode made it
-        hidden = torch.ones(sum(w.rows for w in windows), keys, dtype=torch.bool, device=device)
-        first = 0
-        for rows, lo, hi, _ in windows:
-            width = hi - lo
-            hidden[first:first + rows, lo:hi] = ~keep_mask(rows, width, bottom_right(rows, width),
-                                                           device)
-            first += rows
-        mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
-        return mask.masked_fill_(hidden, float("-inf"))
+        start, end = visible_keys(windows, True, device)
+        key = torch.arange(keys, device=device)
+        return _additive((key < start[:, None]) | (key >= end[:, None]), dtype)
 
 
 def attend_segment(q, k, v, *, scale: float, causal: bool, pieces=None, keep=None):
