@@ -130,35 +130,36 @@ class Pending:
 
     def wait(self):
         start = time.perf_counter()
-        with _peer_failures(self.group):
+        try:
             self.work.wait()
+        except RuntimeError as exc:
+            raise _named(exc, self.group) from exc
         for record in self.records:
             record.seconds += time.perf_counter() - start
 
 
-@contextlib.contextmanager
-def _peer_failures(group):
+def _named(exc: RuntimeError, group) -> BaseException:
     """A failed collective names its cause: a peer's error from the store (a call that
-    exchanged nothing, below), else what makes a rank miss a collective."""
-    try:
-        yield
-    except RuntimeError as exc:
-        cause = peer_failure(group)
-        if cause is not None:
-            raise cause from exc
-        raise RuntimeError(
-            f"a LAGA collective on cp_group failed ({exc}); a CP rank did not join it: it "
-            "skipped or repeated a LAGA layer, ran no backward through a call its peers ran "
-            "backward through (its inputs needed no grad, or it ran forward only), stopped, or "
-            "is still in another collective; every rank of cp_group must make the same LAGA "
-            "calls in the same order") from exc
+    exchanged nothing, below), else what makes a rank miss a collective. (A plain
+    ``except`` at each call: a context manager per collective costs more host time.)"""
+    cause = peer_failure(group)
+    if cause is not None:
+        return cause
+    return RuntimeError(
+        f"a LAGA collective on cp_group failed ({exc}); a CP rank did not join it: it "
+        "skipped or repeated a LAGA layer, ran no backward through a call its peers ran "
+        "backward through (its inputs needed no grad, or it ran forward only), stopped, or "
+        "is still in another collective; every rank of cp_group must make the same LAGA "
+        "calls in the same order")
 
 
 def _run(collective, records, async_op: bool, group=None):
     """Issue a collective; sync calls are timed, async ones return a :class:`Pending`."""
     start = time.perf_counter()
-    with _peer_failures(group):
+    try:
         work = collective(async_op)
+    except RuntimeError as exc:
+        raise _named(exc, group) from exc
     if async_op:
         return Pending(work, records, group)
     for record in records:
@@ -176,6 +177,8 @@ def check_group(group, name: str = "cp_group") -> int:
     it alone."""
     if group is None:
         return 1
+    if type(group) is dist.ProcessGroup and group in _MEMBER_OF and dist.is_initialized():
+        return group.size()  # checked before: membership does not change
     if group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
         raise ValueError(f"{name}: this process (global rank {dist.get_rank()}) is not a member "
                          "of it (dist.new_group returns GroupMember.NON_GROUP_MEMBER to the ranks "
@@ -192,7 +195,12 @@ def check_group(group, name: str = "cp_group") -> int:
                          f"of it (global ranks {dist.get_process_group_ranks(group)}); pass the "
                          "group this rank belongs to (new_group returns a group on every rank, "
                          "usable only by its members)")
+    if type(group) is dist.ProcessGroup:
+        _MEMBER_OF[group] = True
     return dist.get_world_size(group)
+
+
+_MEMBER_OF: "weakref.WeakKeyDictionary[object, bool]" = weakref.WeakKeyDictionary()
 
 
 def group_size(group) -> int:
@@ -202,6 +210,8 @@ def group_size(group) -> int:
 
 
 def group_rank(group) -> int:
+    if type(group) is dist.ProcessGroup and group in _MEMBER_OF:  # its rank in it, cheaper
+        return group.rank()
     return 0 if group is None else dist.get_rank(group)
 
 
@@ -267,8 +277,10 @@ def handshake(values: List[int], group, device, slot=None) -> List[List[int]]:
         mine[slot[0]] = slot[1].to(device)
     # a ring all-reduce sends 2 (P - 1) / P of the table: 2 (P - 1) rows
     _record("handshake", "forward", _nbytes(mine), 2 * (size - 1) * _nbytes(mine), size)
-    with _peer_failures(group):
+    try:
         dist.all_reduce(table, group=group)
+    except RuntimeError as exc:
+        raise _named(exc, group) from exc
     return table.tolist()
 
 
