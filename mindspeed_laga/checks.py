@@ -432,13 +432,17 @@ def _seen_key(o: AttnOptions, tensors) -> Optional[tuple]:
     documents as a tensor or list, an unhashable option, an input that is no tensor)."""
     if o.key_padding_mask is not None or not isinstance(o.cu_seqlens, (tuple, type(None))):
         return None
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
+    q, kv, pe, w = tensors
+    if not (isinstance(q, torch.Tensor) and isinstance(kv, torch.Tensor)
+            and isinstance(pe, torch.Tensor) and isinstance(w, torch.Tensor)):
         return None
     documents = None if o.cu_seqlens is None else tuple((type(v), v) for v in o.cu_seqlens)
     ulysses = None if o.ulysses_group is None else _weak(o.ulysses_group)
     values = _SEEN_VALUES(o)
-    key = (values, tuple(map(type, values)), documents, ulysses, o.latent_gather is None) + tuple(
-        (type(t), t.shape, t.dtype, t.device) for t in tensors)
+    # spelled out, not a generator: this runs on every call
+    key = (values, tuple(map(type, values)), documents, ulysses, o.latent_gather is None,
+           type(q), q.shape, q.dtype, q.device, type(kv), kv.shape, kv.dtype, kv.device,
+           type(pe), pe.shape, pe.dtype, pe.device, type(w), w.shape, w.dtype, w.device)
     try:
         hash(key)
     except TypeError:

@@ -18,7 +18,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from mindspeed_laga import agreement
+from mindspeed_laga import agreement, comm
 
 
 def first_call(module) -> bool:
@@ -75,11 +75,12 @@ def in_backward() -> bool:  # autograd's engine runs this: a recompute, which op
 def open_micro_batch(module, cp_group) -> None:
     """The adapters' count of micro-batches: a module called again (outside backward) opens
     the next one (agreement.new_micro_batch); every rank calls its modules in one order."""
-    if cp_group is None or dist.get_world_size(cp_group) == 1 or in_backward():
+    if cp_group is None or comm.group_size(cp_group) == 1 or in_backward():
         return
-    if getattr(module, "_laga_epoch", None) == agreement.state(cp_group).epoch:
-        agreement.new_micro_batch(cp_group)
-    module._laga_epoch = agreement.state(cp_group).epoch
+    group = agreement.state(cp_group)
+    if getattr(module, "_laga_epoch", None) == group.epoch:
+        agreement.new_micro_batch(cp_group)  # the epoch moves on in the same record
+    module._laga_epoch = group.epoch
 
 
 def check_weight_once(first: bool, read_weight, cp_group, settings=None):

@@ -58,6 +58,8 @@ class UnsupportedLoRAError(RuntimeError):
 
 def is_wrapped(linear) -> bool:
     """True for a peft tuner layer (it keeps the original module as ``base_layer``)."""
+    if isinstance(linear, torch.nn.Module):  # a submodule; a miss raises nothing (per call)
+        return isinstance(linear._modules.get("base_layer"), torch.nn.Module)
     return isinstance(getattr(linear, "base_layer", None), torch.nn.Module)
 
 

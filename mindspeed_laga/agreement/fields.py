@@ -41,10 +41,10 @@ def choice_code(choices: Sequence[str], value) -> int:
 
 def grad_pattern(tensors: Dict[str, object]) -> int:
     """Which of ``tensors`` (keys from INPUTS) need a gradient, as bits (0 outside grad mode)."""
-    if not torch.is_grad_enabled():
-        return 0
-    return sum(1 << INPUTS.index(name) for name, t in tensors.items()
-               if isinstance(t, torch.Tensor) and t.requires_grad)
+    bits = 0
+    for name, t in tensors.items() if torch.is_grad_enabled() else ():  # no genexpr: per call
+        bits |= 1 << INPUTS.index(name) if isinstance(t, torch.Tensor) and t.requires_grad else 0
+    return bits
 
 
 class Field(NamedTuple):

@@ -9,6 +9,7 @@ is a subclass in its own module plus one line in ``cp_algos/__init__.py``
 """
 from __future__ import annotations
 
+import functools
 from typing import ClassVar, List, NamedTuple
 
 
@@ -100,8 +101,7 @@ class SplitView:
     @property
     def algo(self) -> CPAlgo:
         """The CP algorithm (cp_algos/): what differs between allgather, ulysses, hybrid."""
-        from . import algo  # the registry imports this module
-        return algo(self.cp_algo)
+        return _registry()(self.cp_algo)
 
     @property
     def heads_split(self) -> bool:
@@ -120,3 +120,12 @@ def latent_exchanges(form: str, d, n: int, query_group: str, latent_group: str =
     return [Exchange("all_to_all", "query", n * query_width, query_group),
             Exchange("all_gather", "latent", d.latent_dim, latent_group),
             Exchange("all_to_all", "output", n * d.v_head_dim, query_group)]
+
+
+
+@functools.lru_cache(maxsize=None)
+def _registry():
+    """The registry's ``algo`` (cp_algos/__init__.py imports this module, so it is looked up
+    on first use, then kept: an import statement per call costs host time)."""
+    from . import algo
+    return algo

@@ -99,36 +99,45 @@ def _mask_causal() -> Dict:
 
 
 def uncovered_reason(module, args: Dict) -> Optional[str]:
-    """Why this call must run the original forward, or None when LAGA covers it."""
+    """Why this call must run the original forward, or None when LAGA covers it (checked
+    in turn: a covered call, every later one, builds no message)."""
+    get = args.get
+    if get("inference_context") is not None or get("inference_params") is not None:
+        return "inference (an inference context is set)"
+    if get("key_value_states") is not None:
+        return "cross-attention inputs"
+    if get("packed_seq_params") is not None and not is_thd(args["packed_seq_params"]):
+        return "packed_seq_params with a qkv_format other than 'thd'"
+    if get("attention_mask") is not None:
+        return ("an explicit attention_mask (LAGA builds the causal mask from positions; pass "
+                "None, e.g. Megatron-LM's --no-create-attention-mask-in-dataloader)")
+    for name in _ROPE_FROM_OUTSIDE:
+        if get(name) is not None:
+            return "rope tables or an attention bias from outside"
+    if get("rotary_pos_cos_sin"):
+        return "rope tables or an attention bias from outside"
     cfg = module.config
-    training = module.training
-    checks = (
-        (args.get("inference_context") is not None or args.get("inference_params") is not None,
-         "inference (an inference context is set)"),
-        (args.get("key_value_states") is not None, "cross-attention inputs"),
-        (args.get("packed_seq_params") is not None and not is_thd(args["packed_seq_params"]),
-         "packed_seq_params with a qkv_format other than 'thd'"),
-        (args.get("attention_mask") is not None,
-         "an explicit attention_mask (LAGA builds the causal mask from positions; pass None, "
-         "e.g. Megatron-LM's --no-create-attention-mask-in-dataloader)"),
-        (any(args.get(k) is not None for k in ("rotary_pos_emb", "rotary_pos_cos",
-                                                "rotary_pos_sin", "attention_bias"))
-         or bool(args.get("rotary_pos_cos_sin")), "rope tables or an attention bias from outside"),
-        (getattr(cfg, "cache_mla_latents", False), "cache_mla_latents"),
-        (_causal(module) is None, f"attn_mask_type={module.attn_mask_type}"),
-        (getattr(module, "recompute_up_proj", False), "recompute of mla_up_proj"),
-        (training and getattr(module, "checkpoint_core_attention", False),
-         "recompute of core_attn"),
-        (any(getattr(module, k, False) for k in ("offload_qkv_linear", "offload_core_attention",
-                                                  "offload_attn_proj")), "activation offloading"),
-        (getattr(cfg, "experimental_attention_variant", None) is not None,
-         f"experimental_attention_variant={getattr(cfg, 'experimental_attention_variant', None)}"),
-        (bool(getattr(cfg, "fp8", None)) or bool(getattr(cfg, "fp4", None)), "fp8/fp4"),
-    )
-    for hit, reason in checks:
-        if hit:
-            return reason
+    if getattr(cfg, "cache_mla_latents", False):
+        return "cache_mla_latents"
+    if _causal(module) is None:
+        return f"attn_mask_type={module.attn_mask_type}"
+    if getattr(module, "recompute_up_proj", False):
+        return "recompute of mla_up_proj"
+    if module.training and getattr(module, "checkpoint_core_attention", False):
+        return "recompute of core_attn"
+    for name in _OFFLOADS:
+        if getattr(module, name, False):
+            return "activation offloading"
+    variant = getattr(cfg, "experimental_attention_variant", None)
+    if variant is not None:
+        return f"experimental_attention_variant={variant}"
+    if bool(getattr(cfg, "fp8", None)) or bool(getattr(cfg, "fp4", None)):
+        return "fp8/fp4"
     return None
+
+
+_ROPE_FROM_OUTSIDE = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "attention_bias")
+_OFFLOADS = ("offload_qkv_linear", "offload_core_attention", "offload_attn_proj")
 
 
 # ----------------------------------------------------------------- the module's own pieces
