@@ -85,16 +85,17 @@ def _band(x: torch.Tensor, group, kind: str) -> Optional[torch.Tensor]:
         return None
     code = found.call_code if found.call_values is None else \
         found.call_values.to(x.device) + found.call_code  # the weight, FP8 scales: device hash
-    band = _code_then_zero(x.device) * code  # [code, 0]: no copy from the host
+    band = _kept(x.device) * code  # [code, 0]: no copy from the host
     if expected is not None and expected != wire:
         _moved(group, band.clone(), expected, wire)
     return band
 
 
-@functools.lru_cache(maxsize=8)
-def _code_then_zero(device) -> torch.Tensor:  # kept across calls, whatever mode made it
-    with torch.inference_mode(False):
-        return torch.tensor([1, 0], dtype=torch.int64, device=device)
+@functools.lru_cache(maxsize=8)  # the band's [1, 0] (int64), a poison's NaN (a float dtype)
+def _kept(device, dtype=torch.int64) -> torch.Tensor:  # kept across calls: no op per call
+    with torch.inference_mode(False):  # whatever mode made it
+        return torch.tensor([1, 0] if dtype == torch.int64 else float("nan"), dtype=dtype,
+                            device=device)
 
 
 def _moved(group, band, expected, wire) -> None:
@@ -135,14 +136,13 @@ def _launch(x: torch.Tensor, group, tag: str, band: torch.Tensor):
 def _unpack(out: torch.Tensor, x: torch.Tensor, group, band):
     """The gathered latent, NaN if any rank's band differs from ``band`` (this rank's, verdict
     0), the flag noted unread; ``band`` None: every rank's band (a stand-in's sender)."""
-    rows = out.view(comm.group_size(group), -1)
+    rows, bits = out.view(comm.group_size(group), -1), _BITS[x.element_size()]
     n = rows.shape[1] - BAND * 8 // x.element_size()
     if band is None:
         return rows[:, n:].contiguous().view(torch.int64)
-    bits = _BITS[x.element_size()]  # compared as integers of x's width: NaN bits too
-    bad = (rows.view(bits)[:, n:] != band.view(bits)).any()
+    bad = (rows.view(bits)[:, n:] != band.view(bits)).any()  # as integers: NaN bits too
     schedule.flag(group, "latent", bad)
-    return torch.where(bad, float("nan"), rows[:, :n]).view((-1,) + tuple(x.shape[1:]))  # 1 copy
+    return torch.where(bad, _kept(x.device, x.dtype), rows[:, :n]).view((-1,) + x.shape[1:])
 
 
 class _Gather(torch.autograd.Function):

@@ -35,13 +35,12 @@ def bad_positions(*xs: torch.Tensor) -> torch.Tensor:
 
 def nan_positions(*xs: torch.Tensor) -> torch.Tensor:
     """:func:`bad_positions` as floats: NaN where bad, else zero (float32, or float64)."""
-    nan_where_bad = None
+    sums = None
     for x in xs:
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        # outside autograd (nothing saved); times 0: 0 where the sum is finite, else NaN
-        part = x.detach().sum(-1, dtype=acc).mul_(0)
-        nan_where_bad = part if nan_where_bad is None else nan_where_bad.add_(part)
-    return nan_where_bad
+        part = x.detach().sum(-1, dtype=acc)  # outside autograd: nothing saved
+        sums = part if sums is None else sums.add_(part)
+    return sums.mul_(0)  # 0 where every sum is finite, else NaN (one op for all of them)
 
 
 def zero_bad_positions(x: torch.Tensor, bad: torch.Tensor, in_place: bool) -> torch.Tensor:
