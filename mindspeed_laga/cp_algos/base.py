@@ -122,7 +122,6 @@ def latent_exchanges(form: str, d, n: int, query_group: str, latent_group: str =
             Exchange("all_to_all", "output", n * d.v_head_dim, query_group)]
 
 
-
 @functools.lru_cache(maxsize=None)
 def _registry():
     """The registry's ``algo`` (cp_algos/__init__.py imports this module, so it is looked up
