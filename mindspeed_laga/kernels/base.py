@@ -10,7 +10,16 @@ and the cost model read the declarations.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import ClassVar, Optional, Tuple
+
+
+@functools.lru_cache(maxsize=None)
+def running(name: str):
+    """``kernels/<name>.py``, a kernel's torch module: imported on its first call, then kept
+    (an import statement in a method runs importlib's Python code on every layer call)."""
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 class Kernel:

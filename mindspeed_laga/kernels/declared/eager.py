@@ -1,7 +1,7 @@
 """The eager kernel's declaration (its math: ``kernels/eager.py``)."""
 from __future__ import annotations
 
-from ..base import Kernel
+from ..base import Kernel, running
 
 
 class Eager(Kernel):
@@ -20,8 +20,8 @@ class Eager(Kernel):
         return "eager"  # the score matrix is materialized and kept
 
     def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
-        from .. import eager
-        return eager.attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces, keep=keep)
+        return running("eager").attend_segment(q, k, v, scale=scale, causal=causal,
+                                               pieces=pieces, keep=keep)
 
     @property
     def block(self):

@@ -1,7 +1,7 @@
 """The NPU kernel's declaration (its calls: ``kernels/npu.py``)."""
 from __future__ import annotations
 
-from ..base import Kernel
+from ..base import Kernel, running
 
 
 class Npu(Kernel):
@@ -32,9 +32,8 @@ class Npu(Kernel):
         return "npu"
 
     def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
-        from .. import npu
-        return npu.attend_segment(q, k, v, scale=scale, causal=causal, pad_v=self.pad_v,
-                                  pieces=pieces, keep=keep)
+        return running("npu").attend_segment(q, k, v, scale=scale, causal=causal,
+                                             pad_v=self.pad_v, pieces=pieces, keep=keep)
 
     @property
     def block(self):

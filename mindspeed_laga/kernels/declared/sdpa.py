@@ -1,9 +1,7 @@
 """The SDPA kernel's declaration (its calls: ``kernels/sdpa.py``)."""
 from __future__ import annotations
 
-import functools
-
-from ..base import Kernel
+from ..base import Kernel, running
 
 
 class Sdpa(Kernel):
@@ -34,23 +32,16 @@ class Sdpa(Kernel):
                 "(or 'auto', which picks it)")
 
     def attend_segment(self, q, k, v, *, scale, causal, pieces=None, keep=None):
-        return _calls().attend_segment(q, k, v, scale=scale, causal=causal, pieces=pieces,
-                                       keep=keep)
+        return running("sdpa").attend_segment(q, k, v, scale=scale, causal=causal,
+                                              pieces=pieces, keep=keep)
 
     def attend_rows(self, q, k, v, *, scale, windows):
-        return _calls().attend_rows(q, k, v, scale=scale, windows=windows)
+        return running("sdpa").attend_rows(q, k, v, scale=scale, windows=windows)
 
     @property
     def block(self):
         from ..sdpa import FusedBlock
         return FusedBlock
-
-
-@functools.lru_cache(maxsize=None)
-def _calls():
-    """kernels/sdpa.py, imported on first use (a relative import per call costs host time)."""
-    from .. import sdpa
-    return sdpa
 
 
 def _fused_block_ops(device, dtype) -> bool:
