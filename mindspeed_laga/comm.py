@@ -167,6 +167,20 @@ def _run(collective, records, async_op: bool, group=None):
     return None
 
 
+# torch 2.7.1's gloo group joins its worker threads in its destructor while the caller
+# holds the GIL. A worker that drops the last reference to a tensor whose Python object
+# already died needs the GIL to free it, so dropping a group right after a collective
+# on a temporary deadlocks both. Python keeps each group's latest CPU collective's
+# tensors until its next one, or until the group is gone (its weak key dies after the
+# destructor has run).
+_LAST_TENSORS: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _hold(group, *tensors: torch.Tensor) -> None:
+    if group is not None and tensors[0].is_cpu:
+        _LAST_TENSORS[group] = tensors
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -236,6 +250,7 @@ def all_gather_raw(x: torch.Tensor, group, direction: str, tag: str = "", async_
         record.side = side
     pending = _run(lambda a: _all_gather_tensor(out, x, group=group, async_op=a), records, async_op,
                    group)
+    _hold(group, x, out)
     return (out, pending) if async_op else out
 
 
@@ -249,6 +264,7 @@ def reduce_scatter_raw(x: torch.Tensor, group, direction: str, tag: str = "", as
                       label)
     pending = _run(lambda a: _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group,
                                                     async_op=a), records, async_op, group)
+    _hold(group, x, out)
     return (out, pending) if async_op else out
 
 
@@ -261,6 +277,7 @@ def all_to_all_raw(x: torch.Tensor, group, direction: str, tag: str = "",
     records = _record("all_to_all", direction, _nbytes(x), _nbytes(x) * (size - 1) // size, size, tag,
                       label)
     _run(lambda a: dist.all_to_all_single(out, x, group=group, async_op=a), records, False, group)
+    _hold(group, x, out)
     return out
 
 
@@ -281,6 +298,7 @@ def handshake(values: List[int], group, device, slot=None) -> List[List[int]]:
         dist.all_reduce(table, group=group)
     except RuntimeError as exc:
         raise _named(exc, group) from exc
+    _hold(group, table)
     return table.tolist()
 
 
@@ -302,6 +320,7 @@ def _all_reduce_raw(x: torch.Tensor, group, direction: str, tag: str = "", label
     """
     out = x.contiguous().clone()
     dist.all_reduce(out, group=group)
+    _hold(group, out)
     return out
 
 
