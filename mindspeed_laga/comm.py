@@ -177,7 +177,7 @@ _LAST_TENSORS: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDicti
 
 
 def _hold(group, *tensors: torch.Tensor) -> None:
-    if group is not None and tensors[0].is_cpu:
+    if type(group) is dist.ProcessGroup and tensors[0].is_cpu:  # (weakly referable)
         _LAST_TENSORS[group] = tensors
 
 
