@@ -4,6 +4,7 @@ import os
 import re
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -44,10 +45,13 @@ def test_two_runs_at_once_keep_their_own_groups():
 
 
 def _hang_worker(rank, world, pid_dir):
+    # The default group times out with the call (timeout_s): rank 0 would then race the
+    # caller's deadline and could be raising, not waiting, when asked where it waits.
+    group = dist.new_group([0, 1], timeout=timedelta(hours=1))
     (pid_dir / f"{rank}.pid").write_text(str(os.getpid()))
     if rank == 1:
         time.sleep(3600)  # never reaches the collective
-    dist.barrier()
+    dist.barrier(group=group)
     return rank
 
 
